@@ -1,0 +1,22 @@
+"""ssmops: the Mamba selective scan as a PyTorch operator, on CPU, GPU and in deployment.
+
+    import ssmops
+    y = ssmops.selective_scan_fn(u, delta, A, B, C, D, z, delta_bias, delta_softplus=True)
+
+The operators live in `torch.ops.ssmops`; see DESIGN.md for their contract.
+"""
+
+from . import compat
+from .backends import available_backends, use_backend
+from .backends.cpu import library_path
+from .reference import selective_scan_ref
+from .selective_scan import selective_scan_fn
+
+__all__ = [
+    "available_backends",
+    "compat",
+    "library_path",
+    "selective_scan_fn",
+    "selective_scan_ref",
+    "use_backend",
+]

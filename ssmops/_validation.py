@@ -1,0 +1,136 @@
+"""Argument checks shared by the Python API, the fake kernels and the Python backends.
+
+Each failure names the argument, what it got and what was expected: TypeError for a
+wrong type or dtype, ValueError for a wrong rank, shape or device.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_DSTATE = 256
+
+
+class ScanDims(NamedTuple):
+    batch: int
+    dim: int
+    seqlen: int
+    dstate: int
+    groups: int  # of the grouped/variable B and C; 1 when both are constant
+
+
+def _dtype_name(dtypes) -> str:
+    return " or ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def _check_tensor(name: str, x, dtypes, shape, device) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a Tensor, got {type(x).__name__}")
+    if x.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {_dtype_name(dtypes)}, got {x.dtype}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name} must be on {device} like u, got {x.device}")
+
+
+def _bc_groups(name: str, M, batch: int, dim: int, seqlen: int, dstate: int, dtypes) -> int:
+    """Checks B or C in its three layouts; returns its group count (0 when constant)."""
+    if not isinstance(M, Tensor):
+        raise TypeError(f"{name} must be a Tensor, got {type(M).__name__}")
+    layouts = (
+        f"(dim, dstate)=({dim}, {dstate}), (batch, dstate, seqlen)=({batch}, {dstate}, {seqlen})"
+        f" or (batch, groups, dstate, seqlen) with groups dividing dim={dim}"
+    )
+    if M.dim() == 2:
+        expected, groups = (dim, dstate), 0
+    elif M.dim() == 3:
+        expected, groups = (batch, dstate, seqlen), 1
+    elif M.dim() == 4:
+        groups = M.shape[1]
+        if groups < 1 or dim % groups != 0:
+            raise ValueError(f"{name} has {groups} groups, which does not divide dim={dim}")
+        expected = (batch, groups, dstate, seqlen)
+    else:
+        raise ValueError(f"{name} must have shape {layouts}, got rank {M.dim()} {tuple(M.shape)}")
+    if tuple(M.shape) != expected:
+        raise ValueError(f"{name} must have shape {layouts}, got {tuple(M.shape)}")
+    if M.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {_dtype_name(dtypes)}, got {M.dtype}")
+    return groups
+
+
+def check_scan_inputs(
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None,
+    z: Tensor | None,
+    delta_bias: Tensor | None,
+    initial_state: Tensor | None,
+) -> ScanDims:
+    """Validates the forward's inputs against DESIGN.md and returns their sizes."""
+    if not isinstance(u, Tensor):
+        raise TypeError(f"u must be a Tensor, got {type(u).__name__}")
+    if u.dim() != 3:
+        raise ValueError(f"u must have shape (batch, dim, seqlen), got {tuple(u.shape)}")
+    if u.dtype not in INPUT_DTYPES:
+        raise TypeError(f"u must have dtype {_dtype_name(INPUT_DTYPES)}, got {u.dtype}")
+    batch, dim, seqlen = u.shape
+    if seqlen < 1:
+        raise ValueError(f"u must have seqlen >= 1, got shape {tuple(u.shape)}")
+    device = u.device
+    _check_tensor("delta", delta, (u.dtype,), u.shape, device)
+    if not isinstance(A, Tensor):
+        raise TypeError(f"A must be a Tensor, got {type(A).__name__}")
+    if A.dim() != 2 or A.shape[0] != dim:
+        raise ValueError(f"A must have shape (dim, dstate) with dim={dim}, got {tuple(A.shape)}")
+    dstate = A.shape[1]
+    if not 1 <= dstate <= MAX_DSTATE:
+        raise ValueError(f"A must have 1 <= dstate <= {MAX_DSTATE}, got dstate={dstate}")
+    _check_tensor("A", A, (torch.float32,), (dim, dstate), device)
+    bc_dtypes = (torch.float32, u.dtype)
+    groups_B = _bc_groups("B", B, batch, dim, seqlen, dstate, bc_dtypes)
+    groups_C = _bc_groups("C", C, batch, dim, seqlen, dstate, bc_dtypes)
+    if groups_B and groups_C and groups_B != groups_C:
+        raise ValueError(f"B has {groups_B} groups but C has {groups_C}; they must agree")
+    for name, M in (("B", B), ("C", C)):
+        if M.device != device:
+            raise ValueError(f"{name} must be on {device} like u, got {M.device}")
+    for name, x in (("D", D), ("delta_bias", delta_bias)):
+        if x is not None:
+            _check_tensor(name, x, (torch.float32,), (dim,), device)
+    if z is not None:
+        _check_tensor("z", z, (u.dtype,), u.shape, device)
+    if initial_state is not None:
+        _check_tensor("initial_state", initial_state, (torch.float32,), (batch, dim, dstate), device)
+    return ScanDims(batch, dim, seqlen, dstate, max(groups_B, groups_C, 1))
+
+
+def check_scan_grad_inputs(
+    dims: ScanDims, u: Tensor, dout: Tensor, scan_intermediates: Tensor, dlast_state: Tensor | None
+) -> None:
+    """Validates the backward-only inputs (the forward's inputs are checked separately)."""
+    batch, dim, seqlen, dstate, _ = dims
+    _check_tensor("dout", dout, (u.dtype,), u.shape, u.device)
+    n_chunks = num_chunks(seqlen)
+    _check_tensor(
+        "scan_intermediates", scan_intermediates, (torch.float32,),
+        (batch, dim, n_chunks, 2 * dstate), u.device,
+    )
+    if dlast_state is not None:
+        _check_tensor("dlast_state", dlast_state, (torch.float32,), (batch, dim, dstate), u.device)
+
+
+# scan_intermediates hold one entry per CHUNK_LEN timesteps (mamba_ssm's layout).
+CHUNK_LEN = 2048
+
+
+def num_chunks(seqlen):
+    return (seqlen + CHUNK_LEN - 1) // CHUNK_LEN

@@ -1,0 +1,253 @@
+"""The `default` backend: pure PyTorch, any device.
+
+The sequence is processed in blocks of T timesteps, time-major, so that one
+timestep's state `(batch, dim, dstate)` is a contiguous slab and the recurrence
+costs one fused `addcmul_` per step; everything else (exp, products with B and C,
+gradients) is vectorised over the block. A block's working set is kept near 1 MiB
+so it stays in cache, and no tensor ever spans the whole `seqlen * dstate`.
+
+The backward recomputes: for each 2048-step chunk it runs forward from the saved
+chunk-start state to collect block-start states, then walks the blocks in reverse,
+recomputing each block's states from its start.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .._validation import CHUNK_LEN, ScanDims, check_scan_grad_inputs, check_scan_inputs, num_chunks
+
+# Elements of one (T, batch, dim, dstate) block buffer; ~1 MiB of float32.
+_BLOCK_ELEMS = 1 << 18
+
+
+def _block_len(dims: ScanDims) -> int:
+    """Largest power of two (so it divides CHUNK_LEN) keeping a block near _BLOCK_ELEMS."""
+    slab = dims.batch * dims.dim * dims.dstate
+    T = 1
+    while T < CHUNK_LEN and 2 * T * slab <= _BLOCK_ELEMS:
+        T *= 2
+    return T
+
+
+def _time_major(x: Tensor, t0: int, t1: int, dims: ScanDims) -> Tensor:
+    """(batch, dim, seqlen) slice -> float32 (T, batch, groups, dim // groups)."""
+    return x[:, :, t0:t1].float().permute(2, 0, 1).reshape(
+        t1 - t0, dims.batch, dims.groups, dims.dim // dims.groups
+    )
+
+
+def _to_bdl(x: Tensor) -> Tensor:
+    """(T, batch, groups, dim // groups) -> (batch, dim, T), a view where possible."""
+    return x.permute(1, 2, 3, 0).flatten(1, 2)
+
+
+class _Operands:
+    """The scan's inputs, served block by block as float32 time-major tensors.
+
+    Per block: u, dt (after bias/softplus) and z as (T, b, G, dg); B and C as
+    (T, b, G, 1, n) when variable or (1, 1, G, dg, n) when constant, so both
+    broadcast against a (T, b, G, dg, n) state block.
+    """
+
+    def __init__(self, u, delta, A, B, C, D, z, delta_bias, delta_softplus, dims: ScanDims):
+        self.u, self.delta, self.z = u, delta, z
+        self.B, self.C, self.dims = B, C, dims
+        G, dg, n = dims.groups, dims.dim // dims.groups, dims.dstate
+        self.A = A.float().reshape(G, dg, n)
+        self.D = None if D is None else D.float().reshape(G, dg)
+        self.bias = None if delta_bias is None else delta_bias.float().reshape(G, dg)
+        self.softplus = delta_softplus
+
+    def is_variable(self, M: Tensor) -> bool:
+        return M.dim() > 2
+
+    def _bc_block(self, M: Tensor, t0: int, t1: int) -> Tensor:
+        G, dg, n = self.dims.groups, self.dims.dim // self.dims.groups, self.dims.dstate
+        if M.dim() == 2:
+            return M.float().reshape(1, 1, G, dg, n)
+        M4 = M.unsqueeze(1) if M.dim() == 3 else M  # (b, groups_M, n, l)
+        blk = M4[..., t0:t1].float().permute(3, 0, 1, 2)  # (T, b, groups_M, n)
+        return blk.expand(t1 - t0, self.dims.batch, G, n).unsqueeze(3)
+
+    def block(self, t0: int, t1: int) -> dict[str, Tensor | None]:
+        dims = self.dims
+        u = _time_major(self.u, t0, t1, dims)
+        dt_raw = _time_major(self.delta, t0, t1, dims)
+        if self.bias is not None:
+            dt_raw = dt_raw + self.bias
+        dt = F.softplus(dt_raw) if self.softplus else dt_raw
+        decay = torch.exp(dt.unsqueeze(-1) * self.A)
+        B = self._bc_block(self.B, t0, t1)
+        drive = (dt * u).unsqueeze(-1) * B
+        return {
+            "u": u, "dt_raw": dt_raw, "dt": dt, "decay": decay, "drive": drive, "B": B,
+            "C": self._bc_block(self.C, t0, t1),
+            "z": None if self.z is None else _time_major(self.z, t0, t1, dims),
+        }
+
+
+def _scan_block(decay: Tensor, drive: Tensor, h: Tensor) -> Tensor:
+    """Runs h_t = decay_t * h_{t-1} + drive_t in place over the block; drive becomes the states."""
+    for t in range(drive.shape[0]):
+        h = drive[t].addcmul_(decay[t], h)
+    return drive
+
+
+def _sum_state(x: Tensor, M: Tensor) -> Tensor:
+    """sum_n x[..., n] * M[..., n] for a (T, b, G, dg, n) block -> (T, b, G, dg)."""
+    if M.shape[-2] == 1:  # variable: batched matrix-vector product
+        return torch.matmul(x, M.transpose(-1, -2)).squeeze(-1)
+    return (x * M).sum(-1)
+
+
+def _grad_bc(x: Tensor, v: Tensor, variable: bool) -> Tensor:
+    """d/dM of sum x * v * M: (T, b, G, n) when M is variable, else summed to (G, dg, n)."""
+    if variable:
+        return torch.matmul(v.unsqueeze(-2), x).squeeze(-2)
+    return (x * v.unsqueeze(-1)).sum((0, 1))
+
+
+def _output(states: Tensor, ops: _Operands, blk) -> Tensor:
+    """y_t = <h_t, C_t> + D u_t over a block."""
+    y = _sum_state(states, blk["C"])
+    return y if ops.D is None else y + ops.D * blk["u"]
+
+
+def _blocks(t0: int, t1: int, T: int):
+    return [(s, min(s + T, t1)) for s in range(t0, t1, T)]
+
+
+def selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus):
+    dims = check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    batch, dim, seqlen, n, G = dims
+    ops = _Operands(u, delta, A, B, C, D, z, delta_bias, delta_softplus, dims)
+    out = torch.empty_like(u, memory_format=torch.contiguous_format)
+    out_z = torch.empty_like(out) if z is not None else u.new_empty(0)
+    x = u.new_empty(batch, dim, num_chunks(seqlen), 2 * n, dtype=torch.float32)
+    shape5 = (batch, G, dim // G, n)
+    h = (
+        initial_state.float().reshape(shape5)
+        if initial_state is not None
+        else u.new_zeros(shape5, dtype=torch.float32)
+    )
+    dt_total = u.new_zeros(batch, G, dim // G, dtype=torch.float32)
+    T = _block_len(dims)
+    for c in range(num_chunks(seqlen)):
+        c0, c1 = c * CHUNK_LEN, min((c + 1) * CHUNK_LEN, seqlen)
+        for t0, t1 in _blocks(c0, c1, T):
+            blk = ops.block(t0, t1)
+            states = _scan_block(blk["decay"], blk["drive"], h)
+            h = states[-1]
+            y = _output(states, ops, blk)
+            out[:, :, t0:t1] = _to_bdl(y)
+            if z is not None:
+                out_z[:, :, t0:t1] = _to_bdl(y * F.silu(blk["z"]))
+            dt_total += blk["dt"].sum(0)
+        # mamba_ssm's layout: cumulative decay since t=0 (even) and state (odd) at chunk end
+        x[:, :, c, 0::2] = torch.exp(dt_total.unsqueeze(-1) * ops.A).reshape(batch, dim, n)
+        x[:, :, c, 1::2] = h.reshape(batch, dim, n)
+    return out, x, out_z, h.reshape(batch, dim, n).clone()
+
+
+def selective_scan_bwd(
+    u, delta, A, B, C, D, z, delta_bias, initial_state, dout, scan_intermediates, dlast_state,
+    delta_softplus,
+):
+    dims = check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    check_scan_grad_inputs(dims, u, dout, scan_intermediates, dlast_state)
+    batch, dim, seqlen, n, G = dims
+    dg = dim // G
+    ops = _Operands(u, delta, A, B, C, D, z, delta_bias, delta_softplus, dims)
+    f32 = dict(dtype=torch.float32, device=u.device)
+    du = torch.empty_like(u, memory_format=torch.contiguous_format)
+    ddelta = torch.empty_like(du)
+    dz = torch.empty_like(du) if z is not None else u.new_empty(0)
+    dA = torch.zeros(G, dg, n, **f32)
+    dD = torch.zeros(G, dg, **f32)
+    dbias = torch.zeros(G, dg, **f32)
+    # Variable B/C gradients are written per block as (b, groups, n, l); constant ones summed.
+    dBC = {}
+    for name, M in (("B", B), ("C", C)):
+        dBC[name] = (
+            torch.zeros(batch, M.shape[1] if M.dim() == 4 else 1, n, seqlen, **f32)
+            if M.dim() > 2
+            else torch.zeros(G, dg, n, **f32)
+        )
+    carry = (
+        dlast_state.float().reshape(batch, G, dg, n).clone()
+        if dlast_state is not None
+        else torch.zeros(batch, G, dg, n, **f32)
+    )
+    T = _block_len(dims)
+    for c in reversed(range(num_chunks(seqlen))):
+        c0, c1 = c * CHUNK_LEN, min((c + 1) * CHUNK_LEN, seqlen)
+        if c > 0:
+            h = scan_intermediates[:, :, c - 1, 1::2].float().reshape(batch, G, dg, n)
+        elif initial_state is not None:
+            h = initial_state.float().reshape(batch, G, dg, n)
+        else:
+            h = torch.zeros(batch, G, dg, n, **f32)
+        starts = []
+        for t0, t1 in _blocks(c0, c1, T):
+            starts.append(h)
+            blk = ops.block(t0, t1)
+            h = _scan_block(blk["decay"], blk["drive"], h)[-1].clone()
+        for (t0, t1), h0 in reversed(list(zip(_blocks(c0, c1, T), starts))):
+            blk = ops.block(t0, t1)
+            decay = blk["decay"]
+            states = _scan_block(decay, blk["drive"], h0)
+            g_out = _time_major(dout, t0, t1, dims)
+            if blk["z"] is not None:
+                y = _output(states, ops, blk)
+                sig = torch.sigmoid(blk["z"])
+                silu = blk["z"] * sig
+                dz[:, :, t0:t1] = _to_bdl(g_out * y * (sig + silu * (1 - sig)))
+                dy = g_out * silu
+            else:
+                dy = g_out
+            # g_t = C_t dy_t + decay_{t+1} g_{t+1}: total gradient reaching h_t.
+            g = dy.unsqueeze(-1) * blk["C"]
+            g[-1] += carry
+            for t in range(g.shape[0] - 2, -1, -1):
+                g[t].addcmul_(decay[t + 1], g[t + 1])
+            carry = decay[0] * g[0]
+            h_prev = torch.cat([h0.unsqueeze(0), states[:-1]])
+            q = g * decay * h_prev  # d/d(dt * A) of the decay term
+            dA += (q * blk["dt"].unsqueeze(-1)).sum((0, 1))
+            ddt = _sum_state(q, ops.A)
+            d_dtu = _sum_state(g, blk["B"])  # d/d(dt * u) of the drive term
+            ddt = ddt + d_dtu * blk["u"]
+            du_blk = d_dtu * blk["dt"]
+            if ops.D is not None:
+                du_blk = du_blk + ops.D * dy
+                dD += (dy * blk["u"]).sum((0, 1))
+            if delta_softplus:
+                ddt = ddt * torch.sigmoid(blk["dt_raw"])
+            dbias += ddt.sum((0, 1))
+            du[:, :, t0:t1] = _to_bdl(du_blk)
+            ddelta[:, :, t0:t1] = _to_bdl(ddt)
+            for name, M, x, v in (
+                ("B", B, g, blk["dt"] * blk["u"]),
+                ("C", C, states, dy),
+            ):
+                grad = _grad_bc(x, v, ops.is_variable(M))
+                if ops.is_variable(M):
+                    # sum the channel groups that share one B/C group
+                    grad = grad.reshape(t1 - t0, batch, dBC[name].shape[1], -1, n).sum(3)
+                    dBC[name][..., t0:t1] = grad.permute(1, 2, 3, 0)
+                else:
+                    dBC[name] += grad
+    dB, dC = (dBC[k].reshape(M.shape).to(M.dtype) for k, M in (("B", B), ("C", C)))
+    return (
+        du, ddelta, dA.reshape(dim, n), dB, dC,
+        dD.reshape(dim) if D is not None else u.new_empty(0, dtype=torch.float32),
+        dbias.reshape(dim) if delta_bias is not None else u.new_empty(0, dtype=torch.float32),
+        dz,
+        carry.reshape(batch, dim, n) if initial_state is not None else u.new_empty(0, dtype=torch.float32),
+    )
+
+
+KERNELS = {"selective_scan_fwd": selective_scan_fwd, "selective_scan_bwd": selective_scan_bwd}

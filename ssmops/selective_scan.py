@@ -1,0 +1,39 @@
+"""`selective_scan_fn`: mamba_ssm's function of that name, on the ssmops operators."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import _ops  # noqa: F401  (registers the operators)
+from ._validation import check_scan_inputs
+
+
+def selective_scan_fn(
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    delta_bias: Tensor | None = None,
+    delta_softplus: bool = False,
+    return_last_state: bool = False,
+    initial_state: Tensor | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Selective scan; a drop-in for `mamba_ssm.ops.selective_scan_interface.selective_scan_fn`.
+
+    u, delta, z: (batch, dim, seqlen) in fp32/fp16/bf16; A: (dim, dstate) float32;
+    B, C: (dim, dstate) | (batch, dstate, seqlen) | (batch, groups, dstate, seqlen);
+    D, delta_bias: (dim,) float32; initial_state: (batch, dim, dstate) float32
+    (an ssmops extension). Computes in float32; returns y in u's dtype, gated by
+    SiLU(z) when z is given, plus the float32 last state `(batch, dim, dstate)` when
+    `return_last_state`. Differentiable in every tensor argument, last state included.
+    """
+    check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    out, _, out_z, last_state = torch.ops.ssmops.selective_scan_fwd(
+        u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus
+    )
+    y = out_z if z is not None else out
+    return (y, last_state) if return_last_state else y

@@ -1,0 +1,122 @@
+"""Shared input builders and comparison helpers for the ssmops tests."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ssmops
+
+REPO = Path(__file__).resolve().parents[1]
+
+TOLERANCES = {torch.float32: 2e-4, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One selective-scan configuration. B/C layout: 'const' | 'var' | 'g<groups>'."""
+
+    batch: int = 2
+    dim: int = 4
+    seqlen: int = 7
+    dstate: int = 3
+    B: str = "var"
+    C: str = "var"
+    D: bool = True
+    z: bool = True
+    delta_bias: bool = True
+    softplus: bool = True
+    initial_state: bool = False
+    dtype: torch.dtype = torch.float32
+
+    def __str__(self):
+        flags = "".join(k[0] for k in ("D", "z", "delta_bias", "softplus", "initial_state") if getattr(self, k))
+        return (
+            f"b{self.batch}d{self.dim}l{self.seqlen}n{self.dstate}-B{self.B}-C{self.C}-{flags}-"
+            f"{str(self.dtype).replace('torch.', '')}"
+        )
+
+
+def _bc(layout: str, case: Case, gen: torch.Generator, dtype) -> torch.Tensor:
+    b, d, l, n = case.batch, case.dim, case.seqlen, case.dstate
+    shape = {"const": (d, n), "var": (b, n, l)}.get(layout) or (b, int(layout[1:]), n, l)
+    return torch.randn(shape, generator=gen).to(dtype if layout != "const" else torch.float32)
+
+
+def make_inputs(case: Case, seed: int = 0, device="cpu") -> dict:
+    """Inputs of `selective_scan_fn` as keyword arguments, with mamba-like magnitudes."""
+    gen = torch.Generator().manual_seed(seed)
+    b, d, l, n, dt = case.batch, case.dim, case.seqlen, case.dstate, case.dtype
+    kw = dict(
+        u=torch.randn(b, d, l, generator=gen).to(dt),
+        # dt in mamba's range: softplus(delta) ~ 0.1..0.6, or delta itself positive
+        delta=(torch.randn(b, d, l, generator=gen) * 0.5 - 1.0).to(dt)
+        if case.softplus
+        else (torch.rand(b, d, l, generator=gen) * 0.3 + 0.01).to(dt),
+        A=-torch.rand(d, n, generator=gen) * 2 - 0.1,
+        B=_bc(case.B, case, gen, dt),
+        C=_bc(case.C, case, gen, dt),
+        D=torch.randn(d, generator=gen) if case.D else None,
+        z=torch.randn(b, d, l, generator=gen).to(dt) if case.z else None,
+        delta_bias=torch.randn(d, generator=gen) * 0.1 if case.delta_bias else None,
+        delta_softplus=case.softplus,
+        initial_state=torch.randn(b, d, n, generator=gen) if case.initial_state else None,
+    )
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+
+
+def tensor_args(kw: dict) -> dict:
+    return {k: v for k, v in kw.items() if isinstance(v, torch.Tensor)}
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Max abs error relative to the reference's magnitude (fla's measure)."""
+    actual, expected = actual.double(), expected.double()
+    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-6)).item()
+
+
+def assert_close(actual, expected, tol, what=""):
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    err = rel_err(actual, expected)
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol}"
+
+
+def run_scan_with_grads(fn, kw: dict, seed: int = 1):
+    """Runs fn(**kw, return_last_state=True); returns (y, last_state, grads by name)."""
+    kw = {k: v.detach().clone().requires_grad_() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    y, last = fn(**kw, return_last_state=True)
+    gen = torch.Generator().manual_seed(seed)
+    gy = torch.randn(y.shape, generator=gen).to(y.device, y.dtype)
+    gl = torch.randn(last.shape, generator=gen).to(last.device)
+    loss = (y.float() * gy.float()).sum() + (last * gl).sum()
+    tensors = tensor_args(kw)
+    grads = torch.autograd.grad(loss, list(tensors.values()))
+    return y.detach(), last.detach(), dict(zip(tensors, grads))
+
+
+def available(name: str) -> bool:
+    return ssmops.available_backends()[name] == "available"
+
+
+def backend_params():
+    """Every backend, skipped with its reason where it cannot run on CPU tensors here."""
+    params = []
+    for name, status in ssmops.available_backends().items():
+        marks = [] if status == "available" else [pytest.mark.skip(reason=f"{name}: {status}")]
+        params.append(pytest.param(name, marks=marks, id=name))
+    return params
+
+
+def run_python(code: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Runs code in a fresh interpreter (so a crash or a different import-time setting is isolated)."""
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=REPO,
+        env={**os.environ, **(env or {})},
+    )
