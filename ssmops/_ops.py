@@ -7,9 +7,12 @@ it, otherwise from here, and `tests/test_ops.py` checks that the two agree.
 Conventions that the schemas cannot express:
 * an absent optional output (`out_z` without z, `dD` without D, ...) is an empty
   tensor (numel 0), because a custom operator cannot return `Tensor?`;
-* `scan_intermediates` is float32 `(batch, dim, ceil(seqlen / 2048), 2 * dstate)`:
-  at the end of each 2048-step chunk, the cumulative decay `exp(A * sum dt)` since
-  t=0 in even entries and the state in odd entries (mamba_ssm's layout);
+* `scan_intermediates` is float32 `(batch, dim, n_chunks * 2 * dstate)` with
+  `n_chunks = ceil(seqlen / 2048)`: mamba_ssm's `x` of shape `(batch, dim, n_chunks,
+  2 * dstate)`, flattened over its last two dims (so that no dimension of it can be
+  1 for some seqlen and not others, which would stop export from keeping seqlen
+  symbolic). At the end of each chunk: the cumulative decay `exp(A * sum dt)` since
+  t=0 in even entries, the state in odd entries;
 * `dout` of the backward is the gradient of the final output: `out_z` when z is
   given, else `out`.
 """
@@ -88,7 +91,7 @@ def _empty(like: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
 def _fwd_fake(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus):
     batch, dim, seqlen, dstate, _ = check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
     out = u.new_empty(u.shape)
-    x = u.new_empty(batch, dim, num_chunks(seqlen), 2 * dstate, dtype=torch.float32)
+    x = u.new_empty(batch, dim, num_chunks(seqlen) * 2 * dstate, dtype=torch.float32)
     out_z = u.new_empty(u.shape) if z is not None else _empty(u, u.dtype)
     return out, x, out_z, u.new_empty(batch, dim, dstate, dtype=torch.float32)
 

@@ -42,10 +42,14 @@ def _bc_groups(name: str, M, batch: int, dim: int, seqlen: int, dstate: int, dty
     """Checks B or C in its three layouts; returns its group count (0 when constant)."""
     if not isinstance(M, Tensor):
         raise TypeError(f"{name} must be a Tensor, got {type(M).__name__}")
-    layouts = (
-        f"(dim, dstate)=({dim}, {dstate}), (batch, dstate, seqlen)=({batch}, {dstate}, {seqlen})"
-        f" or (batch, groups, dstate, seqlen) with groups dividing dim={dim}"
-    )
+
+    def wrong_shape() -> ValueError:  # formatted only on failure: formatting a symbolic seqlen specializes it
+        return ValueError(
+            f"{name} must have shape (dim, dstate)=({dim}, {dstate}), (batch, dstate, seqlen)="
+            f"({batch}, {dstate}, {seqlen}) or (batch, groups, dstate, seqlen) with groups dividing "
+            f"dim={dim}, got {tuple(M.shape)}"
+        )
+
     if M.dim() == 2:
         expected, groups = (dim, dstate), 0
     elif M.dim() == 3:
@@ -56,9 +60,9 @@ def _bc_groups(name: str, M, batch: int, dim: int, seqlen: int, dstate: int, dty
             raise ValueError(f"{name} has {groups} groups, which does not divide dim={dim}")
         expected = (batch, groups, dstate, seqlen)
     else:
-        raise ValueError(f"{name} must have shape {layouts}, got rank {M.dim()} {tuple(M.shape)}")
+        raise wrong_shape()
     if tuple(M.shape) != expected:
-        raise ValueError(f"{name} must have shape {layouts}, got {tuple(M.shape)}")
+        raise wrong_shape()
     if M.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype {_dtype_name(dtypes)}, got {M.dtype}")
     return groups
@@ -122,7 +126,7 @@ def check_scan_grad_inputs(
     n_chunks = num_chunks(seqlen)
     _check_tensor(
         "scan_intermediates", scan_intermediates, (torch.float32,),
-        (batch, dim, n_chunks, 2 * dstate), u.device,
+        (batch, dim, n_chunks * 2 * dstate), u.device,
     )
     if dlast_state is not None:
         _check_tensor("dlast_state", dlast_state, (torch.float32,), (batch, dim, dstate), u.device)

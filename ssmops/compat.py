@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _ops  # noqa: F401  (registers the operators)
+from ._validation import check_scan_inputs
 
 
 class _SelectiveScanExtension:
@@ -36,9 +37,11 @@ class _SelectiveScanExtension:
         x: float32 (batch, dim, n_chunks, 2 * dstate) with 2048-step chunks; the last
         state is `x[:, :, -1, 1::2]`.
         """
+        check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, None)
         out, x, out_z, _ = torch.ops.ssmops.selective_scan_fwd(
             u, delta, A, B, C, D, z, delta_bias, None, delta_softplus
         )
+        x = x.view(x.shape[0], x.shape[1], -1, 2 * A.shape[1])
         return [out, x] if z is None else [out, x, out_z]
 
     @staticmethod
@@ -61,8 +64,9 @@ class _SelectiveScanExtension:
         """Returns `[du, ddelta, dA, dB, dC, dD, ddelta_bias]` (None for absent D/delta_bias),
         then `dz` when z is given (written into `dz` when one is passed), then `out_z`
         when `recompute_out_z`. `dout` is the gradient of `out_z` when z is given."""
+        check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, None)
         du, ddelta, dA, dB, dC, dD, ddelta_bias, dz_new, _ = torch.ops.ssmops.selective_scan_bwd(
-            u, delta, A, B, C, D, z, delta_bias, None, dout, x, None, delta_softplus
+            u, delta, A, B, C, D, z, delta_bias, None, dout, x.flatten(2), None, delta_softplus
         )
         grads = [
             du, ddelta, dA, dB, dC,

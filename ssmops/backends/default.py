@@ -149,7 +149,7 @@ def selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, initial_state, delta
         # mamba_ssm's layout: cumulative decay since t=0 (even) and state (odd) at chunk end
         x[:, :, c, 0::2] = torch.exp(dt_total.unsqueeze(-1) * ops.A).reshape(batch, dim, n)
         x[:, :, c, 1::2] = h.reshape(batch, dim, n)
-    return out, x, out_z, h.reshape(batch, dim, n).clone()
+    return out, x.view(batch, dim, -1), out_z, h.reshape(batch, dim, n).clone()
 
 
 def selective_scan_bwd(
@@ -182,10 +182,11 @@ def selective_scan_bwd(
         else torch.zeros(batch, G, dg, n, **f32)
     )
     T = _block_len(dims)
+    chunk_states = scan_intermediates.reshape(batch, dim, num_chunks(seqlen), 2 * n)[..., 1::2]
     for c in reversed(range(num_chunks(seqlen))):
         c0, c1 = c * CHUNK_LEN, min((c + 1) * CHUNK_LEN, seqlen)
         if c > 0:
-            h = scan_intermediates[:, :, c - 1, 1::2].float().reshape(batch, G, dg, n)
+            h = chunk_states[:, :, c - 1].reshape(batch, G, dg, n)
         elif initial_state is not None:
             h = initial_state.float().reshape(batch, G, dg, n)
         else:
