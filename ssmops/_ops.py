@@ -121,6 +121,7 @@ def _setup_context(ctx, inputs, output):
     out, scan_intermediates, out_z, _ = output
     ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, scan_intermediates)
     ctx.delta_softplus = delta_softplus
+    ctx.backend = backends.selected_backend()  # the backward runs where the forward ran
     # The gradient flows through the final output (out_z when gated) and last_state only.
     ctx.mark_non_differentiable(scan_intermediates, out if z is not None else out_z)
 
@@ -130,10 +131,11 @@ def _backward(ctx, dout, _dx, dout_z, dlast_state):
     d_final = dout_z if z is not None else dout
     if d_final is None:
         d_final = torch.zeros_like(u)
-    du, ddelta, dA, dB, dC, dD, ddelta_bias, dz, dinit = _OPS["selective_scan_bwd"](
-        u, delta, A, B, C, D, z, delta_bias, initial_state, d_final, scan_intermediates,
-        dlast_state, ctx.delta_softplus,
-    )
+    with backends.use_backend(ctx.backend):
+        du, ddelta, dA, dB, dC, dD, ddelta_bias, dz, dinit = _OPS["selective_scan_bwd"](
+            u, delta, A, B, C, D, z, delta_bias, initial_state, d_final, scan_intermediates,
+            dlast_state, ctx.delta_softplus,
+        )
     present = (D, z, delta_bias, initial_state)
     dD, dz, ddelta_bias, dinit = (g if x is not None else None for g, x in zip((dD, dz, ddelta_bias, dinit), present))
     return du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinit, None

@@ -253,16 +253,15 @@ def test_use_backend_rejects_unknown_and_unavailable():
                     pass
 
 
-def test_use_backend_routes_the_call():
-    kw = make_inputs(Case())
-    seen = []
+def test_use_backend_routes_forward_and_its_backward(monkeypatch):
     from ssmops.backends import default
 
-    original = default.KERNELS["selective_scan_fwd"]
-    default.KERNELS["selective_scan_fwd"] = lambda *a: seen.append(1) or original(*a)
-    try:
-        with ssmops.use_backend("default"):
-            ssmops.selective_scan_fn(**kw)
-    finally:
-        default.KERNELS["selective_scan_fwd"] = original
-    assert seen == [1]
+    calls = []
+    for op in ("selective_scan_fwd", "selective_scan_bwd"):
+        kernel = default.KERNELS[op]
+        monkeypatch.setitem(default.KERNELS, op, lambda *a, op=op, kernel=kernel: calls.append(op) or kernel(*a))
+    kw = {k: v.requires_grad_() if isinstance(v, torch.Tensor) else v for k, v in make_inputs(Case()).items()}
+    with ssmops.use_backend("default"):
+        y = ssmops.selective_scan_fn(**kw)
+    y.sum().backward()  # outside the block: still the forward's backend
+    assert calls == ["selective_scan_fwd", "selective_scan_bwd"]

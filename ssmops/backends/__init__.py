@@ -9,7 +9,8 @@ CPU tensors when it is loaded, `triton` for CUDA/ROCm/XPU when Triton is install
   and torch.export alike (`default` leaves the native library unloaded; `triton`
   routes CPU tensors to the Triton kernels, for `TRITON_INTERPRET=1` testing).
 * `with ssmops.use_backend(name):` for the current thread, in eager mode: every
-  ssmops operator called inside (forward and backward) runs on that backend.
+  ssmops operator called inside runs on that backend, and so does the backward of a
+  forward run inside, wherever the backward is called.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -62,10 +64,28 @@ class _BackendMode(TorchDispatchMode):
         return self.kernels.get(func, func)(*args, **(kwargs or {}))
 
 
+_selected = threading.local()
+
+
+def selected_backend() -> str | None:
+    """The backend chosen by the innermost `use_backend` of this thread, if any."""
+    stack = getattr(_selected, "stack", None)
+    return stack[-1] if stack else None
+
+
 @contextlib.contextmanager
-def use_backend(name: str) -> Iterator[None]:
-    """Runs every ssmops operator called inside the block (eager mode) on backend `name`."""
+def use_backend(name: str | None) -> Iterator[None]:
+    """Runs every ssmops operator called inside the block (eager mode) on backend `name`
+    (None: no override)."""
+    if name is None:
+        yield
+        return
     if name not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of {', '.join(BACKEND_NAMES)}, got {name!r}")
+    stack = _selected.__dict__.setdefault("stack", [])
     with _BackendMode(name):
-        yield
+        stack.append(name)
+        try:
+            yield
+        finally:
+            stack.pop()

@@ -61,9 +61,6 @@ class _Operands:
         self.bias = None if delta_bias is None else delta_bias.float().reshape(G, dg)
         self.softplus = delta_softplus
 
-    def is_variable(self, M: Tensor) -> bool:
-        return M.dim() > 2
-
     def _bc_block(self, M: Tensor, t0: int, t1: int) -> Tensor:
         G, dg, n = self.dims.groups, self.dims.dim // self.dims.groups, self.dims.dstate
         if M.dim() == 2:
@@ -96,23 +93,28 @@ def _scan_block(decay: Tensor, drive: Tensor, h: Tensor) -> Tensor:
     return drive
 
 
-def _sum_state(x: Tensor, M: Tensor) -> Tensor:
-    """sum_n x[..., n] * M[..., n] for a (T, b, G, dg, n) block -> (T, b, G, dg)."""
-    if M.shape[-2] == 1:  # variable: batched matrix-vector product
-        return torch.matmul(x, M.transpose(-1, -2)).squeeze(-1)
-    return (x * M).sum(-1)
+def _sum_state(x: Tensor, M: Tensor, variable: bool) -> Tensor:
+    """sum_n x[..., n] * M[..., n] for a (T, b, G, dg, n) block -> (T, b, G, dg).
+
+    M is (T, b, G, 1, n) when variable, else (1, 1, G, dg, n); einsum turns both
+    into batched matrix products, well ahead of a broadcast multiply and sum.
+    """
+    if variable:
+        return torch.einsum("tbgdn,tbgn->tbgd", x, M.squeeze(3))
+    return torch.einsum("tbgdn,gdn->tbgd", x, M[0, 0])
 
 
 def _grad_bc(x: Tensor, v: Tensor, variable: bool) -> Tensor:
     """d/dM of sum x * v * M: (T, b, G, n) when M is variable, else summed to (G, dg, n)."""
     if variable:
-        return torch.matmul(v.unsqueeze(-2), x).squeeze(-2)
-    return (x * v.unsqueeze(-1)).sum((0, 1))
+        T, b, G, dg, n = x.shape
+        return torch.bmm(v.reshape(-1, 1, dg), x.reshape(-1, dg, n)).view(T, b, G, n)
+    return torch.einsum("tbgdn,tbgd->gdn", x, v)
 
 
 def _output(states: Tensor, ops: _Operands, blk) -> Tensor:
     """y_t = <h_t, C_t> + D u_t over a block."""
-    y = _sum_state(states, blk["C"])
+    y = _sum_state(states, blk["C"], ops.C.dim() > 2)
     return y if ops.D is None else y + ops.D * blk["u"]
 
 
@@ -215,11 +217,12 @@ def selective_scan_bwd(
             for t in range(g.shape[0] - 2, -1, -1):
                 g[t].addcmul_(decay[t + 1], g[t + 1])
             carry = decay[0] * g[0]
-            h_prev = torch.cat([h0.unsqueeze(0), states[:-1]])
-            q = g * decay * h_prev  # d/d(dt * A) of the decay term
-            dA += (q * blk["dt"].unsqueeze(-1)).sum((0, 1))
-            ddt = _sum_state(q, ops.A)
-            d_dtu = _sum_state(g, blk["B"])  # d/d(dt * u) of the drive term
+            q = g * decay  # times h_{t-1}: d/d(dt * A) of the decay term
+            q[0] *= h0
+            q[1:] *= states[:-1]
+            dA += torch.einsum("tbgdn,tbgd->gdn", q, blk["dt"])
+            ddt = _sum_state(q, ops.A[None, None], False)
+            d_dtu = _sum_state(g, blk["B"], B.dim() > 2)  # d/d(dt * u) of the drive term
             ddt = ddt + d_dtu * blk["u"]
             du_blk = d_dtu * blk["dt"]
             if ops.D is not None:
@@ -234,8 +237,8 @@ def selective_scan_bwd(
                 ("B", B, g, blk["dt"] * blk["u"]),
                 ("C", C, states, dy),
             ):
-                grad = _grad_bc(x, v, ops.is_variable(M))
-                if ops.is_variable(M):
+                grad = _grad_bc(x, v, M.dim() > 2)
+                if M.dim() > 2:
                     # sum the channel groups that share one B/C group
                     grad = grad.reshape(t1 - t0, batch, dBC[name].shape[1], -1, n).sum(3)
                     dBC[name][..., t0:t1] = grad.permute(1, 2, 3, 0)
