@@ -114,9 +114,9 @@ def backend_params():
     return params
 
 
-def run_python(code: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+def run_python(code: str, env: dict | None = None, timeout: float = 600, cwd=REPO) -> subprocess.CompletedProcess:
     """Runs code in a fresh interpreter (so a crash or a different import-time setting is isolated)."""
     return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=REPO,
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=cwd,
         env={**os.environ, **(env or {})},
     )
