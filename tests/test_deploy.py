@@ -1,0 +1,164 @@
+"""From a model to files a C++ process runs: export helpers, the CLI, and examples/cpp.
+
+The C++ runner is built with CMake against the installed libtorch and run as its own
+process (no Python in it); its outputs are compared with eager PyTorch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import ssmops
+import ssmops.export as sx
+from conftest import REPO
+from models import TinyScanModel
+
+pytestmark = pytest.mark.skipif(
+    ssmops.available_backends()["cpu"] != "available", reason="needs the native operator library"
+)
+
+
+@pytest.fixture(scope="module")
+def cpp_runner(tmp_path_factory):
+    """examples/cpp built with CMake, as the README says."""
+    if shutil.which("cmake") is None:
+        pytest.skip("cmake is not installed")
+    build = tmp_path_factory.mktemp("cpp-build")
+    env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": "2"}
+    subprocess.run(["cmake", "-S", REPO / "examples" / "cpp", "-B", build, "-DCMAKE_BUILD_TYPE=Release",
+                    f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"], check=True, capture_output=True, env=env)
+    subprocess.run(["cmake", "--build", build], check=True, capture_output=True, env=env)
+    return build / "ssmops_run"
+
+
+def _run_cpp(runner, model_flag, model_path, inputs, tmp_path):
+    inputs_file, outputs_file = tmp_path / "inputs.pt", tmp_path / "outputs.pt"
+    torch.save(list(inputs), inputs_file)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    proc = subprocess.run(
+        [runner, "--ops-library", ssmops.library_path(), model_flag, model_path, "--inputs", inputs_file,
+         "--repeat", "2", "--save-outputs", outputs_file],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "time per run" in proc.stdout
+    return torch.load(outputs_file, weights_only=True)
+
+
+def _model(full):
+    torch.manual_seed(0)
+    return TinyScanModel(full=full).eval()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("full", [True, False], ids=["all-optionals", "no-optionals"])
+def test_aoti_package_runs_in_cpp_like_eager(full, cpp_runner, tmp_path):
+    model = _model(full)
+    ep = sx.export_program(model, (torch.randn(2, 8, 37),), seq_dim=2)
+    package = sx.aoti_package(ep, tmp_path / "model.pt2")
+    for shape in [(2, 8, 37), (3, 8, 2100)]:  # another batch and seqlen than traced
+        x = torch.randn(shape)
+        (out,) = _run_cpp(cpp_runner, "--package", package, [x], tmp_path)
+        with torch.no_grad():
+            torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("full", [True, False], ids=["all-optionals", "no-optionals"])
+def test_torchscript_runs_in_cpp_like_eager(full, cpp_runner, tmp_path):
+    model = _model(full)
+    path = sx.torchscript(model, (torch.randn(2, 8, 37),), tmp_path / "model_ts.pt")
+    for shape in [(2, 8, 37), (1, 8, 300)]:
+        x = torch.randn(shape)
+        (out,) = _run_cpp(cpp_runner, "--torchscript", path, [x], tmp_path)
+        with torch.no_grad():
+            torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_export_program_keeps_seqlen_and_batch_dynamic():
+    ep = sx.export_program(_model(True), (torch.randn(2, 8, 37),), seq_dim=2)
+    (dims,) = sx.dynamic_dims(ep)
+    assert dims[1] == "8" and not dims[0].isdigit() and not dims[2].isdigit()
+
+
+class _Gate(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow: not exportable
+            return x
+        return -x
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(nn.Identity(), _Gate())
+
+    def forward(self, x):
+        return self.blocks(x)
+
+
+def test_export_error_names_the_module():
+    with pytest.raises(sx.ExportError, match=r"cannot export _Net: blocks\.1 \(_Gate\) failed with"):
+        sx.export_program(_Net(), (torch.randn(2, 8, 16),))
+
+
+def _write_safetensors(path, tensors):
+    """The safetensors layout, written by hand: u64 header length, JSON header, raw data."""
+    names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.int64: "I64"}
+    header, blobs, offset = {"__metadata__": {"format": "pt"}}, [], 0
+    for name, t in tensors.items():
+        blob = t.contiguous().view(torch.uint8).numpy().tobytes()
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def test_load_state_dict_reads_safetensors_and_pt(tmp_path):
+    state = {"w": torch.randn(3, 4), "b": torch.randn(4).to(torch.bfloat16), "n": torch.arange(5)}
+    _write_safetensors(tmp_path / "m.safetensors", state)
+    torch.save({"state_dict": state}, tmp_path / "m.pt")
+    for name in ("m.safetensors", "m.pt"):
+        loaded = sx.load_state_dict(tmp_path / name)
+        assert loaded.keys() == state.keys()
+        for k in state:
+            assert torch.equal(loaded[k], state[k])
+
+
+def test_cli_exports_a_checkpoint(tmp_path):
+    trained = _model(True)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(0.5)
+    _write_safetensors(tmp_path / "trained.safetensors", trained.state_dict())
+    out = subprocess.run(
+        [sys.executable, "-m", "ssmops", "export", "models:TinyScanModel", "--checkpoint",
+         str(tmp_path / "trained.safetensors"), "--input", "2x8x37", "--seq-dim", "2", "--format", "pt2",
+         "--format", "torchscript", "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, cwd=REPO / "tests", env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "[4/4] tracing with TorchScript" in out.stderr and "model.pt2" in out.stdout
+    assert "input 0: shape (s" in out.stdout
+    x = torch.randn(2, 8, 50)
+    program = torch.export.load(tmp_path / "out" / "model.pt2").module()
+    with torch.no_grad():
+        torch.testing.assert_close(program(x), trained(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.jit.load(tmp_path / "out" / "model_ts.pt")(x), trained(x))
+
+
+def test_cli_reports_a_bad_factory(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "ssmops", "export", "models:Nope", "--input", "2x8"],
+                         capture_output=True, text=True, cwd=REPO / "tests",
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode != 0 and "cannot load models:Nope" in out.stderr
