@@ -62,6 +62,13 @@ def _bc_groups(name: str, M, batch: int, dim: int, seqlen: int, dstate: int, dty
     else:
         raise wrong_shape()
     if tuple(M.shape) != expected:
+        dstate_axis = 1 if M.dim() == 2 else -2
+        others = [s for i, s in enumerate(M.shape) if i != dstate_axis % M.dim()]
+        if others == [s for i, s in enumerate(expected) if i != dstate_axis % M.dim()]:
+            raise ValueError(
+                f"{name} has dstate {M.shape[dstate_axis]} but A has dstate {dstate}: A is (dim, dstate)="
+                f"({dim}, {dstate}), {name} is {tuple(M.shape)}"
+            )
         raise wrong_shape()
     if M.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype {_dtype_name(dtypes)}, got {M.dtype}")
