@@ -1,9 +1,8 @@
-"""Timing, peak-memory and input helpers shared by the benchmarks."""
+"""Inputs, timing, tables and peak-memory probes shared by the CPU benchmarks."""
 
 from __future__ import annotations
 
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -12,7 +11,11 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR.parent))
+
+import ssmops  # noqa: E402
+from baselines import mambapy_scan, pscan_scan, ref_loop_scan  # noqa: E402
 
 
 def scan_inputs(batch, dim, seqlen, dstate, requires_grad=False, seed=0):
@@ -33,10 +36,32 @@ def scan_inputs(batch, dim, seqlen, dstate, requires_grad=False, seed=0):
     return {k: v.requires_grad_(requires_grad) for k, v in kw.items()}
 
 
-def time_call(fn, repeats=3, warmup=1) -> float:
-    """Median wall time of fn() in seconds."""
-    for _ in range(warmup):
-        fn()
+def backend_scan(name):
+    """selective_scan_fn on one backend, with the baselines' signature (softplus on)."""
+
+    def scan(**kw):
+        with ssmops.use_backend(name):
+            return ssmops.selective_scan_fn(**kw, delta_softplus=True)
+
+    return scan
+
+
+def contenders(backends):
+    """The given ssmops backends, then the baselines (and mambapy where installed)."""
+    named = {name: backend_scan(name) for name in backends}
+    named.update({"(a) ref-loop": ref_loop_scan, "(b) pscan": pscan_scan})
+    if mambapy_scan() is not None:
+        named["mambapy"] = mambapy_scan()
+    return named
+
+
+def time_call(fn, repeats=3) -> float:
+    """Median seconds of fn() after one warm-up; a call over 5 s is timed once."""
+    t0 = time.perf_counter()
+    fn()
+    first = time.perf_counter() - t0
+    if first > 5.0:
+        return first
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -45,24 +70,68 @@ def time_call(fn, repeats=3, warmup=1) -> float:
     return statistics.median(times)
 
 
-def fwd_bwd(scan, kw):
-    """One forward and backward through scan(**kw) with a fixed upstream gradient."""
+def time_scan(scan, shape, backward: bool, repeats: int) -> float:
+    kw = scan_inputs(*shape, requires_grad=backward)
+    if not backward:
+        with torch.no_grad():
+            return time_call(lambda: scan(**kw), repeats)
 
     def run():
         y = scan(**kw)
         y.backward(torch.ones_like(y))
 
-    return run
+    return time_call(run, repeats)
 
 
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def table(title, shape, backward, named, against, repeats=3) -> dict[str, float]:
+    """Times every contender on the same shape and prints time, rate and how many times
+    slower each is than `against`."""
+    batch, dim, seqlen, dstate = shape
+    work = batch * dim * seqlen * dstate
+    print(f"\n{title}: batch {batch}, dim {dim}, seqlen {seqlen}, dstate {dstate}, fp32")
+    print(f"  {'':14s} {'time':>10s} {'G elem/s':>9s} {against + ' speed-up':>18s}")
+    times = {name: time_scan(scan, shape, backward, repeats) for name, scan in named.items()}
+    for name, t in times.items():
+        print(f"  {name:14s} {t * 1e3:8.1f} ms {work / t / 1e9:9.3f} {t / times[against]:17.1f}x")
+    return times
 
 
-def measure_peak_extra_mib(script: str, threads: int) -> float:
-    """Runs `script` in a fresh interpreter; it must print json {"extra_mib": ...}."""
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, check=True,
-        env={"OMP_NUM_THREADS": str(threads), "PATH": "/usr/bin:/bin"},
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])["extra_mib"]
+_MEMORY_PROBE = """
+import json, sys, torch
+sys.path.insert(0, {bench_dir!r})
+from _common import contenders, scan_inputs
+torch.set_num_threads({threads})
+scan = contenders([{name!r}] if {is_backend} else [])[{name!r}]
+
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+small = scan_inputs(1, 16, 64, 4, requires_grad=True)
+scan(**small).sum().backward()  # thread pool, allocator, code paths
+kw = scan_inputs(*{shape}, requires_grad=True)
+dy = torch.ones({shape[0]}, {shape[1]}, {shape[2]})
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # resets VmHWM (peak RSS) to the current RSS
+before = status("VmRSS:")
+y = scan(**kw)
+y.backward(dy)
+own = y.nbytes + sum(v.grad.nbytes for v in kw.values())
+print(json.dumps(dict(growth=status("VmHWM:") - before, inputs=sum(v.nbytes for v in kw.values()) + dy.nbytes,
+                      outputs_and_grads=own)))
+"""
+
+
+def peak_memory(name: str, shape, threads: int) -> dict:
+    """Peak RSS growth of one forward+backward in a fresh process, with the inputs and
+    the output gradient already allocated; also the bytes those occupy."""
+    code = _MEMORY_PROBE.format(bench_dir=str(BENCH_DIR), threads=threads, name=name, shape=tuple(shape),
+                                is_backend=name in ssmops.backends.BACKEND_NAMES)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def header(threads: int) -> None:
+    torch.set_num_threads(threads)
+    print(f"torch {torch.__version__}, {threads} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    print("mambapy:", "installed" if mambapy_scan() is not None else "not installed")

@@ -35,4 +35,4 @@ def test_default_benchmark_runs():
     out = subprocess.run([sys.executable, "benchmarks/default.py", "--quick"], cwd=REPO, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr
-    assert "default is" in out.stdout and "extra memory" in out.stdout
+    assert "goals:" in out.stdout and "peak memory" in out.stdout

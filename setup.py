@@ -1,0 +1,42 @@
+"""Builds ssmops/_C*.so, the C++ operator library, against LibTorch's stable ABI.
+
+The library has no Python entry point: Python loads it with torch.ops.load_library
+and a C++ program dlopens the same file. TORCH_TARGET_VERSION pins the stable API to
+torch 2.10, so one build loads in every later torch. The extension is optional: if
+it fails to compile the package still installs and runs on the `default` backend.
+"""
+
+from setuptools import setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+setup(
+    ext_modules=[
+        CppExtension(
+            "ssmops._C",
+            # selective_scan.cpp: schemas, checks, dispatch; scan_kernel_<isa>.cpp: the
+            # same kernels (scan_kernel.h) for each instruction set, picked at run time.
+            sources=[
+                "ssmops/csrc/selective_scan.cpp",
+                "ssmops/csrc/scan_kernel_generic.cpp",
+                "ssmops/csrc/scan_kernel_avx2.cpp",
+                "ssmops/csrc/scan_kernel_avx512.cpp",
+            ],
+            depends=["ssmops/csrc/scan_kernel.h", "ssmops/csrc/scan_params.h"],
+            py_limited_api=True,
+            optional=True,
+            extra_compile_args=[
+                "-O3",
+                "-std=c++17",
+                # -std=c++17 turns FMA contraction off; the kernels want it (no -ffast-math:
+                # the NaN/inf handling and the fp16/bf16 rounding must stay exact).
+                "-ffp-contract=fast",
+                "-fno-math-errno",
+                "-fvisibility=hidden",
+                "-DTORCH_TARGET_VERSION=0x020a000000000000",
+                "-DPy_LIMITED_API=0x03090000",
+            ],
+        )
+    ],
+    cmdclass={"build_ext": BuildExtension},
+    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+)

@@ -1,0 +1,10 @@
+// scan_kernel.h for AVX-512 (F, DQ, BW, VL). Chosen at run time only on CPUs that have them.
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma,bmi,bmi2,popcnt")
+#define SSM_W 16
+#define SSM_NT 8
+#define SSM_ISA avx512
+#include "scan_kernel.h"
+#pragma GCC pop_options
+#endif

@@ -1,0 +1,379 @@
+// The ssmops operator library: schemas, argument checks and CPU registrations of the
+// selective scan, written against LibTorch's stable ABI only (no c10/at/torch C++
+// symbols, no Python). The kernels themselves are in scan_kernel.h, compiled once per
+// instruction set; this file picks one at run time.
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "scan_params.h"
+
+namespace ssmops_cpu {
+namespace {
+
+using torch::stable::Tensor;
+using OptTensor = std::optional<Tensor>;
+using ST = torch::headeronly::ScalarType;
+
+constexpr int64_t kMaxDstate = 256;
+
+// --- instruction-set selection ---------------------------------------------------------
+
+enum class Isa { kGeneric, kAvx2, kAvx512 };
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512:
+      return "avx512";
+    case Isa::kAvx2:
+      return "avx2";
+    default:
+      return "generic";
+  }
+}
+
+Isa best_isa() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("fma"))
+    return Isa::kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
+#endif
+  return Isa::kGeneric;
+}
+
+// SSMOPS_CPU_ISA=avx512|avx2|generic (or scalar) forces a path, e.g. to test each one;
+// asking for one this CPU lacks is an error rather than a crash.
+Isa selected_isa() {
+  const Isa best = best_isa();
+  const char* env = std::getenv("SSMOPS_CPU_ISA");
+  if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) return best;
+  const std::string want(env);
+  Isa isa;
+  if (want == "avx512")
+    isa = Isa::kAvx512;
+  else if (want == "avx2")
+    isa = Isa::kAvx2;
+  else if (want == "generic" || want == "scalar")
+    isa = Isa::kGeneric;
+  else
+    STD_TORCH_CHECK(false, "SSMOPS_CPU_ISA must be auto, avx512, avx2 or generic, got '", want, "'");
+  STD_TORCH_CHECK(static_cast<int>(isa) <= static_cast<int>(best), "SSMOPS_CPU_ISA=", want,
+                  " but this CPU supports at most ", isa_name(best));
+  return isa;
+}
+
+// --- argument checks -------------------------------------------------------------------
+
+std::string shape_of(const Tensor& t) {
+  std::string s = "(";
+  for (int64_t i = 0; i < t.dim(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(t.size(i));
+  }
+  return s + (t.dim() == 1 ? ",)" : ")");
+}
+
+std::string shape_str(const std::vector<int64_t>& shape) {
+  std::string s = "(";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(shape[i]);
+  }
+  return s + (shape.size() == 1 ? ",)" : ")");
+}
+
+const char* dtype_name(ST t) {
+  switch (t) {
+    case ST::Float:
+      return "float32";
+    case ST::Half:
+      return "float16";
+    case ST::BFloat16:
+      return "bfloat16";
+    case ST::Double:
+      return "float64";
+    default:
+      return "an unsupported dtype";
+  }
+}
+
+int dtype_code(ST t) {
+  return t == ST::Half ? kFloat16 : t == ST::BFloat16 ? kBFloat16 : kFloat32;
+}
+
+bool same_shape(const Tensor& t, const std::vector<int64_t>& shape) {
+  if (t.dim() != static_cast<int64_t>(shape.size())) return false;
+  for (size_t i = 0; i < shape.size(); ++i)
+    if (t.size(i) != shape[i]) return false;
+  return true;
+}
+
+void check_cpu(const char* name, const Tensor& t) {
+  STD_TORCH_CHECK(t.is_cpu(), "selective_scan (cpu): ", name, " must be a CPU tensor");
+}
+
+void check_tensor(const char* name, const Tensor& t, const std::vector<int64_t>& shape, ST dtype) {
+  check_cpu(name, t);
+  STD_TORCH_CHECK(same_shape(t, shape), "selective_scan: ", name, " must have shape ", shape_str(shape),
+                  ", got ", shape_of(t));
+  STD_TORCH_CHECK(t.scalar_type() == dtype, "selective_scan: ", name, " must have dtype ",
+                  dtype_name(dtype), ", got ", dtype_name(t.scalar_type()));
+}
+
+struct Dims {
+  int64_t batch, dim, seqlen, dstate, groups;
+  bool B_variable, C_variable;
+};
+
+// B or C: (dim, dstate), (batch, dstate, seqlen) or (batch, groups, dstate, seqlen).
+// Returns its group count, 0 when constant.
+int64_t check_bc(const char* name, const Tensor& M, const Dims& d, ST u_dtype) {
+  check_cpu(name, M);
+  const std::string layouts = "(dim, dstate)=" + shape_str({d.dim, d.dstate}) +
+                              ", (batch, dstate, seqlen)=" + shape_str({d.batch, d.dstate, d.seqlen}) +
+                              " or (batch, groups, dstate, seqlen) with groups dividing dim=" +
+                              std::to_string(d.dim);
+  int64_t groups = 0;
+  std::vector<int64_t> expected;
+  if (M.dim() == 2) {
+    expected = {d.dim, d.dstate};
+  } else if (M.dim() == 3) {
+    expected = {d.batch, d.dstate, d.seqlen};
+    groups = 1;
+  } else if (M.dim() == 4) {
+    groups = M.size(1);
+    STD_TORCH_CHECK(groups >= 1 && d.dim % groups == 0, "selective_scan: ", name, " has ", groups,
+                    " groups, which does not divide dim=", d.dim);
+    expected = {d.batch, groups, d.dstate, d.seqlen};
+  } else {
+    STD_TORCH_CHECK(false, "selective_scan: ", name, " must have shape ", layouts, ", got rank ", M.dim(),
+                    " ", shape_of(M));
+  }
+  STD_TORCH_CHECK(same_shape(M, expected), "selective_scan: ", name, " must have shape ", layouts,
+                  ", got ", shape_of(M));
+  const ST t = M.scalar_type();
+  STD_TORCH_CHECK(t == ST::Float || t == u_dtype, "selective_scan: ", name, " must have dtype float32 or ",
+                  dtype_name(u_dtype), " (u's dtype), got ", dtype_name(t));
+  return groups;
+}
+
+Dims check_inputs(const Tensor& u, const Tensor& delta, const Tensor& A, const Tensor& B, const Tensor& C,
+                  const OptTensor& D, const OptTensor& z, const OptTensor& delta_bias,
+                  const OptTensor& initial_state) {
+  check_cpu("u", u);
+  STD_TORCH_CHECK(u.dim() == 3, "selective_scan: u must have shape (batch, dim, seqlen), got ", shape_of(u));
+  const ST dt = u.scalar_type();
+  STD_TORCH_CHECK(dt == ST::Float || dt == ST::Half || dt == ST::BFloat16,
+                  "selective_scan: u must have dtype float32, float16 or bfloat16, got ", dtype_name(dt));
+  Dims d{u.size(0), u.size(1), u.size(2), 0, 1, false, false};
+  STD_TORCH_CHECK(d.seqlen >= 1, "selective_scan: u must have seqlen >= 1, got shape ", shape_of(u));
+  check_tensor("delta", delta, {d.batch, d.dim, d.seqlen}, dt);
+  check_cpu("A", A);
+  STD_TORCH_CHECK(A.dim() == 2 && A.size(0) == d.dim, "selective_scan: A must have shape (dim, dstate) with dim=",
+                  d.dim, ", got ", shape_of(A));
+  d.dstate = A.size(1);
+  STD_TORCH_CHECK(d.dstate >= 1 && d.dstate <= kMaxDstate, "selective_scan: A must have 1 <= dstate <= ",
+                  kMaxDstate, ", got dstate=", d.dstate);
+  check_tensor("A", A, {d.dim, d.dstate}, ST::Float);
+  const int64_t gB = check_bc("B", B, d, dt), gC = check_bc("C", C, d, dt);
+  STD_TORCH_CHECK(!(gB && gC && gB != gC), "selective_scan: B has ", gB, " groups but C has ", gC,
+                  "; they must agree");
+  d.B_variable = gB > 0;
+  d.C_variable = gC > 0;
+  d.groups = gB > gC ? gB : (gC > 0 ? gC : 1);
+  if (D) check_tensor("D", *D, {d.dim}, ST::Float);
+  if (delta_bias) check_tensor("delta_bias", *delta_bias, {d.dim}, ST::Float);
+  if (z) check_tensor("z", *z, {d.batch, d.dim, d.seqlen}, dt);
+  if (initial_state) check_tensor("initial_state", *initial_state, {d.batch, d.dim, d.dstate}, ST::Float);
+  return d;
+}
+
+// --- glue --------------------------------------------------------------------------------
+
+void parallel_for_torch(int64_t n, RangeFn fn, void* ctx) {
+  torch::stable::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) { fn(ctx, begin, end); });
+}
+
+const float* fptr(const OptTensor& t) { return t ? t->const_data_ptr<float>() : nullptr; }
+
+Tensor contig(const Tensor& t) { return torch::stable::contiguous(t); }
+OptTensor contig(const OptTensor& t) { return t ? OptTensor(contig(*t)) : std::nullopt; }
+
+// Fills the inputs shared by forward and backward; the tensors must outlive the call.
+ScanArgs make_args(const Dims& d, const Tensor& u, const Tensor& delta, const Tensor& A, const Tensor& B,
+                   const Tensor& C, const OptTensor& D, const OptTensor& z, const OptTensor& delta_bias,
+                   const OptTensor& initial_state, bool delta_softplus) {
+  ScanArgs a{};
+  a.batch = d.batch;
+  a.dim = d.dim;
+  a.seqlen = d.seqlen;
+  a.dstate = d.dstate;
+  a.groups = d.groups;
+  a.B_variable = d.B_variable;
+  a.C_variable = d.C_variable;
+  a.delta_softplus = delta_softplus;
+  a.dtype_in = dtype_code(u.scalar_type());
+  a.dtype_B = dtype_code(B.scalar_type());
+  a.dtype_C = dtype_code(C.scalar_type());
+  a.u = u.const_data_ptr();
+  a.delta = delta.const_data_ptr();
+  a.z = z ? z->const_data_ptr() : nullptr;
+  a.B = B.const_data_ptr();
+  a.C = C.const_data_ptr();
+  a.A = A.const_data_ptr<float>();
+  a.D = fptr(D);
+  a.delta_bias = fptr(delta_bias);
+  a.initial_state = fptr(initial_state);
+  a.parallel_for = parallel_for_torch;
+  return a;
+}
+
+using FwdKernel = int (*)(const ScanArgs&);
+
+FwdKernel fwd_kernel(Isa isa) {
+  switch (isa) {
+#if defined(__x86_64__)
+    case Isa::kAvx512:
+      return scan_fwd_avx512;
+    case Isa::kAvx2:
+      return scan_fwd_avx2;
+#endif
+    default:
+      return scan_fwd_generic;
+  }
+}
+
+FwdKernel bwd_kernel(Isa isa) {
+  switch (isa) {
+#if defined(__x86_64__)
+    case Isa::kAvx512:
+      return scan_bwd_avx512;
+    case Isa::kAvx2:
+      return scan_bwd_avx2;
+#endif
+    default:
+      return scan_bwd_generic;
+  }
+}
+
+Tensor empty_like_shape(const Tensor& like, const std::vector<int64_t>& shape, ST dtype) {
+  return torch::stable::new_empty(like, shape, dtype);
+}
+
+int64_t num_chunks(int64_t seqlen) { return (seqlen + kChunkLen - 1) / kChunkLen; }
+
+// --- the operators -----------------------------------------------------------------------
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> selective_scan_fwd(
+    Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptTensor D, OptTensor z, OptTensor delta_bias,
+    OptTensor initial_state, bool delta_softplus) {
+  const Dims d = check_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state);
+  u = contig(u), delta = contig(delta), A = contig(A), B = contig(B), C = contig(C);
+  D = contig(D), z = contig(z), delta_bias = contig(delta_bias), initial_state = contig(initial_state);
+  const ST dt = u.scalar_type();
+  Tensor out = empty_like_shape(u, {d.batch, d.dim, d.seqlen}, dt);
+  // mamba_ssm's (batch, dim, n_chunks, 2 * dstate), flattened over its last two dims
+  Tensor x = empty_like_shape(u, {d.batch, d.dim, num_chunks(d.seqlen) * 2 * d.dstate}, ST::Float);
+  Tensor out_z = empty_like_shape(u, z ? std::vector<int64_t>{d.batch, d.dim, d.seqlen} : std::vector<int64_t>{0}, dt);
+  Tensor last_state = empty_like_shape(u, {d.batch, d.dim, d.dstate}, ST::Float);
+
+  ScanArgs a = make_args(d, u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus);
+  a.out = out.mutable_data_ptr();
+  a.out_z = z ? out_z.mutable_data_ptr() : nullptr;
+  a.scan_intermediates = x.mutable_data_ptr<float>();
+  a.last_state = last_state.mutable_data_ptr<float>();
+  STD_TORCH_CHECK(fwd_kernel(selected_isa())(a) == 0, "selective_scan_fwd: out of memory for scratch");
+  return {out, x, out_z, last_state};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> selective_scan_bwd(
+    Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptTensor D, OptTensor z, OptTensor delta_bias,
+    OptTensor initial_state, Tensor dout, Tensor scan_intermediates, OptTensor dlast_state,
+    bool delta_softplus) {
+  const Dims d = check_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state);
+  const ST dt = u.scalar_type();
+  check_tensor("dout", dout, {d.batch, d.dim, d.seqlen}, dt);
+  check_tensor("scan_intermediates", scan_intermediates,
+               {d.batch, d.dim, num_chunks(d.seqlen) * 2 * d.dstate}, ST::Float);
+  if (dlast_state) check_tensor("dlast_state", *dlast_state, {d.batch, d.dim, d.dstate}, ST::Float);
+  u = contig(u), delta = contig(delta), A = contig(A), B = contig(B), C = contig(C);
+  D = contig(D), z = contig(z), delta_bias = contig(delta_bias), initial_state = contig(initial_state);
+  dout = contig(dout), scan_intermediates = contig(scan_intermediates), dlast_state = contig(dlast_state);
+
+  const std::vector<int64_t> bdl{d.batch, d.dim, d.seqlen}, none{0};
+  auto shape = [](const Tensor& t) {
+    std::vector<int64_t> s;
+    for (int64_t i = 0; i < t.dim(); ++i) s.push_back(t.size(i));
+    return s;
+  };
+  Tensor du = empty_like_shape(u, bdl, dt);
+  Tensor ddelta = empty_like_shape(u, bdl, dt);
+  Tensor dA = empty_like_shape(u, {d.dim, d.dstate}, ST::Float);
+  Tensor dB = empty_like_shape(u, shape(B), B.scalar_type());
+  Tensor dC = empty_like_shape(u, shape(C), C.scalar_type());
+  Tensor dD = empty_like_shape(u, D ? std::vector<int64_t>{d.dim} : none, ST::Float);
+  Tensor ddelta_bias = empty_like_shape(u, delta_bias ? std::vector<int64_t>{d.dim} : none, ST::Float);
+  Tensor dz = empty_like_shape(u, z ? bdl : none, dt);
+  Tensor dinit = empty_like_shape(u, initial_state ? std::vector<int64_t>{d.batch, d.dim, d.dstate} : none,
+                                  ST::Float);
+
+  ScanArgs a = make_args(d, u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus);
+  a.dout = dout.const_data_ptr();
+  a.scan_intermediates = const_cast<float*>(scan_intermediates.const_data_ptr<float>());
+  a.dlast_state = fptr(dlast_state);
+  a.du = du.mutable_data_ptr();
+  a.ddelta = ddelta.mutable_data_ptr();
+  a.dz = z ? dz.mutable_data_ptr() : nullptr;
+  a.dA = dA.mutable_data_ptr<float>();
+  a.dB = dB.mutable_data_ptr();
+  a.dC = dC.mutable_data_ptr();
+  a.dD = D ? dD.mutable_data_ptr<float>() : nullptr;
+  a.ddelta_bias = delta_bias ? ddelta_bias.mutable_data_ptr<float>() : nullptr;
+  a.dinitial_state = initial_state ? dinit.mutable_data_ptr<float>() : nullptr;
+  STD_TORCH_CHECK(bwd_kernel(selected_isa())(a) == 0, "selective_scan_bwd: out of memory for scratch");
+  return {du, ddelta, dA, dB, dC, dD, ddelta_bias, dz, dinit};
+}
+
+}  // namespace
+}  // namespace ssmops_cpu
+
+// The instruction set the kernels run on in this process ("avx512", "avx2" or
+// "generic"), for benchmarks and diagnostics: a plain C symbol, read with ctypes, so
+// that the operator set stays the two schemas below.
+extern "C" __attribute__((visibility("default"))) const char* ssmops_cpu_isa(void) {
+  try {
+    return ssmops_cpu::isa_name(ssmops_cpu::selected_isa());
+  } catch (...) {
+    return "invalid SSMOPS_CPU_ISA";
+  }
+}
+
+// The schemas: exactly ssmops._ops.SCHEMAS, so a Python-free process has them too.
+STABLE_TORCH_LIBRARY(ssmops, m) {
+  m.def(
+      "selective_scan_fwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, Tensor? D, "
+      "Tensor? z, Tensor? delta_bias, Tensor? initial_state, bool delta_softplus) -> "
+      "(Tensor out, Tensor scan_intermediates, Tensor out_z, Tensor last_state)");
+  m.def(
+      "selective_scan_bwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, Tensor? D, "
+      "Tensor? z, Tensor? delta_bias, Tensor? initial_state, Tensor dout, "
+      "Tensor scan_intermediates, Tensor? dlast_state, bool delta_softplus) -> "
+      "(Tensor du, Tensor ddelta, Tensor dA, Tensor dB, Tensor dC, Tensor dD, "
+      "Tensor ddelta_bias, Tensor dz, Tensor dinitial_state)");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(ssmops, CPU, m) {
+  m.impl("selective_scan_fwd", TORCH_BOX(&ssmops_cpu::selective_scan_fwd));
+  m.impl("selective_scan_bwd", TORCH_BOX(&ssmops_cpu::selective_scan_bwd));
+}
