@@ -90,7 +90,10 @@ def _raw_args(case: Case, seed=0):
 def test_check_error_names_the_argument():
     args, kw = _raw_args(Case(dstate=4))
     args[3] = torch.randn(2, 5, 7)  # B with dstate 5 instead of 4
-    with pytest.raises(RuntimeError, match=r"B must have shape .*\(2, 4, 7\).*got \(2, 5, 7\)"):
+    with pytest.raises(RuntimeError, match=r"B has dstate 5 but A has dstate 4: .* B is \(2, 5, 7\)"):
+        FWD(*args, True)
+    args[3] = torch.randn(2, 4, 8)  # B with seqlen 8 instead of 7
+    with pytest.raises(RuntimeError, match=r"B must have shape .*\(2, 4, 7\).*got \(2, 4, 8\)"):
         FWD(*args, True)
     args, _ = _raw_args(Case(dstate=4))
     args[2] = args[2].double()

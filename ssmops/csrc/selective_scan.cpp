@@ -160,8 +160,16 @@ int64_t check_bc(const char* name, const Tensor& M, const Dims& d, ST u_dtype) {
     STD_TORCH_CHECK(false, "selective_scan: ", name, " must have shape ", layouts, ", got rank ", M.dim(),
                     " ", shape_of(M));
   }
-  STD_TORCH_CHECK(same_shape(M, expected), "selective_scan: ", name, " must have shape ", layouts,
-                  ", got ", shape_of(M));
+  if (!same_shape(M, expected)) {
+    // Only dstate differs: A sets dstate, so name both.
+    const int64_t axis = M.dim() == 2 ? 1 : M.dim() - 2;
+    std::vector<int64_t> with_its_dstate = expected;
+    with_its_dstate[axis] = M.size(axis);
+    STD_TORCH_CHECK(!same_shape(M, with_its_dstate), "selective_scan: ", name, " has dstate ", M.size(axis),
+                    " but A has dstate ", d.dstate, ": A is (dim, dstate)=", shape_str({d.dim, d.dstate}), ", ",
+                    name, " is ", shape_of(M));
+    STD_TORCH_CHECK(false, "selective_scan: ", name, " must have shape ", layouts, ", got ", shape_of(M));
+  }
   const ST t = M.scalar_type();
   STD_TORCH_CHECK(t == ST::Float || t == u_dtype, "selective_scan: ", name, " must have dtype float32 or ",
                   dtype_name(u_dtype), " (u's dtype), got ", dtype_name(t));
