@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 
-.PHONY: install demo test test-quick bench clean
+.PHONY: install demo test test-quick bench sanitize clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard ssmops/csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,3 +32,15 @@ bench: install
 
 clean:
 	rm -rf build ssmops/_C*.so *.egg-info $(VENV)
+
+# The C++ library built with AddressSanitizer + UndefinedBehaviorSanitizer into
+# build/sanitize, and the tests that reach it run there (Python itself is not
+# instrumented, hence the preloaded runtime and no leak checking).
+SANITIZE_ENV = LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+sanitize: install
+	rm -rf build/sanitize build/sanitize-tmp
+	SSMOPS_SANITIZE=1 MAX_JOBS=2 $(PY) setup.py -q build --build-base build/sanitize-tmp --build-lib build/sanitize
+	cd build/sanitize && $(SANITIZE_ENV) ../../$(PY) -m pytest -q -p no:cacheprovider -x \
+		../../tests/test_native.py ../../tests/test_hardening.py ../../tests/test_properties.py \
+		-k "(cpu or test_native) and not million"

@@ -6,8 +6,14 @@ torch 2.10, so one build loads in every later torch. The extension is optional: 
 it fails to compile the package still installs and runs on the `default` backend.
 """
 
+import os
+
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+# SSMOPS_SANITIZE=1 builds with AddressSanitizer and UndefinedBehaviorSanitizer (`make sanitize`).
+SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g"]
+sanitize = os.environ.get("SSMOPS_SANITIZE") == "1"
 
 setup(
     ext_modules=[
@@ -24,8 +30,9 @@ setup(
             depends=["ssmops/csrc/scan_kernel.h", "ssmops/csrc/scan_params.h"],
             py_limited_api=True,
             optional=True,
-            extra_compile_args=[
-                "-O3",
+            extra_link_args=SANITIZE if sanitize else [],
+            extra_compile_args=(SANITIZE if sanitize else []) + [
+                "-O1" if sanitize else "-O3",
                 "-std=c++17",
                 # -std=c++17 turns FMA contraction off; the kernels want it (no -ffast-math:
                 # the NaN/inf handling and the fp16/bf16 rounding must stay exact).
@@ -33,7 +40,6 @@ setup(
                 "-fno-math-errno",
                 "-fvisibility=hidden",
                 "-DTORCH_TARGET_VERSION=0x020a000000000000",
-                "-DPy_LIMITED_API=0x03090000",
             ],
         )
     ],

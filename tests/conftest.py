@@ -115,10 +115,14 @@ def backend_params():
 
 
 def run_python(code: str, env: dict | None = None, timeout: float = 600, cwd=REPO) -> subprocess.CompletedProcess:
-    """Runs code in a fresh interpreter (so a crash or a different import-time setting is isolated)."""
+    """Runs code in a fresh interpreter (so a crash or a different import-time setting is
+    isolated), importing the same ssmops as this process (e.g. `make sanitize`'s build)."""
+    env = dict(env or {})
+    package_root = str(Path(ssmops.__file__).resolve().parents[1])
+    path = os.pathsep.join(filter(None, [env.pop("PYTHONPATH", None), package_root, os.environ.get("PYTHONPATH")]))
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=cwd,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, **env, "PYTHONPATH": path},
     )
 
 
