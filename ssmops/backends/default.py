@@ -66,8 +66,9 @@ class _Operands:
         if M.dim() == 2:
             return M.float().reshape(1, 1, G, dg, n)
         M4 = M.unsqueeze(1) if M.dim() == 3 else M  # (b, groups_M, n, l)
-        blk = M4[..., t0:t1].float().permute(3, 0, 1, 2)  # (T, b, groups_M, n)
-        return blk.expand(t1 - t0, self.dims.batch, G, n).unsqueeze(3)
+        blk = M4[..., t0:t1].permute(3, 0, 1, 2).float()  # (T, b, groups_M, n)
+        # contiguous: a strided operand makes the batched matmuls copy it matrix by matrix
+        return blk.expand(t1 - t0, self.dims.batch, G, n).contiguous().unsqueeze(3)
 
     def block(self, t0: int, t1: int) -> dict[str, Tensor | None]:
         dims = self.dims
@@ -76,7 +77,7 @@ class _Operands:
         if self.bias is not None:
             dt_raw = dt_raw + self.bias
         dt = F.softplus(dt_raw) if self.softplus else dt_raw
-        decay = torch.exp(dt.unsqueeze(-1) * self.A)
+        decay = (dt.unsqueeze(-1) * self.A).exp_()
         B = self._bc_block(self.B, t0, t1)
         drive = (dt * u).unsqueeze(-1) * B
         return {
@@ -107,8 +108,7 @@ def _sum_state(x: Tensor, M: Tensor, variable: bool) -> Tensor:
 def _grad_bc(x: Tensor, v: Tensor, variable: bool) -> Tensor:
     """d/dM of sum x * v * M: (T, b, G, n) when M is variable, else summed to (G, dg, n)."""
     if variable:
-        T, b, G, dg, n = x.shape
-        return torch.bmm(v.reshape(-1, 1, dg), x.reshape(-1, dg, n)).view(T, b, G, n)
+        return (x * v.unsqueeze(-1)).sum(3)
     return torch.einsum("tbgdn,tbgd->gdn", x, v)
 
 
