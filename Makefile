@@ -20,8 +20,11 @@ install: $(VENV)/.installed
 demo: install
 	$(PY) examples/demo.py
 
+# The second run repeats the operator-level and deployment checks with the native
+# library unloaded, so that `default` is what the dispatcher registers for CPU.
 test: install
 	$(PYTEST) tests
+	SSMOPS_BACKEND=default $(PYTEST) tests/test_ops.py tests/test_compile_export.py -k "opcheck or compile or export or aoti"
 
 # The quick subset: everything but the checks marked slow.
 test-quick: install
