@@ -27,6 +27,7 @@ from . import backends
 from ._validation import check_scan_grad_inputs, check_scan_inputs, num_chunks
 from .backends import cpu as _cpu_backend
 from .backends import default as _default_backend
+from .backends import triton as _triton_backend
 
 SCHEMAS = {
     "selective_scan_fwd": (
@@ -76,7 +77,6 @@ if not hasattr(torch.ops.ssmops, "selective_scan_fwd"):
         _lib.define(_schema)
 
 backends.unavailable["default"] = None
-backends.unavailable["triton"] = "the Triton kernels are not part of this release yet"
 _OPS = {name: getattr(torch.ops.ssmops, name).default for name in SCHEMAS}
 
 
@@ -150,3 +150,9 @@ torch.library.register_autograd(
 # its own CPU kernels when it loaded.
 for _name, _fn in _default_backend.KERNELS.items():
     torch.library.register_kernel(f"ssmops::{_name}", None, _fn)
+
+# The Triton kernels: their own operators, which Inductor traces into, and the GPU kernels
+# of the operators above. Imports Triton only where it can run (see backends/triton).
+backends.unavailable["triton"] = _triton_backend.load()
+if backends.env_backend() == "triton" and backends.unavailable["triton"]:
+    raise ImportError(f"{backends.ENV_VAR}=triton but the Triton backend cannot run: {backends.unavailable['triton']}")

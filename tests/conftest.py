@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import ssmops
+from ssmops._validation import CHUNK_LEN
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -105,12 +106,24 @@ def available(name: str) -> bool:
     return ssmops.available_backends()[name] == "available"
 
 
-def backend_params():
-    """Every backend, skipped with its reason where it cannot run on CPU tensors here."""
+def backend_params(cases=None):
+    """Every backend (times every case), skipped with its reason where it cannot run on CPU
+    tensors here. Triton runs CPU tensors only under its interpreter (tests/test_triton.py
+    sweeps CUDA tensors on a GPU machine), where its multi-chunk cases are slow."""
+    from ssmops.backends.triton import interpreting
+
     params = []
-    for name, status in ssmops.available_backends().items():
-        marks = [] if status == "available" else [pytest.mark.skip(reason=f"{name}: {status}")]
-        params.append(pytest.param(name, marks=marks, id=name))
+    for case in cases or [None]:
+        for name, status in ssmops.available_backends().items():
+            marks = []
+            if status != "available":
+                marks.append(pytest.mark.skip(reason=f"{name}: {status}"))
+            elif name == "triton" and not interpreting():
+                marks.append(pytest.mark.skip(reason="triton: CPU tensors need TRITON_INTERPRET=1"))
+            if name == "triton" and case is not None and case.seqlen > CHUNK_LEN:
+                marks.append(pytest.mark.slow)
+            values = (name,) if case is None else (name, case)
+            params.append(pytest.param(*values, marks=marks, id=name if case is None else f"{case}-{name}"))
     return params
 
 

@@ -128,8 +128,7 @@ SWEEP = [
 ]
 
 
-@pytest.mark.parametrize("backend", backend_params())
-@pytest.mark.parametrize("case", SWEEP, ids=str)
+@pytest.mark.parametrize("backend, case", backend_params(SWEEP))
 def test_backend_matches_reference(backend, case):
     kw = make_inputs(case)
     y_ref, last_ref, g_ref = run_scan_with_grads(ssmops.selective_scan_ref, kw)

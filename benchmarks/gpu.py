@@ -1,0 +1,165 @@
+"""GPU benchmark of the Triton backend: time, effective bandwidth and speed-ups.
+
+    python benchmarks/gpu.py                       # batch 8, dim 4096, seqlen 4096, dstate 16, bf16
+    python benchmarks/gpu.py --seqlen 2048 --dtype float16
+
+Prints, for forward and backward: the time of the Triton operators, their effective
+bandwidth (the bytes the operator must read and write, divided by its time) as a
+fraction of the GPU's measured copy bandwidth (a large `empty_like(x).copy_(x)`), and
+the speed-up over the `default` backend and over the torch.compile'd reference. The
+compiled reference unrolls one step per timestep, so it is compiled and timed at
+`--ref-seqlen` steps and scaled linearly to the full seqlen (marked `~`).
+Goals: forward >= 70% of copy bandwidth, backward >= 50%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--dim", type=int, default=4096)
+    p.add_argument("--seqlen", type=int, default=4096)
+    p.add_argument("--dstate", type=int, default=16)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--ref-seqlen", type=int, default=256, help="seqlen at which the compiled reference is timed")
+    p.add_argument("--skip-baselines", action="store_true", help="time the Triton operators only")
+    return p.parse_args(argv)
+
+
+def make_inputs(batch, dim, seqlen, dstate, dtype, device="cuda", seed=0):
+    """Mamba-shaped inputs: variable B/C, D, z, delta_bias, softplus."""
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape, dt=dtype):
+        return torch.randn(*shape, generator=g, device=device).to(dt)
+
+    return dict(
+        u=randn(batch, dim, seqlen), delta=(randn(batch, dim, seqlen, dt=torch.float32) * 0.5 - 1.0).to(dtype),
+        A=-torch.rand(dim, dstate, generator=g, device=device) * 4 - 0.5,
+        B=randn(batch, dstate, seqlen), C=randn(batch, dstate, seqlen),
+        D=randn(dim, dt=torch.float32), z=randn(batch, dim, seqlen),
+        delta_bias=randn(dim, dt=torch.float32) * 0.1, delta_softplus=True,
+    )
+
+
+def cuda_time(fn, repeats: int) -> float:
+    """Median seconds of fn() over `repeats` CUDA-event-timed calls, after two warm-ups."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(nbytes: int = 1 << 31, repeats: int = 20) -> float:
+    x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    x.random_()
+    y = torch.empty_like(x)
+    return 2 * nbytes / cuda_time(lambda: y.copy_(x), repeats)  # read + write
+
+
+def nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def op_args(kw):
+    return (kw["u"], kw["delta"], kw["A"], kw["B"], kw["C"], kw["D"], kw["z"], kw["delta_bias"], None,
+            kw["delta_softplus"])
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/gpu.py needs a CUDA (or ROCm) device; none is available here.", file=sys.stderr)
+        return 2
+    import ssmops
+
+    status = ssmops.available_backends()["triton"]
+    if status != "available":
+        print(f"the triton backend is not available: {status}", file=sys.stderr)
+        return 2
+    dtype = DTYPES[args.dtype]
+    shape = (args.batch, args.dim, args.seqlen, args.dstate)
+    kw = make_inputs(*shape, dtype)
+    fwd_op = torch.ops.ssmops.selective_scan_fwd_triton.default
+    bwd_op = torch.ops.ssmops.selective_scan_bwd_triton.default
+    fargs = op_args(kw)
+    out, x, out_z, last = fwd_op(*fargs)
+    dout = torch.randn_like(out_z)
+    bargs = fargs[:9] + (dout, x, None, kw["delta_softplus"])
+    grads = bwd_op(*bargs)
+
+    # bytes that must move: every input read once, every output written once
+    fwd_bytes = nbytes(*[a for a in fargs if isinstance(a, torch.Tensor)], out, x, out_z, last)
+    bwd_bytes = nbytes(*[a for a in bargs if isinstance(a, torch.Tensor)], *grads)
+    bw = copy_bandwidth()
+    t_fwd = cuda_time(lambda: fwd_op(*fargs), args.repeats)
+    t_bwd = cuda_time(lambda: bwd_op(*bargs), args.repeats)
+
+    rows = [("forward", t_fwd, fwd_bytes, 0.70), ("backward", t_bwd, bwd_bytes, 0.50)]
+    base = {}
+    if not args.skip_baselines:
+        main_fwd, main_bwd = torch.ops.ssmops.selective_scan_fwd.default, torch.ops.ssmops.selective_scan_bwd.default
+        with ssmops.use_backend("default"):
+            base["default"] = (cuda_time(lambda: main_fwd(*fargs), 3), cuda_time(lambda: main_bwd(*bargs), 3))
+        base["compiled ref"] = _compiled_ref_times(args, dtype)
+
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    print(f"shape: batch {args.batch}, dim {args.dim}, seqlen {args.seqlen}, dstate {args.dstate}, {args.dtype}, "
+          "variable B/C, D, z, delta_bias, softplus")
+    print(f"copy bandwidth: {bw / 1e9:.0f} GB/s")
+    header = f"{'pass':<9} {'time ms':>9} {'GB moved':>9} {'GB/s':>7} {'of copy':>8} {'goal':>5}"
+    for name in base:
+        header += f" {'x ' + name:>17}"
+    print(header)
+    for i, (name, t, moved, goal) in enumerate(rows):
+        frac = moved / t / bw
+        line = f"{name:<9} {t * 1e3:9.3f} {moved / 1e9:9.2f} {moved / t / 1e9:7.0f} {frac:7.0%} {'ok' if frac >= goal else 'MISS':>5}"
+        for bname, times in base.items():
+            approx = "~" if bname == "compiled ref" and args.ref_seqlen < args.seqlen else " "
+            line += f" {approx}{times[i] / t:15.1f}x"
+        print(line)
+    return 0
+
+
+def _compiled_ref_times(args, dtype) -> tuple[float, float]:
+    """Forward and backward seconds of torch.compile(selective_scan_ref), scaled to the full seqlen."""
+    import ssmops
+
+    seqlen = min(args.ref_seqlen, args.seqlen)
+    kw = make_inputs(args.batch, args.dim, seqlen, args.dstate, dtype)
+    ref = torch.compile(ssmops.selective_scan_ref)
+    with torch.no_grad():
+        t_fwd = cuda_time(lambda: ref(**kw), 3)
+    leaves = {k: v.requires_grad_() for k, v in kw.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
+
+    def fwd_bwd():
+        y = ref(**kw)
+        torch.autograd.grad(y, list(leaves.values()), torch.ones_like(y))
+
+    t_both = cuda_time(fwd_bwd, 3)
+    scale = args.seqlen / seqlen
+    return t_fwd * scale, max(t_both - t_fwd, 0.0) * scale
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""Python launchers of the Triton kernels, and the `ssmops::*_triton` operators.
+
+`selective_scan_fwd` / `selective_scan_bwd` take the arguments of the main operators'
+schemas, in the same order, check them, allocate the outputs and launch the kernels
+through `torch.library.wrap_triton`, so that a tracer (torch.compile's AOTDispatcher,
+AOTInductor) records the kernel launches themselves. They serve CUDA/ROCm/XPU tensors,
+and CPU tensors under `TRITON_INTERPRET=1`.
+
+`selective_scan_fwd_triton` / `selective_scan_bwd_triton` wrap them as
+`torch.library.triton_op`s: operators whose implementation Inductor sees through, so a
+compiled graph or an AOTInductor package launches the kernels itself (no call back
+into ssmops). `register()` gives them the main operators' fake kernels and an
+autograd formula, and registers the launchers as the CUDA/XPU kernels of the main
+`ssmops::selective_scan_fwd/_bwd` operators.
+"""
+
+from typing import Optional
+
+import torch
+import triton
+from torch import Tensor
+from torch.library import triton_op, wrap_triton
+
+from ..._validation import CHUNK_LEN, check_scan_grad_inputs, check_scan_inputs, num_chunks
+from .kernels import selective_scan_bwd_kernel, selective_scan_fwd_kernel
+
+# Devices whose tensors the kernels serve natively ("cuda" covers ROCm).
+GPU_DEVICES = ("cuda", "xpu")
+
+_interpreting = getattr(selective_scan_fwd_kernel, "__class__").__name__ == "InterpretedFunction"
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    """Largest power of two dividing n, at most cap."""
+    p = 1
+    while p < cap and n % (2 * p) == 0:
+        p *= 2
+    return p
+
+
+def _config(dims, B: Tensor, C: Tensor, backward: bool) -> dict:
+    """Tile sizes. Under the interpreter every Triton op is a numpy call, so big tiles are fast;
+    on a GPU the (BLOCK_D, dstate, BLOCK_T) float32 tiles must fit in registers."""
+    dim, dstate, groups = dims.dim, dims.dstate, dims.groups
+    if _interpreting:  # the interpreter's scan costs per element: no padding beyond seqlen
+        cap_d, block_t = 64, min(256, triton.next_power_of_2(dims.seqlen))
+    else:
+        cap_d, block_t = (4 if backward else 8), 32
+    if B.dim() > 2 or C.dim() > 2:
+        # one program's channels must share one B/C group (variable dB/dC are summed per program)
+        block_d = _pow2_divisor(dim // groups, cap_d)
+    else:
+        block_d = min(cap_d, triton.next_power_of_2(dim))
+    return dict(BLOCK_D=block_d, BLOCK_N=max(triton.next_power_of_2(dstate), 2), BLOCK_T=block_t,
+                CHUNK=CHUNK_LEN)
+
+
+def _bc_strides(M: Tensor) -> tuple:
+    """(batch, group, state, time) strides of B or C; a constant one gives (0, dim, state, 0)."""
+    if M.dim() == 2:
+        return 0, M.stride(0), M.stride(1), 0
+    if M.dim() == 3:
+        return M.stride(0), 0, M.stride(1), M.stride(2)
+    return tuple(M.stride())
+
+
+def _strides3(x: Optional[Tensor]) -> tuple:
+    return tuple(x.stride()) if x is not None else (0, 0, 0)
+
+
+def _flags(B, C, D, z, delta_bias, initial_state, delta_softplus) -> dict:
+    return dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
+                HAS_INIT=initial_state is not None, SOFTPLUS=bool(delta_softplus),
+                B_VAR=B.dim() > 2, C_VAR=C.dim() > 2)
+
+
+def _dpg(M: Tensor, dim: int) -> int:
+    """Channels per B/C group (dim when shared by all channels or constant)."""
+    return dim // M.shape[1] if M.dim() == 4 else dim
+
+
+def selective_scan_fwd(
+    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
+    z: Optional[Tensor], delta_bias: Optional[Tensor], initial_state: Optional[Tensor],
+    delta_softplus: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    dims = check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    batch, dim, seqlen, dstate, _ = dims
+    cfg = _config(dims, B, C, backward=False)
+    out = torch.empty((batch, dim, seqlen), dtype=u.dtype, device=u.device)
+    out_z = torch.empty_like(out) if z is not None else u.new_empty(0)
+    n_chunks = num_chunks(seqlen)
+    x = torch.empty((batch, dim, n_chunks * 2 * dstate), dtype=torch.float32, device=u.device)
+    last = torch.empty((batch, dim, dstate), dtype=torch.float32, device=u.device)
+    grid = (triton.cdiv(dim, cfg["BLOCK_D"]), batch)
+    wrap_triton(selective_scan_fwd_kernel)[grid](
+        u, delta, A, B, C, D if D is not None else A, z if z is not None else u,
+        delta_bias if delta_bias is not None else A,
+        initial_state if initial_state is not None else A,
+        out, out_z if z is not None else out, x, last,
+        dim, seqlen, dstate, n_chunks, _dpg(B, dim), _dpg(C, dim),
+        *u.stride(), *delta.stride(), *_strides3(z),
+        *A.stride(),
+        *_bc_strides(B), *_bc_strides(C),
+        *_strides3(initial_state),
+        out.stride(0), out.stride(1), x.stride(0), x.stride(1), last.stride(0), last.stride(1),
+        **_flags(B, C, D, z, delta_bias, initial_state, delta_softplus), **cfg,
+    )
+    return out, x, out_z, last
+
+
+def selective_scan_bwd(
+    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
+    z: Optional[Tensor], delta_bias: Optional[Tensor], initial_state: Optional[Tensor],
+    dout: Tensor, scan_intermediates: Tensor, dlast_state: Optional[Tensor], delta_softplus: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    dims = check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    check_scan_grad_inputs(dims, u, dout, scan_intermediates, dlast_state)
+    batch, dim, seqlen, dstate, groups = dims
+    cfg = _config(dims, B, C, backward=True)
+    n_dblocks = triton.cdiv(dim, cfg["BLOCK_D"])
+    f32 = dict(dtype=torch.float32, device=u.device)
+    du = torch.empty((batch, dim, seqlen), dtype=u.dtype, device=u.device)
+    ddelta = torch.empty_like(du)
+    dz = torch.empty_like(du) if z is not None else u.new_empty(0)
+    dA_part = torch.empty((batch, dim, dstate), **f32)
+    dD_part = torch.empty((batch, dim), **f32) if D is not None else u.new_empty(0, dtype=torch.float32)
+    dbias_part = torch.empty((batch, dim), **f32) if delta_bias is not None else u.new_empty(0, dtype=torch.float32)
+    dinit = torch.empty((batch, dim, dstate), **f32) if initial_state is not None else u.new_empty(0, dtype=torch.float32)
+
+    def bc_partial(M: Tensor) -> Tensor:
+        if M.dim() > 2:  # per (batch, channel block, state, time), summed over a group's blocks below
+            return torch.empty((batch, n_dblocks, dstate, seqlen), **f32)
+        return torch.empty((batch, dim, dstate), **f32)
+
+    dB_part, dC_part = bc_partial(B), bc_partial(C)
+    scratch = torch.empty(
+        (batch * n_dblocks * (CHUNK_LEN // cfg["BLOCK_T"]) * cfg["BLOCK_D"] * cfg["BLOCK_N"],), **f32
+    )
+    grid = (n_dblocks, batch)
+    wrap_triton(selective_scan_bwd_kernel)[grid](
+        u, delta, A, B, C, D if D is not None else A, z if z is not None else u,
+        delta_bias if delta_bias is not None else A,
+        initial_state if initial_state is not None else A, dout, scan_intermediates,
+        dlast_state if dlast_state is not None else A,
+        du, ddelta, dz if z is not None else du, dA_part, dB_part, dC_part,
+        dD_part if D is not None else dA_part, dbias_part if delta_bias is not None else dA_part,
+        dinit if initial_state is not None else dA_part, scratch,
+        dim, seqlen, dstate, num_chunks(seqlen), _dpg(B, dim), _dpg(C, dim),
+        *u.stride(), *delta.stride(), *_strides3(z), *dout.stride(),
+        *A.stride(),
+        *_bc_strides(B), *_bc_strides(C),
+        *_strides3(initial_state), scan_intermediates.stride(0), scan_intermediates.stride(1),
+        *_strides3(dlast_state),
+        du.stride(0), du.stride(1),
+        HAS_DLAST=dlast_state is not None,
+        **_flags(B, C, D, z, delta_bias, initial_state, delta_softplus), **cfg,
+    )
+
+    def bc_grad(part: Tensor, M: Tensor) -> Tensor:
+        if M.dim() == 2:
+            return part.sum(0).to(M.dtype)
+        m_groups = M.shape[1] if M.dim() == 4 else 1
+        summed = part.view(batch, m_groups, n_dblocks // m_groups, dstate, seqlen).sum(2)
+        return summed.view(M.shape).to(M.dtype)
+
+    return (
+        du, ddelta, dA_part.sum(0), bc_grad(dB_part, B), bc_grad(dC_part, C),
+        dD_part.sum(0) if D is not None else dD_part,
+        dbias_part.sum(0) if delta_bias is not None else dbias_part,
+        dz, dinit,
+    )
+
+
+KERNELS = {"selective_scan_fwd": selective_scan_fwd, "selective_scan_bwd": selective_scan_bwd}
+
+
+# --- the operators Inductor traces into ------------------------------------------------
+
+
+@triton_op("ssmops::selective_scan_fwd_triton", mutates_args=())
+def selective_scan_fwd_triton(
+    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
+    z: Optional[Tensor], delta_bias: Optional[Tensor], initial_state: Optional[Tensor],
+    delta_softplus: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`ssmops::selective_scan_fwd` on the Triton kernels; same schema and conventions."""
+    return selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus)
+
+
+@triton_op("ssmops::selective_scan_bwd_triton", mutates_args=())
+def selective_scan_bwd_triton(
+    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
+    z: Optional[Tensor], delta_bias: Optional[Tensor], initial_state: Optional[Tensor],
+    dout: Tensor, scan_intermediates: Tensor, dlast_state: Optional[Tensor], delta_softplus: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`ssmops::selective_scan_bwd` on the Triton kernels; same schema and conventions."""
+    return selective_scan_bwd(
+        u, delta, A, B, C, D, z, delta_bias, initial_state, dout, scan_intermediates, dlast_state,
+        delta_softplus,
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus = inputs
+    out, scan_intermediates, out_z, _ = output
+    ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, scan_intermediates)
+    ctx.delta_softplus = delta_softplus
+    ctx.mark_non_differentiable(scan_intermediates, out if z is not None else out_z)
+
+
+def _backward(ctx, dout, _dx, dout_z, dlast_state):
+    # as ssmops._ops._backward, but calling the Triton backward operator, so a compiled
+    # backward graph holds the Triton kernels too
+    u, delta, A, B, C, D, z, delta_bias, initial_state, scan_intermediates = ctx.saved_tensors
+    d_final = dout_z if z is not None else dout
+    if d_final is None:
+        d_final = torch.zeros_like(u)
+    du, ddelta, dA, dB, dC, dD, ddelta_bias, dz, dinit = selective_scan_bwd_triton(
+        u, delta, A, B, C, D, z, delta_bias, initial_state, d_final, scan_intermediates, dlast_state,
+        ctx.delta_softplus,
+    )
+    present = (D, z, delta_bias, initial_state)
+    dD, dz, ddelta_bias, dinit = (
+        g if x is not None else None for g, x in zip((dD, dz, ddelta_bias, dinit), present)
+    )
+    return du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinit, None
+
+
+def _keep_opaque_on_cpu(op_def):
+    """Under the interpreter the kernels cannot be traced (they are Python, not JIT functions),
+    so for CPU tensors the functionalization rule keeps the operator whole instead of
+    decomposing it into kernel launches; GPU tensors keep triton_op's decomposition."""
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    decompose = op_def._torch_dispatch_fns[FunctionalTensorMode]
+
+    def rule(mode, op, types, args, kwargs):
+        if isinstance(args[0], Tensor) and args[0].device.type not in GPU_DEVICES:
+            return mode.__torch_dispatch__(op, types, args, kwargs)
+        return decompose(mode, op, types, args, kwargs)
+
+    op_def.register_torch_dispatch(FunctionalTensorMode, rule)
+
+
+def register() -> None:
+    """Fake kernels and autograd of the Triton operators; the main operators' GPU kernels."""
+    from ... import _ops, backends
+
+    # triton_op uses the implementation as its fake kernel; the main ops' fakes do not
+    # launch anything (an interpreted kernel would run on fake tensors) and keep seqlen symbolic.
+    selective_scan_fwd_triton.register_fake(_ops._fwd_fake)
+    selective_scan_bwd_triton.register_fake(_ops._bwd_fake)
+    selective_scan_fwd_triton.register_autograd(_backward, setup_context=_setup_context)
+    for op_def in (selective_scan_fwd_triton, selective_scan_bwd_triton):
+        _keep_opaque_on_cpu(op_def)
+    # eager calls of the main operators on GPU tensors run the kernels too
+    devices = list(GPU_DEVICES)
+    if backends.env_backend() == "triton":  # SSMOPS_BACKEND=triton: CPU tensors as well (interpreter)
+        devices.append("cpu")
+    for name, fn in KERNELS.items():
+        torch.library.register_kernel(f"ssmops::{name}", devices, fn)

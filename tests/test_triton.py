@@ -1,0 +1,264 @@
+"""What is specific to the Triton backend (the backend-vs-reference sweep is tests/test_ops.py).
+
+On a CPU-only machine the kernels run under Triton's interpreter, which has to be switched
+on (`TRITON_INTERPRET=1`) before Triton and ssmops are imported; `test_triton_interpreter_suite`
+therefore runs the Triton tests of this file and of test_ops.py in a fresh interpreter with
+it set, so the rest of the suite is unaffected. Run
+`TRITON_INTERPRET=1 pytest tests/test_ops.py tests/test_triton.py -k triton` for test-by-test
+results. The tests marked `gpu` need a CUDA device (on ROCm too).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+
+import ssmops
+from ssmops._validation import CHUNK_LEN
+from ssmops.backends.triton import interpreting
+
+from conftest import REPO, TOLERANCES, Case, assert_close, make_inputs, run_scan_with_grads
+
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+TRITON_AVAILABLE = ssmops.available_backends()["triton"] == "available"
+HAS_CUDA = torch.cuda.is_available()
+
+needs_interpreter = pytest.mark.skipif(
+    not (interpreting() and TRITON_AVAILABLE), reason="runs under TRITON_INTERPRET=1 (see test_triton_interpreter_suite)"
+)
+gpu = pytest.mark.skipif(not (HAS_CUDA and TRITON_AVAILABLE), reason="needs a CUDA device and Triton")
+
+
+@pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
+@pytest.mark.skipif(interpreting(), reason="already under the interpreter: the tests run in this process")
+def test_triton_interpreter_suite(request):
+    """The sweep of test_ops.py and this file's interpreter tests, with TRITON_INTERPRET=1."""
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "triton",
+            "tests/test_ops.py", "tests/test_triton.py"]
+    markexpr = request.config.getoption("markexpr")
+    if markexpr:
+        args += ["-m", markexpr]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env.pop("SSMOPS_BACKEND", None)
+    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout.splitlines()[-1]
+
+
+# --- under the interpreter -------------------------------------------------------------
+
+
+def _fwd_args(case: Case, device="cpu"):
+    kw = make_inputs(case, device=device)
+    return (kw["u"], kw["delta"], kw["A"], kw["B"], kw["C"], kw["D"], kw["z"], kw["delta_bias"],
+            kw["initial_state"], kw["delta_softplus"])
+
+
+OPCHECK_CASES = [
+    Case(B="g2", C="g2", initial_state=True),
+    Case(B="const", C="var", D=False, z=False, delta_bias=False, softplus=False),
+    Case(dtype=torch.bfloat16, B="var", C="const", batch=1, dim=2, dstate=2, seqlen=5),
+]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", OPCHECK_CASES, ids=str)
+def test_triton_opcheck(case):
+    fwd_args = _fwd_args(case)
+    fwd = torch.ops.ssmops.selective_scan_fwd_triton.default
+    bwd = torch.ops.ssmops.selective_scan_bwd_triton.default
+    out, x, out_z, last = fwd(*fwd_args)
+    bwd_args = fwd_args[:9] + (torch.randn_like(out), x, torch.randn_like(last), fwd_args[9])
+    requires_grad = tuple(a.clone().requires_grad_() if isinstance(a, torch.Tensor) else a for a in fwd_args)
+    torch.library.opcheck(fwd, fwd_args)
+    torch.library.opcheck(fwd, requires_grad)
+    torch.library.opcheck(bwd, bwd_args)
+
+
+@needs_interpreter
+def test_triton_ops_match_main_ops_and_schemas():
+    from ssmops._ops import SCHEMAS
+
+    for name, schema in SCHEMAS.items():
+        triton_schema = str(getattr(torch.ops.ssmops, f"{name}_triton").default._schema)
+        # same arguments; only the (unnamed) returns differ in spelling
+        assert triton_schema.split(") -> ")[0] == f"ssmops::{schema}".replace(name, f"{name}_triton").split(") -> ")[0]
+    fwd_args = _fwd_args(Case(B="g2", C="const", initial_state=True))
+    with ssmops.use_backend("default"):
+        expected = torch.ops.ssmops.selective_scan_fwd(*fwd_args)
+    got = torch.ops.ssmops.selective_scan_fwd_triton(*fwd_args)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+@needs_interpreter
+def test_triton_is_the_gpu_kernel_of_the_main_ops():
+    """Eager calls of the main ops on CUDA (ROCm) or XPU tensors dispatch to the Triton launchers."""
+    for op in ("ssmops::selective_scan_fwd", "ssmops::selective_scan_bwd"):
+        for key in ("CUDA", "XPU"):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(op, key), (op, key)
+        # CPU keeps its own kernel (the C++ library or default), not Triton
+    from ssmops.backends.triton import triton_forward_op
+
+    assert triton_forward_op(torch.empty(1, device="meta")) is None
+    assert triton_forward_op(torch.empty(1)) is None
+
+
+@needs_interpreter
+def test_triton_backward_through_autograd_matches_reference():
+    """The Triton forward op's own autograd (the path selective_scan_fn takes on GPUs)."""
+    case = Case(B="g2", C="g2", initial_state=True)
+    kw = make_inputs(case)
+    y_ref, last_ref, g_ref = run_scan_with_grads(ssmops.selective_scan_ref, kw)
+
+    def scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+             return_last_state=False, initial_state=None):
+        out, _, out_z, last = torch.ops.ssmops.selective_scan_fwd_triton(
+            u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus)
+        return out_z, last
+
+    y, last, grads = run_scan_with_grads(scan, kw)
+    assert_close(y, y_ref, TOLERANCES[torch.float32], "out")
+    for name, g in grads.items():
+        assert_close(g, g_ref[name], TOLERANCES[torch.float32], f"d{name}")
+
+
+@needs_interpreter
+def test_triton_backward_is_deterministic():
+    case = Case(batch=2, dim=8, seqlen=37, dstate=4, B="g2", C="g2", initial_state=True)
+    kw = make_inputs(case)
+    with ssmops.use_backend("triton"):
+        first = run_scan_with_grads(ssmops.selective_scan_fn, kw)[2]
+        second = run_scan_with_grads(ssmops.selective_scan_fn, kw)[2]
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+
+
+@pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
+def test_triton_env_selector_routes_cpu_tensors_to_triton():
+    """SSMOPS_BACKEND=triton registers the Triton launchers as the CPU kernels, for the process."""
+    code = (
+        "import torch, ssmops, sys; sys.path.insert(0, 'tests')\n"
+        "from conftest import Case, make_inputs\n"
+        "assert torch._C._dispatch_has_kernel_for_dispatch_key('ssmops::selective_scan_fwd', 'CPU')\n"
+        "kw = make_inputs(Case(B='g2', C='g2'))\n"
+        "y = ssmops.selective_scan_fn(**kw)\n"
+        "y_ref = ssmops.selective_scan_ref(**kw)\n"
+        "torch.testing.assert_close(y, y_ref, rtol=2e-4, atol=2e-4)\n"
+        "print(ssmops.available_backends())\n"
+    )
+    env = {**os.environ, "SSMOPS_BACKEND": "triton", "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "'cpu': 'not loaded because SSMOPS_BACKEND=triton'" in proc.stdout
+    env.pop("TRITON_INTERPRET")
+    if not HAS_CUDA:  # without a GPU or the interpreter the selector cannot be honoured: say so at import
+        proc = subprocess.run([sys.executable, "-c", "import ssmops"], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode != 0 and "TRITON_INTERPRET=1" in proc.stderr
+
+
+# --- on a GPU ----------------------------------------------------------------------------
+
+GPU_SWEEP = [
+    *(Case(batch=2, dim=64, seqlen=s, dstate=16, B=b, C=c, initial_state=True)
+      for s in (1, 127, CHUNK_LEN + 1, 2 * CHUNK_LEN + 100) for b, c in [("var", "var"), ("const", "g4")]),
+    Case(batch=2, dim=48, seqlen=300, dstate=5, B="g2", C="const", D=False, delta_bias=False, softplus=False),
+    Case(batch=1, dim=6, seqlen=999, dstate=33, B="var", C="const", z=False),
+    *(Case(batch=2, dim=64, seqlen=1000, dstate=16, dtype=dt, B="var", C="var") for dt in (torch.float16, torch.bfloat16)),
+]
+
+
+@gpu
+@pytest.mark.parametrize("case", GPU_SWEEP, ids=str)
+def test_triton_cuda_matches_reference(case):
+    kw = make_inputs(case, device="cuda")
+    y_ref, last_ref, g_ref = run_scan_with_grads(ssmops.selective_scan_ref, kw)
+    y, last, grads = run_scan_with_grads(ssmops.selective_scan_fn, kw)  # CUDA: the Triton op
+    tol = TOLERANCES[case.dtype]
+    assert_close(y, y_ref, tol, "out")
+    assert_close(last, last_ref, TOLERANCES[torch.float32] * 5, "last_state")
+    for name, g in grads.items():
+        assert_close(g, g_ref[name], tol * 2, f"d{name}")
+
+
+@gpu
+def test_triton_cuda_main_op_dispatches_to_triton():
+    args = _fwd_args(Case(batch=2, dim=16, seqlen=50, dstate=8), device="cuda")
+    got = torch.ops.ssmops.selective_scan_fwd(*args)
+    expected = torch.ops.ssmops.selective_scan_fwd_triton(*args)
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e)
+
+
+@gpu
+@pytest.mark.slow
+def test_triton_compile_fullgraph_forward_backward():
+    case = Case(batch=2, dim=64, seqlen=300, dstate=16, B="var", C="var", initial_state=True)
+    kw = make_inputs(case, device="cuda")
+    compiled = torch.compile(ssmops.selective_scan_fn, fullgraph=True, dynamic=True)
+    y_ref, _, g_ref = run_scan_with_grads(ssmops.selective_scan_ref, kw)
+    y, _, grads = run_scan_with_grads(compiled, kw)
+    assert_close(y, y_ref, TOLERANCES[torch.float32], "out")
+    for name, g in grads.items():
+        assert_close(g, g_ref[name], TOLERANCES[torch.float32] * 2, f"d{name}")
+    # another seqlen reuses the graph (seqlen stays symbolic)
+    kw2 = make_inputs(Case(batch=2, dim=64, seqlen=CHUNK_LEN + 7, dstate=16, B="var", C="var"), device="cuda")
+    torch.testing.assert_close(compiled(**kw2), ssmops.selective_scan_ref(**kw2), rtol=2e-4, atol=2e-4)
+
+
+class _Scan(torch.nn.Module):
+    def forward(self, u, delta, A, B, C, D, z, delta_bias):
+        return ssmops.selective_scan_fn(u, delta, A, B, C, D, z, delta_bias, delta_softplus=True)
+
+
+@gpu
+@pytest.mark.slow
+def test_triton_aoti_package_embeds_the_kernels(tmp_path):
+    """The AOTInductor package launches the Triton kernels itself: no proxy-executor call for the scan."""
+    kw = make_inputs(Case(batch=2, dim=64, seqlen=500, dstate=16, B="var", C="var"), device="cuda")
+    args = tuple(kw[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias"))
+    seqlen = torch.export.Dim("seqlen", min=2, max=1 << 16)
+    dyn = {"u": {2: seqlen}, "delta": {2: seqlen}, "B": {2: seqlen}, "C": {2: seqlen}, "z": {2: seqlen},
+           "A": None, "D": None, "delta_bias": None}
+    with torch.no_grad():
+        ep = torch.export.export(_Scan(), args, dynamic_shapes=dyn)
+        path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "scan.pt2"))
+    with zipfile.ZipFile(path) as pkg:
+        names = pkg.namelist()
+        sources = "\n".join(pkg.read(n).decode(errors="replace") for n in names if n.endswith((".cpp", ".h", ".py")))
+    assert "selective_scan_fwd_kernel" in sources, names
+    assert any(n.endswith((".cubin", ".hsaco", ".spv")) for n in names), names
+    assert "proxy_executor" not in sources or "ssmops" not in sources.split("proxy_executor", 1)[1][:2000]
+    assert "ssmops::selective_scan" not in sources
+    loaded = torch._inductor.aoti_load_package(path)
+    torch.testing.assert_close(loaded(*args), ssmops.selective_scan_ref(**kw), rtol=2e-4, atol=2e-4)
+    # the package runs without ssmops' operators: a fresh interpreter that never imports ssmops
+    code = (
+        "import torch\n"
+        f"m = torch._inductor.aoti_load_package({str(path)!r})\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "b, d, l, n = 2, 64, 777, 16\n"
+        "args = (torch.randn(b, d, l), torch.randn(b, d, l) * 0.5 - 1, -torch.rand(d, n) - 0.1,\n"
+        "        torch.randn(b, n, l), torch.randn(b, n, l), torch.randn(d), torch.randn(b, d, l), torch.zeros(d))\n"
+        "y = m(*[a.cuda() for a in args])\n"
+        "import sys; assert 'ssmops' not in sys.modules; print(tuple(y.shape))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(2, 64, 777)" in proc.stdout
+
+
+def test_gpu_benchmark_parses_and_explains_without_a_gpu():
+    proc = subprocess.run([sys.executable, "benchmarks/gpu.py", "--seqlen", "64", "--skip-baselines"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    if HAS_CUDA:
+        pytest.skip("a GPU is present: the benchmark runs (see benchmarks/gpu.py)")
+    assert proc.returncode == 2 and "needs a CUDA" in proc.stderr, proc.stderr
