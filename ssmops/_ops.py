@@ -116,34 +116,40 @@ def _bwd_fake(
 # --- autograd: the backward is the backward operator --------------------------------
 
 
-def _setup_context(ctx, inputs, output):
-    u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus = inputs
-    out, scan_intermediates, out_z, _ = output
-    ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, scan_intermediates)
-    ctx.delta_softplus = delta_softplus
-    ctx.backend = backends.selected_backend()  # the backward runs where the forward ran
-    # The gradient flows through the final output (out_z when gated) and last_state only.
-    ctx.mark_non_differentiable(scan_intermediates, out if z is not None else out_z)
+def autograd_for(bwd_op):
+    """(backward, setup_context) for a forward operator with the schema of
+    `selective_scan_fwd` whose backward is the operator `bwd_op`."""
 
+    def setup_context(ctx, inputs, output):
+        u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus = inputs
+        out, scan_intermediates, out_z, _ = output
+        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, scan_intermediates)
+        ctx.delta_softplus = delta_softplus
+        ctx.backend = backends.selected_backend()  # the backward runs where the forward ran
+        # The gradient flows through the final output (out_z when gated) and last_state only.
+        ctx.mark_non_differentiable(scan_intermediates, out if z is not None else out_z)
 
-def _backward(ctx, dout, _dx, dout_z, dlast_state):
-    u, delta, A, B, C, D, z, delta_bias, initial_state, scan_intermediates = ctx.saved_tensors
-    d_final = dout_z if z is not None else dout
-    if d_final is None:
-        d_final = torch.zeros_like(u)
-    with backends.use_backend(ctx.backend):
-        du, ddelta, dA, dB, dC, dD, ddelta_bias, dz, dinit = _OPS["selective_scan_bwd"](
-            u, delta, A, B, C, D, z, delta_bias, initial_state, d_final, scan_intermediates,
-            dlast_state, ctx.delta_softplus,
+    def backward(ctx, dout, _dx, dout_z, dlast_state):
+        u, delta, A, B, C, D, z, delta_bias, initial_state, scan_intermediates = ctx.saved_tensors
+        d_final = dout_z if z is not None else dout
+        if d_final is None:
+            d_final = torch.zeros_like(u)
+        with backends.use_backend(ctx.backend):
+            du, ddelta, dA, dB, dC, dD, ddelta_bias, dz, dinit = bwd_op(
+                u, delta, A, B, C, D, z, delta_bias, initial_state, d_final, scan_intermediates,
+                dlast_state, ctx.delta_softplus,
+            )
+        present = (D, z, delta_bias, initial_state)
+        dD, dz, ddelta_bias, dinit = (
+            g if x is not None else None for g, x in zip((dD, dz, ddelta_bias, dinit), present)
         )
-    present = (D, z, delta_bias, initial_state)
-    dD, dz, ddelta_bias, dinit = (g if x is not None else None for g, x in zip((dD, dz, ddelta_bias, dinit), present))
-    return du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinit, None
+        return du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinit, None
+
+    return backward, setup_context
 
 
-torch.library.register_autograd(
-    "ssmops::selective_scan_fwd", _backward, setup_context=_setup_context
-)
+_backward, _setup_context = autograd_for(_OPS["selective_scan_bwd"])
+torch.library.register_autograd("ssmops::selective_scan_fwd", _backward, setup_context=_setup_context)
 
 # --- backend registrations ------------------------------------------------------------
 # `default` serves every device without a native kernel; the C++ library registered

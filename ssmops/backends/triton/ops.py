@@ -201,32 +201,6 @@ def selective_scan_bwd_triton(
     )
 
 
-def _setup_context(ctx, inputs, output):
-    u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus = inputs
-    out, scan_intermediates, out_z, _ = output
-    ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, scan_intermediates)
-    ctx.delta_softplus = delta_softplus
-    ctx.mark_non_differentiable(scan_intermediates, out if z is not None else out_z)
-
-
-def _backward(ctx, dout, _dx, dout_z, dlast_state):
-    # as ssmops._ops._backward, but calling the Triton backward operator, so a compiled
-    # backward graph holds the Triton kernels too
-    u, delta, A, B, C, D, z, delta_bias, initial_state, scan_intermediates = ctx.saved_tensors
-    d_final = dout_z if z is not None else dout
-    if d_final is None:
-        d_final = torch.zeros_like(u)
-    du, ddelta, dA, dB, dC, dD, ddelta_bias, dz, dinit = selective_scan_bwd_triton(
-        u, delta, A, B, C, D, z, delta_bias, initial_state, d_final, scan_intermediates, dlast_state,
-        ctx.delta_softplus,
-    )
-    present = (D, z, delta_bias, initial_state)
-    dD, dz, ddelta_bias, dinit = (
-        g if x is not None else None for g, x in zip((dD, dz, ddelta_bias, dinit), present)
-    )
-    return du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinit, None
-
-
 def _keep_opaque_on_cpu(op_def):
     """Under the interpreter the kernels cannot be traced (they are Python, not JIT functions),
     so for CPU tensors the functionalization rule keeps the operator whole instead of
@@ -251,7 +225,9 @@ def register() -> None:
     # launch anything (an interpreted kernel would run on fake tensors) and keep seqlen symbolic.
     selective_scan_fwd_triton.register_fake(_ops._fwd_fake)
     selective_scan_bwd_triton.register_fake(_ops._bwd_fake)
-    selective_scan_fwd_triton.register_autograd(_backward, setup_context=_setup_context)
+    # a compiled backward graph then holds the Triton backward kernels too
+    backward, setup_context = _ops.autograd_for(selective_scan_bwd_triton)
+    selective_scan_fwd_triton.register_autograd(backward, setup_context=setup_context)
     for op_def in (selective_scan_fwd_triton, selective_scan_bwd_triton):
         _keep_opaque_on_cpu(op_def)
     # eager calls of the main operators on GPU tensors run the kernels too
