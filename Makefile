@@ -11,7 +11,7 @@ PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard ssmops/csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q "setuptools>=70" wheel numpy pytest hypothesis "triton; platform_system == 'Linux'"
+	$(PY) -m pip install -q "setuptools>=70" wheel numpy pytest hypothesis transformers "triton; platform_system == 'Linux'"
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 

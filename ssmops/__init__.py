@@ -9,14 +9,18 @@ The operators live in `torch.ops.ssmops`; see DESIGN.md for their contract.
 from . import compat
 from .backends import available_backends, use_backend
 from .backends.cpu import library_path
+from .mamba_inner import mamba_inner_fn
 from .reference import selective_scan_ref
 from .selective_scan import selective_scan_fn
+from .state_update import selective_state_update
 
 __all__ = [
     "available_backends",
     "compat",
     "library_path",
+    "mamba_inner_fn",
     "selective_scan_fn",
     "selective_scan_ref",
+    "selective_state_update",
     "use_backend",
 ]

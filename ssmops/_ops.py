@@ -24,7 +24,7 @@ import warnings
 import torch
 
 from . import backends
-from ._validation import check_scan_grad_inputs, check_scan_inputs, num_chunks
+from ._validation import check_scan_grad_inputs, check_scan_inputs, check_state_update_inputs, num_chunks
 from .backends import cpu as _cpu_backend
 from .backends import default as _default_backend
 from .backends import triton as _triton_backend
@@ -41,6 +41,18 @@ SCHEMAS = {
         "Tensor scan_intermediates, Tensor? dlast_state, bool delta_softplus) -> "
         "(Tensor du, Tensor ddelta, Tensor dA, Tensor dB, Tensor dC, Tensor dD, "
         "Tensor ddelta_bias, Tensor dz, Tensor dinitial_state)"
+    ),
+}
+
+
+# Declared from Python only (the C++ library does not define them yet), whether or not
+# the library loaded. selective_state_update is the single-token step of decoding:
+# inference only (no autograd), `state` updated in place, which torch.compile and
+# torch.export functionalise.
+PYTHON_SCHEMAS = {
+    "selective_state_update": (
+        "selective_state_update(Tensor(a!) state, Tensor x, Tensor dt, Tensor A, Tensor B, "
+        "Tensor C, Tensor? D, Tensor? z, Tensor? dt_bias, bool dt_softplus) -> Tensor"
     ),
 }
 
@@ -70,14 +82,13 @@ def _load_native() -> None:
 
 
 _load_native()
-_lib = None
-if not hasattr(torch.ops.ssmops, "selective_scan_fwd"):
-    _lib = torch.library.Library("ssmops", "DEF")  # kept alive for the process
-    for _schema in SCHEMAS.values():
+_lib = torch.library.Library("ssmops", "FRAGMENT")  # kept alive for the process
+for _name, _schema in {**SCHEMAS, **PYTHON_SCHEMAS}.items():
+    if not hasattr(torch.ops.ssmops, _name):  # the C++ library defines SCHEMAS when loaded
         _lib.define(_schema)
 
 backends.unavailable["default"] = None
-_OPS = {name: getattr(torch.ops.ssmops, name).default for name in SCHEMAS}
+_OPS = {name: getattr(torch.ops.ssmops, name).default for name in {**SCHEMAS, **PYTHON_SCHEMAS}}
 
 
 def _empty(like: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
@@ -111,6 +122,12 @@ def _bwd_fake(
         like(u), like(delta), like(A), like(B), like(C), like(D), like(delta_bias),
         like(z, u.dtype), like(initial_state),
     )
+
+
+@torch.library.register_fake("ssmops::selective_state_update")
+def _state_update_fake(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
+    batch, dim, _, _ = check_state_update_inputs(state, x, dt, A, B, C, D, z, dt_bias)
+    return x.new_empty(batch, dim)
 
 
 # --- autograd: the backward is the backward operator --------------------------------
@@ -156,6 +173,7 @@ torch.library.register_autograd("ssmops::selective_scan_fwd", _backward, setup_c
 # its own CPU kernels when it loaded.
 for _name, _fn in _default_backend.KERNELS.items():
     torch.library.register_kernel(f"ssmops::{_name}", None, _fn)
+
 
 # The Triton kernels: their own operators, which Inductor traces into, and the GPU kernels
 # of the operators above. Imports Triton only where it can run (see backends/triton).

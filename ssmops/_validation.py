@@ -27,7 +27,7 @@ def _dtype_name(dtypes) -> str:
     return " or ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
-def _check_tensor(name: str, x, dtypes, shape, device) -> None:
+def _check_tensor(name: str, x, dtypes, shape, device, like: str = "u") -> None:
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a Tensor, got {type(x).__name__}")
     if x.dtype not in dtypes:
@@ -35,7 +35,7 @@ def _check_tensor(name: str, x, dtypes, shape, device) -> None:
     if tuple(x.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
     if x.device != device:
-        raise ValueError(f"{name} must be on {device} like u, got {x.device}")
+        raise ValueError(f"{name} must be on {device} like {like}, got {x.device}")
 
 
 def _bc_groups(name: str, M, batch: int, dim: int, seqlen: int, dstate: int, dtypes) -> int:
@@ -145,3 +145,76 @@ CHUNK_LEN = 2048
 
 def num_chunks(seqlen):
     return (seqlen + CHUNK_LEN - 1) // CHUNK_LEN
+
+
+# --- selective_state_update: one decoding step ----------------------------------------
+
+
+class StateUpdateDims(NamedTuple):
+    batch: int
+    dim: int
+    dstate: int
+    groups: int  # of B and C; 1 for the (batch, dstate) layout
+
+
+def check_state_update_inputs(
+    state: Tensor,
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None,
+    z: Tensor | None,
+    dt_bias: Tensor | None,
+) -> StateUpdateDims:
+    """Validates the inputs of `selective_state_update` (3-D state layout) and returns their sizes.
+
+    state: (batch, dim, dstate) float32; x, dt, z: (batch, dim) fp32/fp16/bf16 (one dtype);
+    A: (dim, dstate) float32; B, C: (batch, dstate) or (batch, groups, dstate), float32 or
+    x's dtype; D, dt_bias: (dim,), float32 or x's dtype.
+    """
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x must be a Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"x must have shape (batch, dim), got {tuple(x.shape)}")
+    if x.dtype not in INPUT_DTYPES:
+        raise TypeError(f"x must have dtype {_dtype_name(INPUT_DTYPES)}, got {x.dtype}")
+    batch, dim = x.shape
+    device = x.device
+    f32_or_x = tuple(dict.fromkeys((torch.float32, x.dtype)))
+    if not isinstance(A, Tensor):
+        raise TypeError(f"A must be a Tensor, got {type(A).__name__}")
+    if A.dim() != 2 or A.shape[0] != dim:
+        raise ValueError(f"A must have shape (dim, dstate) with dim={dim}, got {tuple(A.shape)}")
+    dstate = A.shape[1]
+    if not 1 <= dstate <= MAX_DSTATE:
+        raise ValueError(f"A must have 1 <= dstate <= {MAX_DSTATE}, got dstate={dstate}")
+    _check_tensor("A", A, (torch.float32,), (dim, dstate), device, like="x")
+    _check_tensor("state", state, (torch.float32,), (batch, dim, dstate), device, like="x")
+    _check_tensor("dt", dt, (x.dtype,), (batch, dim), device, like="x")
+    groups = {}
+    for name, M in (("B", B), ("C", C)):
+        if not isinstance(M, Tensor):
+            raise TypeError(f"{name} must be a Tensor, got {type(M).__name__}")
+        if M.dim() == 2:
+            expected, groups[name] = (batch, dstate), 1
+        elif M.dim() == 3:
+            groups[name] = M.shape[1]
+            if groups[name] < 1 or dim % groups[name] != 0:
+                raise ValueError(f"{name} has {groups[name]} groups, which does not divide dim={dim}")
+            expected = (batch, groups[name], dstate)
+        else:
+            raise ValueError(
+                f"{name} must have shape (batch, dstate)=({batch}, {dstate}) or (batch, groups, dstate) "
+                f"with groups dividing dim={dim}, got {tuple(M.shape)}"
+            )
+        _check_tensor(name, M, f32_or_x, expected, device, like="x")
+    if groups["B"] != groups["C"]:
+        raise ValueError(f"B has {groups['B']} groups but C has {groups['C']}; they must agree")
+    for name, v in (("D", D), ("dt_bias", dt_bias)):
+        if v is not None:
+            _check_tensor(name, v, f32_or_x, (dim,), device, like="x")
+    if z is not None:
+        _check_tensor("z", z, (x.dtype,), (batch, dim), device, like="x")
+    return StateUpdateDims(batch, dim, dstate, groups["B"])

@@ -1,0 +1,82 @@
+"""`mamba_inner_fn`: the Mamba mixer between in_proj and out_proj, as mamba_ssm computes it.
+
+Plain PyTorch around the scan operator, so it is differentiable (the scan's backward is
+an operator), compiles with `fullgraph=True` and exports.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from .selective_scan import selective_scan_fn
+
+
+def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str | None = None) -> Tensor:
+    """Depthwise causal conv1d: x (batch, dim, seqlen), weight (dim, width) or (dim, 1, width);
+    output t sees inputs t-width+1..t. `activation` is None or "silu"."""
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"activation must be None or 'silu', got {activation!r}")
+    if weight.dim() == 2:
+        weight = weight.unsqueeze(1)
+    width = weight.shape[-1]
+    out = F.conv1d(x, weight, bias, padding=width - 1, groups=x.shape[1])[..., : x.shape[-1]]
+    return F.silu(out) if activation is not None else out
+
+
+def mamba_inner_fn(
+    xz: Tensor,
+    conv1d_weight: Tensor,
+    conv1d_bias: Tensor | None,
+    x_proj_weight: Tensor,
+    delta_proj_weight: Tensor,
+    out_proj_weight: Tensor,
+    out_proj_bias: Tensor | None,
+    A: Tensor,
+    B: Tensor | None = None,
+    C: Tensor | None = None,
+    D: Tensor | None = None,
+    delta_bias: Tensor | None = None,
+    B_proj_bias: Tensor | None = None,
+    C_proj_bias: Tensor | None = None,
+    delta_softplus: bool = True,
+) -> Tensor:
+    """mamba_ssm's `mamba_inner_fn`: same signature, same result, differentiable.
+
+    xz: (batch, 2 * d_inner, seqlen), the output of in_proj with x and z stacked on dim 1;
+    conv1d_weight: (d_inner, 1, d_conv); x_proj_weight: (dt_rank + 2 * d_state, d_inner);
+    delta_proj_weight: (d_inner, dt_rank); out_proj_weight: (d_model, d_inner);
+    A: (d_inner, d_state) float32; B, C: None (taken from x_proj, the usual case) or any
+    layout `selective_scan_fn` accepts; D, delta_bias: (d_inner,); B_proj_bias,
+    C_proj_bias: (d_state,). Returns (batch, seqlen, d_model)::
+
+        x, z  = xz.chunk(2, dim=1)
+        x     = silu(causal_conv1d(x) + conv1d_bias)
+        dt, B, C = split(x_proj(x), [dt_rank, d_state, d_state])
+        y     = selective_scan_fn(x, delta_proj(dt), A, B, C, D, z, delta_bias, delta_softplus)
+        out   = out_proj(y)
+    """
+    dt_rank = delta_proj_weight.shape[1]
+    d_state = A.shape[-1]
+    x, z = xz.chunk(2, dim=1)
+    x = causal_conv1d(x, conv1d_weight, conv1d_bias, activation="silu")
+    x_dbl = F.linear(x.transpose(1, 2), x_proj_weight)  # (batch, seqlen, dt_rank + 2 * d_state)
+    delta = F.linear(x_dbl[..., :dt_rank], delta_proj_weight).transpose(1, 2)  # (batch, d_inner, seqlen)
+    if B is None:
+        B = x_dbl[..., dt_rank : dt_rank + d_state]
+        if B_proj_bias is not None:
+            B = B + B_proj_bias.to(B.dtype)
+        B = B.transpose(1, 2)  # (batch, d_state, seqlen)
+    if C is None:
+        C = x_dbl[..., x_dbl.shape[-1] - d_state :]
+        if C_proj_bias is not None:
+            C = C + C_proj_bias.to(C.dtype)
+        C = C.transpose(1, 2)
+    y = selective_scan_fn(
+        x, delta, A, B, C,
+        D=None if D is None else D.float(),
+        z=z,
+        delta_bias=None if delta_bias is None else delta_bias.float(),
+        delta_softplus=delta_softplus,
+    )
+    return F.linear(y.transpose(1, 2), out_proj_weight, out_proj_bias)

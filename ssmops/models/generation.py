@@ -1,0 +1,141 @@
+"""Decoding for the Mamba language model: prefill through the scan, then one recurrent step per token.
+
+Mirrors `mamba_ssm.utils.generation` (InferenceParams, top-k / top-p / min-p sampling,
+`decode`) without CUDA graphs: the per-token cost is one `selective_state_update` per
+layer, independent of the prompt length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+
+@dataclasses.dataclass
+class InferenceParams:
+    """The decoding cache: `key_value_memory_dict[layer_idx] = (conv_state, ssm_state)`,
+    allocated by each Mamba layer on first use; `seqlen_offset` is how many tokens the
+    states already hold (0: the next forward is the prompt)."""
+
+    max_seqlen: int
+    max_batch_size: int
+    seqlen_offset: int = 0
+    batch_size_offset: int = 0
+    key_value_memory_dict: dict = dataclasses.field(default_factory=dict)
+    lengths_per_sample: Tensor | None = None
+
+    def reset(self, max_seqlen: int, max_batch_size: int) -> None:
+        self.max_seqlen = max_seqlen
+        self.max_batch_size = max_batch_size
+        self.seqlen_offset = 0
+        for states in self.key_value_memory_dict.values():
+            for s in states:
+                s.zero_()
+
+
+@dataclasses.dataclass
+class GenerationOutput:
+    """`sequences`: (batch, prompt + generated) token ids; `scores`: one (batch, vocab)
+    logits tensor per generated token (when asked for)."""
+
+    sequences: Tensor
+    scores: tuple[Tensor, ...] | None = None
+
+
+def _top_p_filter_(logits: Tensor, top_p: float) -> None:
+    """Masks (in place, to -inf) the tokens outside the smallest set whose probability
+    exceeds top_p."""
+    if not 0.0 < top_p < 1.0:
+        return
+    sorted_logits, sorted_idx = torch.sort(logits, descending=False)
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    remove_sorted = cum <= (1 - top_p)  # the low tail whose mass is at most 1 - top_p
+    remove = remove_sorted.scatter(1, sorted_idx, remove_sorted)
+    logits.masked_fill_(remove, float("-inf"))
+
+
+def sample(logits: Tensor, top_k: int = 1, top_p: float = 0.0, min_p: float = 0.0, temperature: float = 1.0) -> Tensor:
+    """Next token from logits (batch, vocab): greedy when top_k == 1, else sampling from
+    softmax(logits / temperature) restricted to the top_k tokens (0: all), to the top_p
+    nucleus and to tokens with probability >= min_p * the largest one."""
+    if top_k == 1:
+        return logits.argmax(dim=-1)
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+    if top_k > 0:
+        top_k = min(top_k, logits.shape[-1])
+        top_logits, indices = torch.topk(logits, top_k, dim=-1)
+        top_logits = top_logits / temperature
+        _top_p_filter_(top_logits, top_p)
+        choice = torch.multinomial(top_logits.softmax(dim=-1), num_samples=1)
+        return indices.gather(1, choice).squeeze(1)
+    logits = logits / temperature
+    if min_p > 0.0:
+        probs = logits.softmax(dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    _top_p_filter_(logits, top_p)
+    return torch.multinomial(logits.softmax(dim=-1), num_samples=1).squeeze(1)
+
+
+@torch.inference_mode()
+def decode(
+    input_ids: Tensor,
+    model,
+    max_length: int,
+    top_k: int = 1,
+    top_p: float = 0.0,
+    min_p: float = 0.0,
+    temperature: float = 1.0,
+    repetition_penalty: float = 1.0,
+    eos_token_id: int | None = None,
+    vocab_size: int | None = None,
+    output_scores: bool = False,
+    streamer=None,
+) -> GenerationOutput:
+    """Generates up to `max_length` tokens in all (prompt included).
+
+    The prompt goes through the model once (the scan fills every layer's conv and ssm
+    states); each further token is one recurrent step per layer. `vocab_size` cuts the
+    logits (e.g. to drop the vocabulary padding); with `eos_token_id`, a sequence that
+    produced it is padded with it and decoding stops once every sequence has.
+    `streamer`, when given, gets `put(tokens)` for the prompt and each new token and
+    `end()` at the end (the transformers streamer protocol).
+    """
+    batch, prompt_len = input_ids.shape
+    if max_length <= prompt_len:
+        return GenerationOutput(input_ids, () if output_scores else None)
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    params = InferenceParams(max_seqlen=max_length, max_batch_size=batch)
+    tokens = [input_ids]
+    scores = []
+    finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
+    step_input = input_ids
+    while True:
+        logits = model(step_input, inference_params=params, num_last_tokens=1).logits[:, -1]
+        params.seqlen_offset += step_input.shape[1]
+        if vocab_size is not None:
+            logits = logits[:, :vocab_size]
+        if repetition_penalty != 1.0:
+            seen = torch.cat(tokens, dim=1)
+            picked = logits.gather(1, seen)
+            picked = torch.where(picked < 0, picked * repetition_penalty, picked / repetition_penalty)
+            logits = logits.scatter(1, seen, picked)
+        if output_scores:
+            scores.append(logits.clone())
+        token = sample(logits, top_k=top_k, top_p=top_p, min_p=min_p, temperature=temperature)
+        if eos_token_id is not None:
+            token = token.masked_fill(finished, eos_token_id)
+            finished |= token == eos_token_id
+        tokens.append(token.unsqueeze(1))
+        if streamer is not None:
+            streamer.put(token.cpu())
+        if params.seqlen_offset + 1 >= max_length or (eos_token_id is not None and bool(finished.all())):
+            break
+        step_input = token.unsqueeze(1)
+    if streamer is not None:
+        streamer.end()
+    return GenerationOutput(torch.cat(tokens, dim=1), tuple(scores) if output_scores else None)

@@ -1,0 +1,337 @@
+"""`MambaLMHeadModel`: mamba_ssm's Mamba language model on the ssmops operators.
+
+Same state_dict layout as `mamba_ssm.models.mixer_seq_simple.MambaLMHeadModel`
+(`backbone.embedding.weight`, `backbone.layers.{i}.mixer.*`, `backbone.layers.{i}.norm.weight`,
+`backbone.norm_f.weight`, `lm_head.weight` tied to the embedding), so mamba_ssm
+checkpoints load as they are; Hugging Face transformers `MambaForCausalLM` checkpoints
+load through `convert_hf_config` / `convert_hf_state_dict` (transformers itself is
+never imported).
+
+    model = MambaLMHeadModel.from_pretrained("path/to/checkpoint_dir")   # either format
+    out = model.generate(input_ids, max_length=64)                        # greedy
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections import namedtuple
+from functools import partial
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from ..export import load_state_dict
+from ..modules.mamba import Mamba
+from .generation import GenerationOutput, decode
+
+
+@dataclasses.dataclass
+class MambaConfig:
+    """mamba_ssm's config.json keys. `ssm_cfg` holds the Mamba block's arguments
+    (d_state, d_conv, expand, dt_rank, conv_bias, bias, ...). `fused_add_norm` is
+    accepted and ignored (the norm is plain PyTorch here). The vocabulary is padded up
+    to a multiple of `pad_vocab_size_multiple`."""
+
+    d_model: int = 2560
+    n_layer: int = 64
+    vocab_size: int = 50277
+    ssm_cfg: dict = dataclasses.field(default_factory=dict)
+    rms_norm: bool = True
+    residual_in_fp32: bool = True
+    fused_add_norm: bool = True
+    pad_vocab_size_multiple: int = 8
+    tie_embeddings: bool = True
+    norm_epsilon: float = 1e-5
+    # newer mamba_ssm keys, accepted only with the values of a pure Mamba-1 model
+    d_intermediate: int = 0
+    attn_layer_idx: list = dataclasses.field(default_factory=list)
+    attn_cfg: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.d_intermediate:
+            raise ValueError(f"d_intermediate={self.d_intermediate}: MLP layers are not supported (only 0)")
+        if self.attn_layer_idx:
+            raise ValueError(f"attn_layer_idx={self.attn_layer_idx}: attention layers are not supported")
+        layer = self.ssm_cfg.get("layer", "Mamba1")
+        if layer != "Mamba1":
+            raise ValueError(f"ssm_cfg layer={layer!r}: only Mamba1 blocks are supported")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.pad_vocab_size_multiple
+        return self.vocab_size if self.vocab_size % m == 0 else self.vocab_size + m - self.vocab_size % m
+
+    def block_kwargs(self) -> dict:
+        """ssm_cfg as arguments of the Mamba block."""
+        return {k: v for k, v in self.ssm_cfg.items() if k != "layer"}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MambaConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown mamba_ssm config keys {unknown}; known: {sorted(names)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, computed in float32, returned in x's dtype."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        return out.to(x.dtype)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: residual += hidden; hidden = mixer(norm(residual)).
+
+    Returns (hidden_states, residual) like mamba_ssm's Block; the residual stream is
+    kept in float32 when `residual_in_fp32`."""
+
+    def __init__(self, dim: int, mixer: nn.Module, norm: nn.Module, residual_in_fp32: bool = False):
+        super().__init__()
+        self.residual_in_fp32 = residual_in_fp32
+        self.mixer = mixer
+        self.norm = norm
+
+    def forward(self, hidden_states: Tensor, residual: Tensor | None = None, inference_params=None):
+        residual = hidden_states + residual if residual is not None else hidden_states
+        hidden_states = self.norm(residual.to(self.norm.weight.dtype))
+        if self.residual_in_fp32:
+            residual = residual.float()
+        return self.mixer(hidden_states, inference_params=inference_params), residual
+
+    def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, **kwargs):
+        return self.mixer.allocate_inference_cache(batch_size, max_seqlen, dtype=dtype, **kwargs)
+
+
+def _norm(config: MambaConfig, device, dtype) -> nn.Module:
+    if config.rms_norm:
+        return RMSNorm(config.d_model, eps=config.norm_epsilon, device=device, dtype=dtype)
+    return nn.LayerNorm(config.d_model, eps=config.norm_epsilon, device=device, dtype=dtype)
+
+
+class MixerModel(nn.Module):
+    def __init__(self, config: MambaConfig, device=None, dtype=None):
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        self.residual_in_fp32 = config.residual_in_fp32
+        self.embedding = nn.Embedding(config.padded_vocab_size, config.d_model, **factory)
+        self.layers = nn.ModuleList(
+            Block(
+                config.d_model,
+                Mamba(config.d_model, layer_idx=i, **config.block_kwargs(), **factory),
+                _norm(config, device, dtype),
+                residual_in_fp32=config.residual_in_fp32,
+            )
+            for i in range(config.n_layer)
+        )
+        self.norm_f = _norm(config, device, dtype)
+
+    def forward(self, input_ids: Tensor, inference_params=None) -> Tensor:
+        hidden_states = self.embedding(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(hidden_states, residual, inference_params=inference_params)
+        residual = hidden_states + residual if residual is not None else hidden_states
+        return self.norm_f(residual.to(self.norm_f.weight.dtype))
+
+    def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, **kwargs):
+        return {
+            i: layer.allocate_inference_cache(batch_size, max_seqlen, dtype=dtype, **kwargs)
+            for i, layer in enumerate(self.layers)
+        }
+
+
+CausalLMOutput = namedtuple("CausalLMOutput", ["logits"])
+
+
+def _init_weights(module: nn.Module, n_layer: int, initializer_range: float = 0.02,
+                  rescale_prenorm_residual: bool = True, n_residuals_per_layer: int = 1) -> None:
+    """mamba_ssm's initialisation: zero Linear biases (but dt_proj's), N(0, 0.02) embeddings,
+    and out_proj scaled by 1/sqrt(n_layer) (GPT-2's residual rescaling)."""
+    if isinstance(module, nn.Linear):
+        if module.bias is not None and not getattr(module.bias, "_no_reinit", False):
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, std=initializer_range)
+    if rescale_prenorm_residual:
+        for name, p in module.named_parameters():
+            if name in ("out_proj.weight", "fc2.weight"):
+                nn.init.kaiming_uniform_(p, a=math.sqrt(5))
+                with torch.no_grad():
+                    p /= math.sqrt(n_residuals_per_layer * n_layer)
+
+
+class MambaLMHeadModel(nn.Module):
+    """Mamba language model: input_ids (batch, seqlen) -> CausalLMOutput(logits (batch, seqlen, vocab)).
+
+    `vocab` is the padded vocabulary size. The forward runs the scan operator, so the
+    model trains under `torch.compile(fullgraph=True)` and exports; `generate` decodes
+    with the recurrent state."""
+
+    def __init__(self, config: MambaConfig, initializer_cfg: dict | None = None, device=None, dtype=None):
+        super().__init__()
+        self.config = config
+        self.backbone = MixerModel(config, device=device, dtype=dtype)
+        self.lm_head = nn.Linear(config.d_model, config.padded_vocab_size, bias=False, device=device, dtype=dtype)
+        self.apply(partial(_init_weights, n_layer=config.n_layer, **(initializer_cfg or {})))
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.backbone.embedding.weight
+
+    def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, **kwargs):
+        return self.backbone.allocate_inference_cache(batch_size, max_seqlen, dtype=dtype, **kwargs)
+
+    def forward(self, input_ids: Tensor, position_ids=None, inference_params=None, num_last_tokens: int = 0,
+                **mixer_kwargs) -> CausalLMOutput:
+        """`num_last_tokens > 0` computes logits for the last that many positions only."""
+        hidden_states = self.backbone(input_ids, inference_params=inference_params)
+        if num_last_tokens > 0:
+            hidden_states = hidden_states[:, -num_last_tokens:]
+        return CausalLMOutput(logits=self.lm_head(hidden_states))
+
+    def generate(
+        self,
+        input_ids: Tensor,
+        max_length: int,
+        top_k: int = 1,
+        top_p: float = 0.0,
+        min_p: float = 0.0,
+        temperature: float = 1.0,
+        return_dict_in_generate: bool = False,
+        output_scores: bool = False,
+        **kwargs,
+    ) -> Tensor | GenerationOutput:
+        """mamba_ssm's `generate`: `max_length` tokens in all (prompt included); greedy when
+        top_k == 1, else sampling (see `ssmops.models.generation.sample`). Other keyword
+        arguments go to `ssmops.models.generation.decode` (eos_token_id, vocab_size,
+        repetition_penalty, streamer); mamba_ssm's CUDA-graph options (`cg`,
+        `enable_timing`) are accepted and ignored. Returns the sequences, or a
+        GenerationOutput when `return_dict_in_generate`."""
+        kwargs.pop("cg", None)
+        kwargs.pop("enable_timing", None)
+        out = decode(
+            input_ids, self, max_length, top_k=top_k, top_p=top_p, min_p=min_p, temperature=temperature,
+            output_scores=output_scores, **kwargs,
+        )
+        return out if return_dict_in_generate else out.sequences
+
+    # --- loading ----------------------------------------------------------------------
+
+    @classmethod
+    def from_state_dict(cls, config: MambaConfig | dict, state_dict: dict, device=None, dtype=None):
+        """A model with `config` (a MambaConfig or mamba_ssm's config dict) holding
+        `state_dict` (mamba_ssm's key names; `lm_head.weight` may be absent when tied)."""
+        if isinstance(config, dict):
+            config = MambaConfig.from_dict(config)
+        model = cls(config, device=device, dtype=dtype)
+        state_dict = dict(state_dict)
+        if config.tie_embeddings and "lm_head.weight" not in state_dict:
+            state_dict["lm_head.weight"] = state_dict.get("backbone.embedding.weight")
+        model.load_state_dict(state_dict, strict=True)
+        return model
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device=None, dtype=None):
+        """Loads a local checkpoint directory (nothing is downloaded): mamba_ssm's
+        (config.json with d_model/n_layer/... + pytorch_model.bin or model.safetensors) or
+        transformers' MambaForCausalLM (config.json with hidden_size/num_hidden_layers/...
+        + model.safetensors, sharded or not, or pytorch_model.bin), told apart by config.json."""
+        path = Path(path)
+        config = json.loads((path / "config.json").read_text())
+        state_dict = _load_checkpoint_dir(path)
+        if _is_hf_config(config):
+            config, state_dict = convert_hf_config(config), convert_hf_state_dict(state_dict)
+        return cls.from_state_dict(config, state_dict, device=device, dtype=dtype)
+
+    @classmethod
+    def from_hf(cls, hf_model, device=None, dtype=None):
+        """From a live transformers MambaForCausalLM (duck-typed: `.config` and `.state_dict()`)."""
+        return cls.from_state_dict(
+            convert_hf_config(hf_model.config), convert_hf_state_dict(hf_model.state_dict()), device=device, dtype=dtype
+        )
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """Writes config.json + pytorch_model.bin in mamba_ssm's layout."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
+        torch.save(self.state_dict(), path / "pytorch_model.bin")
+
+
+_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.pt", "model.pth")
+
+
+def _load_checkpoint_dir(path: Path) -> dict:
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = path / index_name
+        if index.exists():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            state_dict = {}
+            for shard in shards:
+                state_dict.update(load_state_dict(path / shard))
+            return state_dict
+    for name in _WEIGHT_FILES:
+        if (path / name).exists():
+            return load_state_dict(path / name)
+    raise FileNotFoundError(f"no weights in {path}: expected one of {', '.join(_WEIGHT_FILES)} or a shard index")
+
+
+# --- Hugging Face transformers MambaForCausalLM ---------------------------------------
+
+
+def _is_hf_config(config: dict) -> bool:
+    return config.get("model_type") == "mamba" or "hidden_size" in config
+
+
+def convert_hf_config(hf_config) -> MambaConfig:
+    """transformers' MambaConfig (an object or its dict) -> MambaConfig."""
+    c = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
+    if c.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise ValueError(f"hidden_act={c['hidden_act']!r}: Mamba blocks use silu")
+    rank = c.get("time_step_rank", "auto")
+    return MambaConfig(
+        d_model=c["hidden_size"],
+        n_layer=c["num_hidden_layers"],
+        vocab_size=c["vocab_size"],
+        ssm_cfg={
+            "d_state": c.get("state_size", 16),
+            "d_conv": c.get("conv_kernel", 4),
+            "expand": c.get("expand", 2),
+            "dt_rank": rank,
+            "conv_bias": c.get("use_conv_bias", True),
+            "bias": c.get("use_bias", False),
+        },
+        rms_norm=True,
+        residual_in_fp32=c.get("residual_in_fp32", True),
+        fused_add_norm=False,
+        pad_vocab_size_multiple=1,  # transformers' vocab_size is the embedding's row count
+        tie_embeddings=c.get("tie_word_embeddings", True),
+        norm_epsilon=c.get("layer_norm_epsilon", 1e-5),
+    )
+
+
+def convert_hf_state_dict(state_dict: dict) -> dict:
+    """transformers MambaForCausalLM keys -> mamba_ssm's: `backbone.embeddings.weight` becomes
+    `backbone.embedding.weight`; every other key is already the same."""
+    out = {}
+    for key, value in state_dict.items():
+        if key == "backbone.embeddings.weight":
+            key = "backbone.embedding.weight"
+        out[key] = value
+    return out

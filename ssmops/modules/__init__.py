@@ -1,0 +1,5 @@
+"""Neural-network modules built on the ssmops operators."""
+
+from .mamba import Mamba
+
+__all__ = ["Mamba"]
