@@ -52,7 +52,8 @@ def dynamic_shapes_for(
     example_inputs: Sequence[torch.Tensor], seq_dim: int = 1, batch_dim: int | None = 0
 ) -> tuple:
     """One `seqlen` Dim shared by every tensor input's `seq_dim` (it must stay symbolic)
-    and `Dim.AUTO` for `batch_dim` (dynamic where the model allows it)."""
+    and `Dim.AUTO` for `batch_dim` (dynamic where the model allows it, and where the
+    example batch is not 1, which export always specialises)."""
     seqlen = torch.export.Dim("seqlen", min=2, max=1 << 24)
     shapes = []
     for x in example_inputs:
@@ -60,7 +61,7 @@ def dynamic_shapes_for(
             shapes.append(None)
             continue
         spec = {seq_dim: seqlen}
-        if batch_dim is not None and batch_dim != seq_dim:
+        if batch_dim is not None and batch_dim != seq_dim and x.shape[batch_dim] > 1:  # 1 is always static
             spec[batch_dim] = torch.export.Dim.AUTO
         shapes.append(spec)
     return tuple(shapes)
