@@ -9,19 +9,18 @@ ratio to eager is what issue "Deployment" asks for (>= 1.0 means no slower).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ssmops  # noqa: E402
 import ssmops.export as sx  # noqa: E402
+from _common import time_call  # noqa: E402
 
 
 class MixerLayer(nn.Module):
@@ -47,16 +46,10 @@ class MixerLayer(nn.Module):
         return x + self.out_proj(y.transpose(1, 2))
 
 
-def time_call(fn, x, repeats=10):
+def time_forward(fn, x) -> float:
     with torch.no_grad():
-        for _ in range(2):
-            fn(x)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn(x)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        fn(x)
+        return time_call(lambda: fn(x), repeats=10)
 
 
 def main():
@@ -73,15 +66,15 @@ def main():
     x = torch.randn(args.batch, args.seqlen, args.dim)
     print(f"{args.layers} mixer layers, d_model {args.dim}, batch {args.batch}, seqlen {args.seqlen}, "
           f"{args.threads} threads, cpu backend: {ssmops.available_backends()['cpu']}")
-    results = {"eager": time_call(model, x)}
+    results = {"eager": time_forward(model, x)}
     compiled = torch.compile(model, dynamic=True)
-    results["torch.compile"] = time_call(compiled, x)
+    results["torch.compile"] = time_forward(compiled, x)
     with tempfile.TemporaryDirectory() as tmp:
         ep = sx.export_program(model, (torch.randn(args.batch, 64, args.dim),))
         runner = torch._inductor.aoti_load_package(str(sx.aoti_package(ep, Path(tmp) / "model.pt2")))
         with torch.no_grad():
             torch.testing.assert_close(runner(x), model(x), rtol=1e-4, atol=1e-4)
-        results["AOTInductor package"] = time_call(runner, x)
+        results["AOTInductor package"] = time_forward(runner, x)
     for name, t in results.items():
         print(f"  {name:20s} {t * 1e3:8.2f} ms   {results['eager'] / t:5.2f}x eager's speed")
 

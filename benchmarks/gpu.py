@@ -133,7 +133,8 @@ def main(argv=None) -> int:
     print(header)
     for i, (name, t, moved, goal) in enumerate(rows):
         frac = moved / t / bw
-        line = f"{name:<9} {t * 1e3:9.3f} {moved / 1e9:9.2f} {moved / t / 1e9:7.0f} {frac:7.0%} {'ok' if frac >= goal else 'MISS':>5}"
+        verdict = "ok" if frac >= goal else "MISS"
+        line = f"{name:<9} {t * 1e3:9.3f} {moved / 1e9:9.2f} {moved / t / 1e9:7.0f} {frac:7.0%} {verdict:>5}"
         for bname, times in base.items():
             approx = "~" if bname == "compiled ref" and args.ref_seqlen < args.seqlen else " "
             line += f" {approx}{times[i] / t:15.1f}x"

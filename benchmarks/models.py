@@ -21,28 +21,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ssmops  # noqa: E402
+from _common import time_call  # noqa: E402
 from ssmops.models import InferenceParams, MambaLMHeadModel  # noqa: E402
-
-
-def seconds(fn, repeats: int) -> float:
-    """Median wall time of fn() after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def build(quick: bool):
@@ -101,14 +89,15 @@ def main():
         print(f"same weights, 32-token prompt: max |logits difference| {err:.2e} (max |logit| {scale:.1f})")
 
         rows = {}
-        for name, prefill, generate in (("ssmops", ours_prefill, ours_generate), ("transformers", hf_prefill, hf_generate)):
-            t_prefill = seconds(lambda: prefill(prompt), args.repeats)
-            t_one = seconds(lambda: generate(prompt, 1), args.repeats)
-            t_many = seconds(lambda: generate(prompt, new_tokens), args.repeats)
+        contenders = (("ssmops", ours_prefill, ours_generate), ("transformers", hf_prefill, hf_generate))
+        for name, prefill, generate in contenders:
+            t_prefill = time_call(lambda: prefill(prompt), args.repeats)
+            t_one = time_call(lambda: generate(prompt, 1), args.repeats)
+            t_many = time_call(lambda: generate(prompt, new_tokens), args.repeats)
             rows[name] = (prompt_len / t_prefill, (new_tokens - 1) / max(t_many - t_one, 1e-9))
         short = prompt[:, :16]
-        t_one = seconds(lambda: ours_generate(short, 1), args.repeats)
-        t_many = seconds(lambda: ours_generate(short, new_tokens), args.repeats)
+        t_one = time_call(lambda: ours_generate(short, 1), args.repeats)
+        t_many = time_call(lambda: ours_generate(short, new_tokens), args.repeats)
         ours_short_decode = (new_tokens - 1) / max(t_many - t_one, 1e-9)
 
     print(f"\nprefill: {prompt_len}-token prompt; decode: {new_tokens} new tokens after it (greedy)")

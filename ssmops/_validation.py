@@ -38,6 +38,19 @@ def _check_tensor(name: str, x, dtypes, shape, device, like: str = "u") -> None:
         raise ValueError(f"{name} must be on {device} like {like}, got {x.device}")
 
 
+def _check_A(A, dim: int, device, like: str = "u") -> int:
+    """Checks A (dim, dstate) float32; returns dstate, which A sets for every other argument."""
+    if not isinstance(A, Tensor):
+        raise TypeError(f"A must be a Tensor, got {type(A).__name__}")
+    if A.dim() != 2 or A.shape[0] != dim:
+        raise ValueError(f"A must have shape (dim, dstate) with dim={dim}, got {tuple(A.shape)}")
+    dstate = A.shape[1]
+    if not 1 <= dstate <= MAX_DSTATE:
+        raise ValueError(f"A must have 1 <= dstate <= {MAX_DSTATE}, got dstate={dstate}")
+    _check_tensor("A", A, (torch.float32,), (dim, dstate), device, like=like)
+    return dstate
+
+
 def _bc_groups(name: str, M, batch: int, dim: int, seqlen: int, dstate: int, dtypes) -> int:
     """Checks B or C in its three layouts; returns its group count (0 when constant)."""
     if not isinstance(M, Tensor):
@@ -98,14 +111,7 @@ def check_scan_inputs(
         raise ValueError(f"u must have seqlen >= 1, got shape {tuple(u.shape)}")
     device = u.device
     _check_tensor("delta", delta, (u.dtype,), u.shape, device)
-    if not isinstance(A, Tensor):
-        raise TypeError(f"A must be a Tensor, got {type(A).__name__}")
-    if A.dim() != 2 or A.shape[0] != dim:
-        raise ValueError(f"A must have shape (dim, dstate) with dim={dim}, got {tuple(A.shape)}")
-    dstate = A.shape[1]
-    if not 1 <= dstate <= MAX_DSTATE:
-        raise ValueError(f"A must have 1 <= dstate <= {MAX_DSTATE}, got dstate={dstate}")
-    _check_tensor("A", A, (torch.float32,), (dim, dstate), device)
+    dstate = _check_A(A, dim, device)
     bc_dtypes = (torch.float32, u.dtype)
     groups_B = _bc_groups("B", B, batch, dim, seqlen, dstate, bc_dtypes)
     groups_C = _bc_groups("C", C, batch, dim, seqlen, dstate, bc_dtypes)
@@ -183,14 +189,7 @@ def check_state_update_inputs(
     batch, dim = x.shape
     device = x.device
     f32_or_x = tuple(dict.fromkeys((torch.float32, x.dtype)))
-    if not isinstance(A, Tensor):
-        raise TypeError(f"A must be a Tensor, got {type(A).__name__}")
-    if A.dim() != 2 or A.shape[0] != dim:
-        raise ValueError(f"A must have shape (dim, dstate) with dim={dim}, got {tuple(A.shape)}")
-    dstate = A.shape[1]
-    if not 1 <= dstate <= MAX_DSTATE:
-        raise ValueError(f"A must have 1 <= dstate <= {MAX_DSTATE}, got dstate={dstate}")
-    _check_tensor("A", A, (torch.float32,), (dim, dstate), device, like="x")
+    dstate = _check_A(A, dim, device, like="x")
     _check_tensor("state", state, (torch.float32,), (batch, dim, dstate), device, like="x")
     _check_tensor("dt", dt, (x.dtype,), (batch, dim), device, like="x")
     groups = {}

@@ -45,26 +45,26 @@ class Case:
 
 
 def _bc(layout: str, case: Case, gen: torch.Generator, dtype) -> torch.Tensor:
-    b, d, l, n = case.batch, case.dim, case.seqlen, case.dstate
-    shape = {"const": (d, n), "var": (b, n, l)}.get(layout) or (b, int(layout[1:]), n, l)
+    b, d, L, n = case.batch, case.dim, case.seqlen, case.dstate
+    shape = {"const": (d, n), "var": (b, n, L)}.get(layout) or (b, int(layout[1:]), n, L)
     return torch.randn(shape, generator=gen).to(dtype if layout != "const" else torch.float32)
 
 
 def make_inputs(case: Case, seed: int = 0, device="cpu") -> dict:
     """Inputs of `selective_scan_fn` as keyword arguments, with mamba-like magnitudes."""
     gen = torch.Generator().manual_seed(seed)
-    b, d, l, n, dt = case.batch, case.dim, case.seqlen, case.dstate, case.dtype
+    b, d, L, n, dt = case.batch, case.dim, case.seqlen, case.dstate, case.dtype
     kw = dict(
-        u=torch.randn(b, d, l, generator=gen).to(dt),
+        u=torch.randn(b, d, L, generator=gen).to(dt),
         # dt in mamba's range: softplus(delta) ~ 0.1..0.6, or delta itself positive
-        delta=(torch.randn(b, d, l, generator=gen) * 0.5 - 1.0).to(dt)
+        delta=(torch.randn(b, d, L, generator=gen) * 0.5 - 1.0).to(dt)
         if case.softplus
-        else (torch.rand(b, d, l, generator=gen) * 0.3 + 0.01).to(dt),
+        else (torch.rand(b, d, L, generator=gen) * 0.3 + 0.01).to(dt),
         A=-torch.rand(d, n, generator=gen) * 2 - 0.1,
         B=_bc(case.B, case, gen, dt),
         C=_bc(case.C, case, gen, dt),
         D=torch.randn(d, generator=gen) if case.D else None,
-        z=torch.randn(b, d, l, generator=gen).to(dt) if case.z else None,
+        z=torch.randn(b, d, L, generator=gen).to(dt) if case.z else None,
         delta_bias=torch.randn(d, generator=gen) * 0.1 if case.delta_bias else None,
         delta_softplus=case.softplus,
         initial_state=torch.randn(b, d, n, generator=gen) if case.initial_state else None,

@@ -62,9 +62,9 @@ print("DONE", flush=True)
 def test_fuzzed_arguments_raise_named_errors_and_never_crash(backend):
     out = run_python(_FUZZ_SCRIPT.replace("import json", ""), env={"SSMOPS_BACKEND": backend}, timeout=300)
     lines = out.stdout.splitlines()
+    last_case = next((line for line in reversed(lines) if line.startswith("START")), "?")
     assert out.returncode == 0 and lines[-1] == "DONE", (
-        f"the process died (exit {out.returncode}) at: {next((l for l in reversed(lines) if l.startswith('START')), '?')}"
-        f"\n{out.stderr[-2000:]}"
+        f"the process died (exit {out.returncode}) at: {last_case}\n{out.stderr[-2000:]}"
     )
     starts = [line for line in lines if line.startswith("START")]
     results = [line for line in lines if not line.startswith(("START", "DONE"))]

@@ -113,7 +113,8 @@ def test_reference_gradcheck(case):
 
 SWEEP = [
     # layouts x optional arguments, a short odd seqlen
-    *(Case(B=b, C=c) for b, c in [("const", "const"), ("var", "var"), ("g2", "g2"), ("const", "var"), ("var", "const"), ("g4", "const")]),
+    *(Case(B=b, C=c) for b, c in [("const", "const"), ("var", "var"), ("g2", "g2"), ("const", "var"),
+                                  ("var", "const"), ("g4", "const")]),
     Case(D=False, z=False, delta_bias=False, softplus=False),
     Case(z=False, initial_state=True),
     Case(B="g2", C="g2", D=False, delta_bias=False, initial_state=True),

@@ -30,7 +30,8 @@ TRITON_AVAILABLE = ssmops.available_backends()["triton"] == "available"
 HAS_CUDA = torch.cuda.is_available()
 
 needs_interpreter = pytest.mark.skipif(
-    not (interpreting() and TRITON_AVAILABLE), reason="runs under TRITON_INTERPRET=1 (see test_triton_interpreter_suite)"
+    not (interpreting() and TRITON_AVAILABLE),
+    reason="runs under TRITON_INTERPRET=1 (see test_triton_interpreter_suite)",
 )
 gpu = pytest.mark.skipif(not (HAS_CUDA and TRITON_AVAILABLE), reason="needs a CUDA device and Triton")
 
@@ -172,7 +173,8 @@ GPU_SWEEP = [
       for s in (1, 127, CHUNK_LEN + 1, 2 * CHUNK_LEN + 100) for b, c in [("var", "var"), ("const", "g4")]),
     Case(batch=2, dim=48, seqlen=300, dstate=5, B="g2", C="const", D=False, delta_bias=False, softplus=False),
     Case(batch=1, dim=6, seqlen=999, dstate=33, B="var", C="const", z=False),
-    *(Case(batch=2, dim=64, seqlen=1000, dstate=16, dtype=dt, B="var", C="var") for dt in (torch.float16, torch.bfloat16)),
+    *(Case(batch=2, dim=64, seqlen=1000, dstate=16, dtype=dt, B="var", C="var")
+      for dt in (torch.float16, torch.bfloat16)),
 ]
 
 

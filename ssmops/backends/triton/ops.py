@@ -126,7 +126,7 @@ def selective_scan_bwd(
     dA_part = torch.empty((batch, dim, dstate), **f32)
     dD_part = torch.empty((batch, dim), **f32) if D is not None else u.new_empty(0, dtype=torch.float32)
     dbias_part = torch.empty((batch, dim), **f32) if delta_bias is not None else u.new_empty(0, dtype=torch.float32)
-    dinit = torch.empty((batch, dim, dstate), **f32) if initial_state is not None else u.new_empty(0, dtype=torch.float32)
+    dinit = torch.empty((batch, dim, dstate), **f32) if initial_state is not None else u.new_empty(0, **f32)
 
     def bc_partial(M: Tensor) -> Tensor:
         if M.dim() > 2:  # per (batch, channel block, state, time), summed over a group's blocks below
