@@ -13,6 +13,8 @@ recomputing each block's states from its start.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -28,6 +30,8 @@ from .._validation import (
 
 # Elements of one (T, batch, dim, dstate) block buffer; ~1 MiB of float32.
 _BLOCK_ELEMS = 1 << 18
+# Elements of one (span, batch, dim) input or output buffer; ~4 MiB of float32.
+_SPAN_ELEMS = 1 << 20
 
 
 def _block_len(dims: ScanDims) -> int:
@@ -39,16 +43,47 @@ def _block_len(dims: ScanDims) -> int:
     return T
 
 
+def _span_len(dims: ScanDims, T: int) -> int:
+    """Timesteps whose (span, batch, dim) inputs are transposed to time-major at once:
+    a multiple of T dividing CHUNK_LEN, near _SPAN_ELEMS elements."""
+    S = T
+    while S < CHUNK_LEN and 2 * S * dims.batch * dims.dim <= _SPAN_ELEMS:
+        S *= 2
+    return S
+
+
 def _time_major(x: Tensor, t0: int, t1: int, dims: ScanDims) -> Tensor:
     """(batch, dim, seqlen) slice -> float32 (T, batch, groups, dim // groups)."""
-    return x[:, :, t0:t1].float().permute(2, 0, 1).reshape(
+    return x[:, :, t0:t1].permute(2, 0, 1).float().reshape(
         t1 - t0, dims.batch, dims.groups, dims.dim // dims.groups
     )
 
 
-def _to_bdl(x: Tensor) -> Tensor:
-    """(T, batch, groups, dim // groups) -> (batch, dim, T), a view where possible."""
-    return x.permute(1, 2, 3, 0).flatten(1, 2)
+class _SpanWriter:
+    """Writes (..., seqlen) outputs from time-major blocks: each block goes to a small
+    time-major buffer, and a whole span is copied to the output at once, one long
+    strided copy instead of a short one per block."""
+
+    def __init__(self, span: int, outputs: dict[str, Tensor]):
+        # time-major views of the outputs: (seqlen, batch, ...)
+        self.outs = {k: v.movedim(-1, 0) for k, v in outputs.items()}
+        self.bufs = {k: v.new_empty((span, *v.shape[1:]), dtype=torch.float32) for k, v in self.outs.items()}
+        self.span, self.s0, self.filled = span, None, 0
+
+    def put(self, name: str, t0: int, t1: int, value: Tensor) -> None:
+        s0 = t0 - t0 % self.span
+        if s0 != self.s0:
+            self.flush()
+            self.s0 = s0
+        buf = self.bufs[name]
+        buf[t0 - s0 : t1 - s0] = value.reshape(t1 - t0, *buf.shape[1:])
+        self.filled = max(self.filled, t1 - s0)
+
+    def flush(self) -> None:
+        if self.s0 is not None:
+            for name, out in self.outs.items():
+                out[self.s0 : self.s0 + self.filled] = self.bufs[name][: self.filled]
+        self.s0, self.filled = None, 0
 
 
 class _Operands:
@@ -56,19 +91,24 @@ class _Operands:
 
     Per block: u, dt (after bias/softplus) and z as (T, b, G, dg); B and C as
     (T, b, G, 1, n) when variable or (1, 1, G, dg, n) when constant, so both
-    broadcast against a (T, b, G, dg, n) state block.
+    broadcast against a (T, b, G, dg, n) state block. Inputs are transposed a span
+    of blocks at a time (kept until a block outside it is asked for), so blocks may
+    be visited forward or in reverse.
     """
 
-    def __init__(self, u, delta, A, B, C, D, z, delta_bias, delta_softplus, dims: ScanDims):
-        self.u, self.delta, self.z = u, delta, z
-        self.B, self.C, self.dims = B, C, dims
+    def __init__(self, u, delta, A, B, C, D, z, delta_bias, delta_softplus, dims: ScanDims, span: int,
+                 dout: Tensor | None = None):
+        self.u, self.delta, self.z, self.dout = u, delta, z, dout
+        self.B, self.C, self.dims, self.span = B, C, dims, span
         G, dg, n = dims.groups, dims.dim // dims.groups, dims.dstate
         self.A = A.float().reshape(G, dg, n)
+        self.A_log2e = self.A * math.log2(math.e)  # torch's exp2 is several times faster than exp
         self.D = None if D is None else D.float().reshape(G, dg)
         self.bias = None if delta_bias is None else delta_bias.float().reshape(G, dg)
         self.softplus = delta_softplus
+        self.s0, self.cached = None, {}
 
-    def _bc_block(self, M: Tensor, t0: int, t1: int) -> Tensor:
+    def _bc_span(self, M: Tensor, t0: int, t1: int) -> Tensor:
         G, dg, n = self.dims.groups, self.dims.dim // self.dims.groups, self.dims.dstate
         if M.dim() == 2:
             return M.float().reshape(1, 1, G, dg, n)
@@ -77,21 +117,35 @@ class _Operands:
         # contiguous: a strided operand makes the batched matmuls copy it matrix by matrix
         return blk.expand(t1 - t0, self.dims.batch, G, n).contiguous().unsqueeze(3)
 
+    def _load_span(self, t0: int) -> int:
+        s0 = t0 - t0 % self.span
+        if s0 != self.s0:
+            s1 = min(s0 + self.span, self.dims.seqlen)
+            dt_raw = _time_major(self.delta, s0, s1, self.dims)
+            if self.bias is not None:
+                dt_raw = dt_raw + self.bias
+            self.cached = {
+                "u": _time_major(self.u, s0, s1, self.dims),
+                "dt_raw": dt_raw,
+                "dt": F.softplus(dt_raw) if self.softplus else dt_raw,
+                "z": None if self.z is None else _time_major(self.z, s0, s1, self.dims),
+                "dout": None if self.dout is None else _time_major(self.dout, s0, s1, self.dims),
+                "B": self._bc_span(self.B, s0, s1),
+                "C": self._bc_span(self.C, s0, s1),
+            }
+            self.s0 = s0
+        return s0
+
     def block(self, t0: int, t1: int) -> dict[str, Tensor | None]:
-        dims = self.dims
-        u = _time_major(self.u, t0, t1, dims)
-        dt_raw = _time_major(self.delta, t0, t1, dims)
-        if self.bias is not None:
-            dt_raw = dt_raw + self.bias
-        dt = F.softplus(dt_raw) if self.softplus else dt_raw
-        decay = (dt.unsqueeze(-1) * self.A).exp_()
-        B = self._bc_block(self.B, t0, t1)
-        drive = (dt * u).unsqueeze(-1) * B
-        return {
-            "u": u, "dt_raw": dt_raw, "dt": dt, "decay": decay, "drive": drive, "B": B,
-            "C": self._bc_block(self.C, t0, t1),
-            "z": None if self.z is None else _time_major(self.z, t0, t1, dims),
+        s0 = self._load_span(t0)
+        blk = {
+            k: v if v is None or v.shape[0] == 1 else v[t0 - s0 : t1 - s0]  # constant B/C: not sliced
+            for k, v in self.cached.items()
         }
+        dt = blk["dt"]
+        blk["decay"] = (dt.unsqueeze(-1) * self.A_log2e).exp2_()
+        blk["drive"] = (dt * blk["u"]).unsqueeze(-1) * blk["B"]
+        return blk
 
 
 def _scan_block(decay: Tensor, drive: Tensor, h: Tensor) -> Tensor:
@@ -132,9 +186,12 @@ def _blocks(t0: int, t1: int, T: int):
 def selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus):
     dims = check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
     batch, dim, seqlen, n, G = dims
-    ops = _Operands(u, delta, A, B, C, D, z, delta_bias, delta_softplus, dims)
+    T = _block_len(dims)
+    span = _span_len(dims, T)
+    ops = _Operands(u, delta, A, B, C, D, z, delta_bias, delta_softplus, dims, span)
     out = torch.empty_like(u, memory_format=torch.contiguous_format)
     out_z = torch.empty_like(out) if z is not None else u.new_empty(0)
+    writer = _SpanWriter(span, {"out": out, "out_z": out_z} if z is not None else {"out": out})
     x = u.new_empty(batch, dim, num_chunks(seqlen), 2 * n, dtype=torch.float32)
     shape5 = (batch, G, dim // G, n)
     h = (
@@ -143,7 +200,6 @@ def selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, initial_state, delta
         else u.new_zeros(shape5, dtype=torch.float32)
     )
     dt_total = u.new_zeros(batch, G, dim // G, dtype=torch.float32)
-    T = _block_len(dims)
     for c in range(num_chunks(seqlen)):
         c0, c1 = c * CHUNK_LEN, min((c + 1) * CHUNK_LEN, seqlen)
         for t0, t1 in _blocks(c0, c1, T):
@@ -151,13 +207,14 @@ def selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, initial_state, delta
             states = _scan_block(blk["decay"], blk["drive"], h)
             h = states[-1]
             y = _output(states, ops, blk)
-            out[:, :, t0:t1] = _to_bdl(y)
+            writer.put("out", t0, t1, y)
             if z is not None:
-                out_z[:, :, t0:t1] = _to_bdl(y * F.silu(blk["z"]))
+                writer.put("out_z", t0, t1, y * F.silu(blk["z"]))
             dt_total += blk["dt"].sum(0)
         # mamba_ssm's layout: cumulative decay since t=0 (even) and state (odd) at chunk end
         x[:, :, c, 0::2] = torch.exp(dt_total.unsqueeze(-1) * ops.A).reshape(batch, dim, n)
         x[:, :, c, 1::2] = h.reshape(batch, dim, n)
+    writer.flush()
     return out, x.view(batch, dim, -1), out_z, h.reshape(batch, dim, n).clone()
 
 
@@ -169,7 +226,9 @@ def selective_scan_bwd(
     check_scan_grad_inputs(dims, u, dout, scan_intermediates, dlast_state)
     batch, dim, seqlen, n, G = dims
     dg = dim // G
-    ops = _Operands(u, delta, A, B, C, D, z, delta_bias, delta_softplus, dims)
+    T = _block_len(dims)
+    span = _span_len(dims, T)
+    ops = _Operands(u, delta, A, B, C, D, z, delta_bias, delta_softplus, dims, span, dout=dout)
     f32 = dict(dtype=torch.float32, device=u.device)
     du = torch.empty_like(u, memory_format=torch.contiguous_format)
     ddelta = torch.empty_like(du)
@@ -190,7 +249,9 @@ def selective_scan_bwd(
         if dlast_state is not None
         else torch.zeros(batch, G, dg, n, **f32)
     )
-    T = _block_len(dims)
+    per_step = {"du": du, "ddelta": ddelta, **({"dz": dz} if z is not None else {})}
+    per_step.update({f"d{k}": v for k, v in dBC.items() if v.dim() == 4})  # variable B/C
+    writer = _SpanWriter(span, per_step)
     chunk_states = scan_intermediates.reshape(batch, dim, num_chunks(seqlen), 2 * n)[..., 1::2]
     for c in reversed(range(num_chunks(seqlen))):
         c0, c1 = c * CHUNK_LEN, min((c + 1) * CHUNK_LEN, seqlen)
@@ -209,12 +270,12 @@ def selective_scan_bwd(
             blk = ops.block(t0, t1)
             decay = blk["decay"]
             states = _scan_block(decay, blk["drive"], h0)
-            g_out = _time_major(dout, t0, t1, dims)
+            g_out = blk["dout"]
             if blk["z"] is not None:
                 y = _output(states, ops, blk)
                 sig = torch.sigmoid(blk["z"])
                 silu = blk["z"] * sig
-                dz[:, :, t0:t1] = _to_bdl(g_out * y * (sig + silu * (1 - sig)))
+                writer.put("dz", t0, t1, g_out * y * (sig + silu * (1 - sig)))
                 dy = g_out * silu
             else:
                 dy = g_out
@@ -238,8 +299,8 @@ def selective_scan_bwd(
             if delta_softplus:
                 ddt = ddt * torch.sigmoid(blk["dt_raw"])
             dbias += ddt.sum((0, 1))
-            du[:, :, t0:t1] = _to_bdl(du_blk)
-            ddelta[:, :, t0:t1] = _to_bdl(ddt)
+            writer.put("du", t0, t1, du_blk)
+            writer.put("ddelta", t0, t1, ddt)
             for name, M, x, v in (
                 ("B", B, g, blk["dt"] * blk["u"]),
                 ("C", C, states, dy),
@@ -248,9 +309,10 @@ def selective_scan_bwd(
                 if M.dim() > 2:
                     # sum the channel groups that share one B/C group
                     grad = grad.reshape(t1 - t0, batch, dBC[name].shape[1], -1, n).sum(3)
-                    dBC[name][..., t0:t1] = grad.permute(1, 2, 3, 0)
+                    writer.put(f"d{name}", t0, t1, grad)
                 else:
                     dBC[name] += grad
+    writer.flush()
     dB, dC = (dBC[k].reshape(M.shape).to(M.dtype) for k, M in (("B", B), ("C", C)))
     return (
         du, ddelta, dA.reshape(dim, n), dB, dC,
