@@ -87,6 +87,26 @@ def _first_along_time(x, tt):
 
 
 @triton.jit
+def _program_channels(pid_d, dim, dstate, A_ptr, bias_ptr, D_ptr, s_Ad, s_An,
+                      HAS_BIAS: tl.constexpr, HAS_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's channels and states with their masks, and its rows of A, delta_bias and D
+    (zeros where absent)."""
+    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = d < dim
+    n = tl.arange(0, BLOCK_N)
+    mask_n = n < dstate
+    mask_dn = mask_d[:, None] & mask_n[None, :]
+    A = tl.load(A_ptr + d[:, None] * s_Ad + n[None, :] * s_An, mask=mask_dn, other=0.0)
+    bias = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + d, mask=mask_d, other=0.0)
+    Dv = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if HAS_D:
+        Dv = tl.load(D_ptr + d, mask=mask_d, other=0.0)
+    return d, d.to(tl.int64), mask_d, n, mask_n, mask_dn, A, bias, Dv
+
+
+@triton.jit
 def selective_scan_fwd_kernel(
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, init_ptr,
     out_ptr, out_z_ptr, x_ptr, last_ptr,
@@ -102,22 +122,11 @@ def selective_scan_fwd_kernel(
 ):
     pid_d = tl.program_id(0)
     pid_b = tl.program_id(1).to(tl.int64)
-    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    d64 = d.to(tl.int64)
-    mask_d = d < dim
-    n = tl.arange(0, BLOCK_N)
-    mask_n = n < dstate
-    mask_dn = mask_d[:, None] & mask_n[None, :]
-    tt = tl.arange(0, BLOCK_T)
-
-    A = tl.load(A_ptr + d[:, None] * s_Ad + n[None, :] * s_An, mask=mask_dn, other=0.0)
+    d, d64, mask_d, n, mask_n, mask_dn, A, bias, Dv = _program_channels(
+        pid_d, dim, dstate, A_ptr, bias_ptr, D_ptr, s_Ad, s_An, HAS_BIAS, HAS_D, BLOCK_D, BLOCK_N
+    )
     A2 = A * LOG2E  # decay = exp2(dt * A * log2(e))
-    bias = tl.zeros([BLOCK_D], dtype=tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + d, mask=mask_d, other=0.0)
-    Dv = tl.zeros([BLOCK_D], dtype=tl.float32)
-    if HAS_D:
-        Dv = tl.load(D_ptr + d, mask=mask_d, other=0.0)
+    tt = tl.arange(0, BLOCK_T)
     if HAS_INIT:
         h = tl.load(init_ptr + pid_b * s_ib + d64[:, None] * s_id + n[None, :] * s_in, mask=mask_dn, other=0.0)
     else:
@@ -196,22 +205,11 @@ def selective_scan_bwd_kernel(
     pid_d = tl.program_id(0)
     pid_b = tl.program_id(1).to(tl.int64)
     n_dblocks = tl.num_programs(0)
-    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    d64 = d.to(tl.int64)
-    mask_d = d < dim
-    n = tl.arange(0, BLOCK_N)
-    mask_n = n < dstate
-    mask_dn = mask_d[:, None] & mask_n[None, :]
+    d, d64, mask_d, n, mask_n, mask_dn, A, bias, Dv = _program_channels(
+        pid_d, dim, dstate, A_ptr, bias_ptr, D_ptr, s_Ad, s_An, HAS_BIAS, HAS_D, BLOCK_D, BLOCK_N
+    )
+    A2 = A * LOG2E  # decay = exp2(dt * A * log2(e))
     tt = tl.arange(0, BLOCK_T)
-
-    A = tl.load(A_ptr + d[:, None] * s_Ad + n[None, :] * s_An, mask=mask_dn, other=0.0)
-    A2 = A * LOG2E
-    bias = tl.zeros([BLOCK_D], dtype=tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + d, mask=mask_d, other=0.0)
-    Dv = tl.zeros([BLOCK_D], dtype=tl.float32)
-    if HAS_D:
-        Dv = tl.load(D_ptr + d, mask=mask_d, other=0.0)
     if HAS_DLAST:
         carry = tl.load(dlast_ptr + pid_b * s_lb + d64[:, None] * s_ld + n[None, :] * s_ln, mask=mask_dn, other=0.0)
     else:
