@@ -42,14 +42,8 @@ SCHEMAS = {
         "(Tensor du, Tensor ddelta, Tensor dA, Tensor dB, Tensor dC, Tensor dD, "
         "Tensor ddelta_bias, Tensor dz, Tensor dinitial_state)"
     ),
-}
-
-
-# Declared from Python only (the C++ library does not define them yet), whether or not
-# the library loaded. selective_state_update is the single-token step of decoding:
-# inference only (no autograd), `state` updated in place, which torch.compile and
-# torch.export functionalise.
-PYTHON_SCHEMAS = {
+    # The single-token step of decoding: inference only (no autograd), `state` updated in
+    # place, which torch.compile and torch.export functionalise.
     "selective_state_update": (
         "selective_state_update(Tensor(a!) state, Tensor x, Tensor dt, Tensor A, Tensor B, "
         "Tensor C, Tensor? D, Tensor? z, Tensor? dt_bias, bool dt_softplus) -> Tensor"
@@ -83,12 +77,12 @@ def _load_native() -> None:
 
 _load_native()
 _lib = torch.library.Library("ssmops", "FRAGMENT")  # kept alive for the process
-for _name, _schema in {**SCHEMAS, **PYTHON_SCHEMAS}.items():
-    if not hasattr(torch.ops.ssmops, _name):  # the C++ library defines SCHEMAS when loaded
+for _name, _schema in SCHEMAS.items():
+    if not hasattr(torch.ops.ssmops, _name):  # the C++ library defines them when loaded
         _lib.define(_schema)
 
 backends.unavailable["default"] = None
-_OPS = {name: getattr(torch.ops.ssmops, name).default for name in {**SCHEMAS, **PYTHON_SCHEMAS}}
+_OPS = {name: getattr(torch.ops.ssmops, name).default for name in SCHEMAS}
 
 
 def _empty(like: torch.Tensor, dtype=torch.float32) -> torch.Tensor:

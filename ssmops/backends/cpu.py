@@ -43,4 +43,4 @@ def _native(op_name: str):
 
 
 # Called with any backend override lifted, these reach the library's CPU kernels.
-KERNELS = {name: _native(name) for name in ("selective_scan_fwd", "selective_scan_bwd")}
+KERNELS = {name: _native(name) for name in ("selective_scan_fwd", "selective_scan_bwd", "selective_state_update")}
