@@ -162,3 +162,30 @@ def test_cli_reports_a_bad_factory(tmp_path):
                          capture_output=True, text=True, cwd=REPO / "tests",
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.returncode != 0 and "cannot load models:Nope" in out.stderr
+
+
+class _DecodeStep(nn.Module):
+    """One decoding step: the state goes in and comes out updated."""
+
+    def __init__(self, dim=8, dstate=4):
+        super().__init__()
+        self.A = nn.Parameter(-torch.rand(dim, dstate))
+        self.D = nn.Parameter(torch.ones(dim))
+
+    def forward(self, state, x, dt, B, C):
+        state = state.clone()
+        y = ssmops.selective_state_update(state, x, dt, self.A, B, C, self.D, None, None, True)
+        return y, state
+
+
+@pytest.mark.slow
+def test_decode_step_package_runs_in_cpp(cpp_runner, tmp_path):
+    torch.manual_seed(0)
+    step = _DecodeStep().eval()
+    inputs = (torch.randn(2, 8, 4), torch.randn(2, 8), torch.randn(2, 8), torch.randn(2, 4), torch.randn(2, 4))
+    package = sx.aoti_package(torch.export.export(step, inputs), tmp_path / "step.pt2")
+    y, state = _run_cpp(cpp_runner, "--package", package, inputs, tmp_path)
+    with torch.no_grad():
+        y_ref, state_ref = step(*inputs)
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(state, state_ref)
