@@ -86,7 +86,8 @@ def test_triton_opcheck(case):
 def test_triton_ops_match_main_ops_and_schemas():
     from ssmops._ops import SCHEMAS
 
-    for name, schema in SCHEMAS.items():
+    for name in ("selective_scan_fwd", "selective_scan_bwd"):  # the scan; the decoding step has no Triton kernel
+        schema = SCHEMAS[name]
         triton_schema = str(getattr(torch.ops.ssmops, f"{name}_triton").default._schema)
         # same arguments; only the (unnamed) returns differ in spelling
         assert triton_schema.split(") -> ")[0] == f"ssmops::{schema}".replace(name, f"{name}_triton").split(") -> ")[0]
