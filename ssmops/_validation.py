@@ -38,6 +38,16 @@ def _check_tensor(name: str, x, dtypes, shape, device, like: str = "u") -> None:
         raise ValueError(f"{name} must be on {device} like {like}, got {x.device}")
 
 
+def _check_leading(name: str, x, layout: str) -> None:
+    """The argument whose rank and dtype set the others' shapes and dtypes (u, or x)."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a Tensor, got {type(x).__name__}")
+    if x.dim() != layout.count(",") + 1:
+        raise ValueError(f"{name} must have shape {layout}, got {tuple(x.shape)}")
+    if x.dtype not in INPUT_DTYPES:
+        raise TypeError(f"{name} must have dtype {_dtype_name(INPUT_DTYPES)}, got {x.dtype}")
+
+
 def _check_A(A, dim: int, device, like: str = "u") -> int:
     """Checks A (dim, dstate) float32; returns dstate, which A sets for every other argument."""
     if not isinstance(A, Tensor):
@@ -100,12 +110,7 @@ def check_scan_inputs(
     initial_state: Tensor | None,
 ) -> ScanDims:
     """Validates the forward's inputs against DESIGN.md and returns their sizes."""
-    if not isinstance(u, Tensor):
-        raise TypeError(f"u must be a Tensor, got {type(u).__name__}")
-    if u.dim() != 3:
-        raise ValueError(f"u must have shape (batch, dim, seqlen), got {tuple(u.shape)}")
-    if u.dtype not in INPUT_DTYPES:
-        raise TypeError(f"u must have dtype {_dtype_name(INPUT_DTYPES)}, got {u.dtype}")
+    _check_leading("u", u, "(batch, dim, seqlen)")
     batch, dim, seqlen = u.shape
     if seqlen < 1:
         raise ValueError(f"u must have seqlen >= 1, got shape {tuple(u.shape)}")
@@ -180,12 +185,7 @@ def check_state_update_inputs(
     A: (dim, dstate) float32; B, C: (batch, dstate) or (batch, groups, dstate), float32 or
     x's dtype; D, dt_bias: (dim,), float32 or x's dtype.
     """
-    if not isinstance(x, Tensor):
-        raise TypeError(f"x must be a Tensor, got {type(x).__name__}")
-    if x.dim() != 2:
-        raise ValueError(f"x must have shape (batch, dim), got {tuple(x.shape)}")
-    if x.dtype not in INPUT_DTYPES:
-        raise TypeError(f"x must have dtype {_dtype_name(INPUT_DTYPES)}, got {x.dtype}")
+    _check_leading("x", x, "(batch, dim)")
     batch, dim = x.shape
     device = x.device
     f32_or_x = tuple(dict.fromkeys((torch.float32, x.dtype)))

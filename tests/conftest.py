@@ -102,10 +102,6 @@ def run_scan_with_grads(fn, kw: dict, seed: int = 1):
     return y.detach(), last.detach(), dict(zip(tensors, grads))
 
 
-def available(name: str) -> bool:
-    return ssmops.available_backends()[name] == "available"
-
-
 def backend_params(cases=None):
     """Every backend (times every case), skipped with its reason where it cannot run on CPU
     tensors here. Triton runs CPU tensors only under its interpreter (tests/test_triton.py
