@@ -25,16 +25,19 @@ shifting a register tile). `g_t * decay_t * h_{t-1}` is formed as `g_t * (h_t - 
 so no shifted state is needed either. The gradient that leaves a block through h_{t0-1}
 (`carry`) enters the previous block at its last step. Reductions over time (dA, dD,
 d delta_bias, constant dB/dC) accumulate per program in registers and are written as
-float32 per-(batch, channel) partials that the caller sums with torch; variable dB/dC
-are summed over the program's channels (all in one B/C group: the caller picks
-BLOCK_D dividing the group size) and written per (batch, channel block, state, time),
-again summed by the caller. No atomics, so the backward is deterministic.
+float32 per-(batch, channel) partials that the caller sums with torch. Variable dB/dC are
+first summed over the program's channels (all in one B/C group: the caller picks BLOCK_D
+dividing the group size); then, by default, added atomically into a float32 buffer shaped
+like B/C (what mamba_ssm does too, with one atomic per channel rather than per block of
+channels), or, under `torch.use_deterministic_algorithms(True)`, written per (batch,
+channel block, state, time) and summed by the caller in a fixed order: the backward is
+then deterministic, at the cost of a buffer of `dim / BLOCK_D` times B's size.
 """
 
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)  # a JIT function reads only constexpr globals
 
 
 @triton.jit
@@ -84,6 +87,14 @@ def _last_along_time(x, tt, BLOCK_T: tl.constexpr):
 @triton.jit
 def _first_along_time(x, tt):
     return tl.sum(tl.where((tt == 0)[None, None, :], x, 0.0), axis=2)
+
+
+@triton.jit
+def _add_or_store(ptrs, value, mask, ATOMIC: tl.constexpr):
+    if ATOMIC:
+        tl.atomic_add(ptrs, value, mask=mask, sem="relaxed")
+    else:
+        tl.store(ptrs, value, mask=mask)
 
 
 @triton.jit
@@ -197,11 +208,12 @@ def selective_scan_bwd_kernel(
     s_ob, s_od,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr,
     HAS_DLAST: tl.constexpr, SOFTPLUS: tl.constexpr, B_VAR: tl.constexpr, C_VAR: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr,
+    BC_ATOMIC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Outputs: du, ddelta, dz like u (contiguous, strides s_ob, s_od, 1); dinit, and the float32
     partials dA (batch, dim, dstate), dD and dbias (batch, dim), constant dB/dC (batch, dim,
-    dstate), variable dB/dC (batch, n_channel_blocks, dstate, seqlen); all contiguous."""
+    dstate); variable dB/dC (batch, groups, dstate, seqlen), zeroed, if BC_ATOMIC, else partials
+    (batch, n_channel_blocks, dstate, seqlen); all contiguous."""
     pid_d = tl.program_id(0)
     pid_b = tl.program_id(1).to(tl.int64)
     n_dblocks = tl.num_programs(0)
@@ -222,7 +234,13 @@ def selective_scan_bwd_kernel(
     grad_row = pid_b * s_ob + d64 * s_od  # du, ddelta, dz
     x_row = x_ptr + pid_b * s_xb + d64 * s_xd
     bd_dn = (pid_b * dim + d64)[:, None] * dstate + n[None, :]  # (batch, dim, dstate) partials
-    bc_part = ((pid_b * n_dblocks + pid_d) * dstate + n[:, None]) * seqlen  # (batch, blocks, dstate, seqlen)
+    # this program's (dstate, seqlen) rows of variable dB / dC: its B/C group's, or its own
+    if BC_ATOMIC:
+        dB_rows = dB_ptr + ((pid_b * (dim // dpg_B) + (pid_d * BLOCK_D) // dpg_B) * dstate + n[:, None]) * seqlen
+        dC_rows = dC_ptr + ((pid_b * (dim // dpg_C) + (pid_d * BLOCK_D) // dpg_C) * dstate + n[:, None]) * seqlen
+    else:
+        dB_rows = dB_ptr + ((pid_b * n_dblocks + pid_d) * dstate + n[:, None]) * seqlen
+        dC_rows = dC_ptr + ((pid_b * n_dblocks + pid_d) * dstate + n[:, None]) * seqlen
     if B_VAR:
         B_base = B_ptr + pid_b * s_Bb + ((pid_d * BLOCK_D) // dpg_B) * s_Bg
     else:
@@ -326,11 +344,11 @@ def selective_scan_bwd_kernel(
             tl.store(ddelta_ptr + grad_row[:, None] + t[None, :], ddt.to(ddelta_ptr.dtype.element_ty), mask=mask)
             mask_nt = mask_n[:, None] & mask_t[None, :]
             if B_VAR:
-                tl.store(dB_ptr + bc_part + t[None, :], tl.sum(g * dtu[:, None, :], axis=0), mask=mask_nt)
+                _add_or_store(dB_rows + t[None, :], tl.sum(g * dtu[:, None, :], axis=0), mask_nt, BC_ATOMIC)
             else:
                 dB_acc += tl.sum(g * dtu[:, None, :], axis=2)
             if C_VAR:
-                tl.store(dC_ptr + bc_part + t[None, :], tl.sum(hs * dy[:, None, :], axis=0), mask=mask_nt)
+                _add_or_store(dC_rows + t[None, :], tl.sum(hs * dy[:, None, :], axis=0), mask_nt, BC_ATOMIC)
             else:
                 dC_acc += tl.sum(hs * dy[:, None, :], axis=2)
         tl.debug_barrier()  # the next chunk reuses the scratch tiles
