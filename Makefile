@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 
-.PHONY: install demo test test-quick bench sanitize clean
+.PHONY: install demo test test-quick bench sanitize gpu-check clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard ssmops/csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,13 @@ test-quick: install
 
 bench: install
 	$(PY) benchmarks/default.py
+
+# On a GPU machine whose Python already has a CUDA (or ROCm) torch, Triton, pytest and
+# hypothesis: build against that torch, then run the GPU tests and the GPU benchmark.
+gpu-check:
+	$(PYTHON) -m pip install -q --no-build-isolation --no-deps -e .
+	$(PYTHON) -m pytest -q -p no:cacheprovider -rs tests/test_triton.py tests/test_ops.py -k "triton or cuda"
+	$(PYTHON) benchmarks/gpu.py --sweep
 
 clean:
 	rm -rf build ssmops/_C*.so *.egg-info $(VENV)

@@ -2,6 +2,7 @@
 
     python benchmarks/gpu.py                       # batch 8, dim 4096, seqlen 4096, dstate 16, bf16
     python benchmarks/gpu.py --seqlen 2048 --dtype float16
+    python benchmarks/gpu.py --sweep --skip-baselines   # also time other tile sizes
 
 Prints, for forward and backward: the time of the Triton operators, their effective
 bandwidth (the bytes the operator must read and write, divided by its time) as a
@@ -9,7 +10,8 @@ fraction of the GPU's measured copy bandwidth (a large `empty_like(x).copy_(x)`)
 the speed-up over the `default` backend and over the torch.compile'd reference. The
 compiled reference unrolls one step per timestep, so it is compiled and timed at
 `--ref-seqlen` steps and scaled linearly to the full seqlen (marked `~`).
-Goals: forward >= 70% of copy bandwidth, backward >= 50%.
+Goals: forward >= 70% of copy bandwidth, backward >= 50%. `--sweep` times the kernels
+with other (BLOCK_D, BLOCK_T, warps) tiles in place of the launchers' choice, to retune it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--ref-seqlen", type=int, default=256, help="seqlen at which the compiled reference is timed")
     p.add_argument("--skip-baselines", action="store_true", help="time the Triton operators only")
+    p.add_argument("--sweep", action="store_true", help="also time other tile sizes of the kernels")
     return p.parse_args(argv)
 
 
@@ -139,7 +142,35 @@ def main(argv=None) -> int:
             approx = "~" if bname == "compiled ref" and args.ref_seqlen < args.seqlen else " "
             line += f" {approx}{times[i] / t:15.1f}x"
         print(line)
+    if args.sweep:
+        sweep_tiles(lambda: fwd_op(*fargs), lambda: bwd_op(*bargs), args.repeats)
     return 0
+
+
+SWEEP_TILES = [(8, 16, 4), (4, 16, 4), (2, 16, 4), (4, 8, 4), (8, 32, 4), (8, 32, 8), (4, 32, 4), (16, 16, 8)]
+
+
+def sweep_tiles(fwd, bwd, repeats: int) -> None:
+    """Forward and backward ms with each (BLOCK_D, BLOCK_T, num_warps) of SWEEP_TILES in place of
+    the launchers' choice (which the first row shows)."""
+    from ssmops.backends.triton import ops
+
+    chosen = ops._config
+    print("tiles (BLOCK_D, BLOCK_T, warps)   forward ms  backward ms")
+    print(f"{'chosen by ops._config':<32} {cuda_time(fwd, repeats) * 1e3:11.3f} {cuda_time(bwd, repeats) * 1e3:12.3f}")
+    try:
+        for block_d, block_t, warps in SWEEP_TILES:
+            tiles = dict(BLOCK_D=block_d, BLOCK_T=block_t, num_warps=warps)
+            ops._config = lambda *a, tiles=tiles, **k: {**chosen(*a, **k), **tiles}
+            cells = []
+            for fn in (fwd, bwd):
+                try:
+                    cells.append(f"{cuda_time(fn, repeats) * 1e3:.3f}")
+                except Exception as err:  # e.g. triton's OutOfResources for too large a tile
+                    cells.append(type(err).__name__)
+            print(f"{str((block_d, block_t, warps)):<32} {cells[0]:>11} {cells[1]:>12}")
+    finally:
+        ops._config = chosen
 
 
 def _compiled_ref_times(args, dtype) -> tuple[float, float]:
