@@ -24,7 +24,7 @@ import ssmops
 from ssmops._validation import CHUNK_LEN
 from ssmops.backends.triton import interpreting
 
-from conftest import REPO, TOLERANCES, Case, assert_close, make_inputs, run_scan_with_grads
+from conftest import REPO, TOLERANCES, Case, assert_close, make_inputs, run_python, run_scan_with_grads
 
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 TRITON_AVAILABLE = ssmops.available_backends()["triton"] == "available"
@@ -276,6 +276,52 @@ def test_triton_kernels_compile_for_gpus_without_spilling(target, case, determin
         assert usage["spills"] == 0, (kernel.__name__, usage)
         if target == "sm90":  # the tiles are sized for two programs per SM (65536 registers)
             assert 2 * usage["regs"] * 32 * meta["num_warps"] <= 65536, (kernel.__name__, usage)
+
+
+_TRACE_ON_FAKE_CUDA = """
+import torch
+import ssmops.backends.triton as triton_backend
+from torch._functorch.aot_autograd import aot_export_module
+from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+triton_backend._gpu_present = lambda: True  # fake CUDA tensors stand in for a GPU
+assert triton_backend.load() is None
+
+
+class FwdBwd(torch.nn.Module):
+    def forward(self, u, delta, A, B, C, D, z, dout):
+        ops = torch.ops.ssmops
+        out, x, out_z, last = ops.selective_scan_fwd_triton(u, delta, A, B, C, D, z, None, None, True)
+        grads = ops.selective_scan_bwd_triton(u, delta, A, B, C, D, z, None, None, dout, x, None, True)
+        return (out_z, *grads)
+
+
+b, d, l, n = 2, 64, 100, 16
+with FakeTensorMode():
+    args = [torch.empty(*shape, device="cuda") for shape in
+            [(b, d, l), (b, d, l), (d, n), (b, n, l), (b, n, l), (d,), (b, d, l), (b, d, l)]]
+    graph, _ = aot_export_module(FwdBwd(), args, trace_joint=False)
+for node in graph.graph.nodes:
+    if node.op == "call_function":
+        assert not str(node.target).startswith("ssmops"), node.target
+        if "triton_kernel_wrapper" in str(node.target):
+            kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+            print("launch", kernel.fn.__name__, [c.num_warps for c in kernel.configs], node.kwargs["grid"])
+"""
+
+
+@pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
+@pytest.mark.skipif(interpreting(), reason="traces the JIT kernels, which the interpreter replaces")
+def test_triton_ops_trace_into_kernel_launches_on_cuda_tensors():
+    """What torch.compile and AOTInductor see on a GPU, traced on fake CUDA tensors: AOTAutograd's
+    functionalization turns the Triton operators into launches of the kernels themselves (with
+    their tile sizes and warps), and no ssmops operator is left in the graph."""
+    proc = run_python(_TRACE_ON_FAKE_CUDA, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    launches = [line for line in proc.stdout.splitlines() if line.startswith("launch ")]
+    assert launches == ["launch selective_scan_fwd_kernel [4] [(8, 2, 1)]",
+                        "launch selective_scan_bwd_kernel [4] [(8, 2, 1)]"], proc.stdout
 
 
 # --- on a GPU ----------------------------------------------------------------------------
