@@ -215,21 +215,27 @@ def _recorded_launches(case: Case, monkeypatch, deterministic: bool) -> list:
 
 
 def _compile(kernel, args, meta, target):
+    """Compiles one recorded launch as Triton's launcher would: an int equal to 1 becomes a
+    constant, and pointers and ints divisible by 16 are marked so (which enables vector loads)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    meta = dict(meta)
-    num_warps = meta.pop("num_warps")
-    signature = {}
-    for name, arg in zip(kernel.arg_names, args):
+    constants = dict(meta)
+    num_warps = constants.pop("num_warps")
+    signature, attrs = {name: "constexpr" for name in constants}, {}
+    for i, (name, arg) in enumerate(zip(kernel.arg_names, args)):
         if isinstance(arg, torch.Tensor):
-            signature[name] = _TRITON_TYPES[arg.dtype]
+            signature[name], aligned = _TRITON_TYPES[arg.dtype], arg.data_ptr() % 16 == 0
+        elif arg == 1:
+            signature[name], constants[name], aligned = "constexpr", 1, False
         else:
-            signature[name] = "i32" if -(2**31) <= arg < 2**31 else "i64"
-    signature.update({name: "constexpr" for name in meta})
+            signature[name], aligned = ("i32" if -(2**31) <= arg < 2**31 else "i64"), arg % 16 == 0
+        if aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
     assert sorted(signature) == sorted(kernel.arg_names), "the launch does not fill every kernel argument"
     signature = {name: signature[name] for name in kernel.arg_names}
-    return compile(ASTSource(kernel, signature, meta), target=GPUTarget(*target), options={"num_warps": num_warps})
+    return compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget(*target),
+                   options={"num_warps": num_warps})
 
 
 def _resource_usage(compiled) -> dict:
