@@ -27,7 +27,10 @@ from .kernels import selective_scan_bwd_kernel, selective_scan_fwd_kernel
 # Devices whose tensors the kernels serve natively ("cuda" covers ROCm).
 GPU_DEVICES = ("cuda", "xpu")
 
-_interpreting = getattr(selective_scan_fwd_kernel, "__class__").__name__ == "InterpretedFunction"
+# Channels of one B/C group that a program of the deterministic backward walks in turn (its
+# variable dB/dC partial rows are then dim / DETERMINISTIC_CHANNELS times B's size).
+DETERMINISTIC_CHANNELS = 64
+
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -38,27 +41,16 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return p
 
 
-def _config(dims, B: Tensor, C: Tensor, backward: bool) -> dict:
-    """Tile sizes and warps. Under the interpreter every Triton op is a numpy call, so big tiles
-    are fast. On a GPU a program holds a dozen float32 (BLOCK_D, BLOCK_N, BLOCK_T) tiles in
-    registers; BLOCK_D * BLOCK_N = 128 and BLOCK_T = 16 over 4 warps keeps both kernels
-    without spills and at 2 (backward) to 4 (forward) programs per H100 SM at dstate 16. (Read
-    off the compiler's output for sm_90: larger tiles or more warps spill or cap occupancy at
-    one program; tests/test_triton.py compiles the launches and checks.)"""
-    dim, dstate, groups = dims.dim, dims.dstate, dims.groups
-    block_n = max(triton.next_power_of_2(dstate), 2)
-    if _interpreting:  # the interpreter's scan costs per element: no padding beyond seqlen
-        cap_d, block_t, num_warps = 64, min(256, triton.next_power_of_2(dims.seqlen)), 4
-    else:
-        cap_d, block_t, num_warps = max(128 // block_n, 1), 16, 4
-        if backward and block_n >= 64:  # the backward's tiles spill at (2, 64, 16)
-            cap_d, block_t = 1, 8
-    if B.dim() > 2 or C.dim() > 2:
-        # one program's channels must share one B/C group (variable dB/dC are summed per program)
-        block_d = _pow2_divisor(dim // groups, cap_d)
-    else:
-        block_d = min(cap_d, triton.next_power_of_2(dim))
-    return dict(BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_T=block_t, CHUNK=CHUNK_LEN, num_warps=num_warps)
+def _config(seqlen: int, dstate: int, backward: bool) -> dict:
+    """The time tile is the 2048-step chunk, or the whole sequence when shorter, spread over
+    the warps so that a thread holds 16 consecutive steps in the forward and 8 in the
+    backward, whose dozen live tiles would spill at 16. (From the sm_90 compiler's output:
+    the forward's scan loop costs 23 instructions per (step, state) at 16 steps a thread,
+    30 at 8; tests/test_triton.py compiles the launches and checks for spills.)"""
+    block_t = min(CHUNK_LEN, max(triton.next_power_of_2(seqlen), 16))
+    steps_per_thread = 8 if backward else 16
+    return dict(BLOCK_T=block_t, BLOCK_N=max(triton.next_power_of_2(dstate), 2), CHUNK=CHUNK_LEN,
+                num_warps=min(8, max(1, block_t // (32 * steps_per_thread))))
 
 
 def _launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
@@ -104,13 +96,13 @@ def selective_scan_fwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     dims = check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
     batch, dim, seqlen, dstate, _ = dims
-    cfg = _config(dims, B, C, backward=False)
+    cfg = _config(seqlen, dstate, backward=False)
     out = torch.empty((batch, dim, seqlen), dtype=u.dtype, device=u.device)
     out_z = torch.empty_like(out) if z is not None else u.new_empty(0)
     n_chunks = num_chunks(seqlen)
     x = torch.empty((batch, dim, n_chunks * 2 * dstate), dtype=torch.float32, device=u.device)
     last = torch.empty((batch, dim, dstate), dtype=torch.float32, device=u.device)
-    grid = (triton.cdiv(dim, cfg["BLOCK_D"]), batch)
+    grid = (dim, batch)
     _launch(selective_scan_fwd_kernel, grid, (
         u, delta, A, B, C, D if D is not None else A, z if z is not None else u,
         delta_bias if delta_bias is not None else A,
@@ -134,32 +126,31 @@ def selective_scan_bwd(
     dims = check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
     check_scan_grad_inputs(dims, u, dout, scan_intermediates, dlast_state)
     batch, dim, seqlen, dstate, groups = dims
-    cfg = _config(dims, B, C, backward=True)
-    n_dblocks = triton.cdiv(dim, cfg["BLOCK_D"])
+    cfg = _config(seqlen, dstate, backward=True)
+    # variable dB/dC: each channel's added atomically (fast, order not fixed), or, to be deterministic,
+    # a program walks CHANNELS channels of one group, adds them up in its own rows, and the rows are
+    # summed below in a fixed order
+    bc_atomic = not torch.are_deterministic_algorithms_enabled()
+    channels = 1 if bc_atomic or B.dim() == C.dim() == 2 else _pow2_divisor(dim // groups, DETERMINISTIC_CHANNELS)
+    n_programs = dim // channels
     f32 = dict(dtype=torch.float32, device=u.device)
     du = torch.empty((batch, dim, seqlen), dtype=u.dtype, device=u.device)
     ddelta = torch.empty_like(du)
     dz = torch.empty_like(du) if z is not None else u.new_empty(0)
-    dA_part = torch.empty((batch, dim, dstate), **f32)
+    dA_part = torch.zeros((batch, dim, dstate), **f32)
     dD_part = torch.empty((batch, dim), **f32) if D is not None else u.new_empty(0, dtype=torch.float32)
     dbias_part = torch.empty((batch, dim), **f32) if delta_bias is not None else u.new_empty(0, dtype=torch.float32)
-    dinit = torch.empty((batch, dim, dstate), **f32) if initial_state is not None else u.new_empty(0, **f32)
-
-    # variable dB/dC: atomically summed in place, or per channel block and summed below in a fixed order
-    bc_atomic = not torch.are_deterministic_algorithms_enabled()
+    carry = torch.empty((batch, dim, 2, dstate), **f32)  # d initial_state in half n_chunks % 2 at the end
 
     def bc_partial(M: Tensor) -> Tensor:
         if M.dim() == 2:
-            return torch.empty((batch, dim, dstate), **f32)
+            return torch.zeros((batch, dim, dstate), **f32)
         if bc_atomic:
             return torch.zeros((batch, _groups(M), dstate, seqlen), **f32)
-        return torch.empty((batch, n_dblocks, dstate, seqlen), **f32)
+        return torch.zeros((batch, n_programs, dstate, seqlen), **f32)
 
     dB_part, dC_part = bc_partial(B), bc_partial(C)
-    scratch = torch.empty(
-        (batch * n_dblocks * (CHUNK_LEN // cfg["BLOCK_T"]) * cfg["BLOCK_D"] * cfg["BLOCK_N"],), **f32
-    )
-    grid = (n_dblocks, batch)
+    grid = (n_programs, batch)
     _launch(selective_scan_bwd_kernel, grid, (
         u, delta, A, B, C, D if D is not None else A, z if z is not None else u,
         delta_bias if delta_bias is not None else A,
@@ -167,7 +158,7 @@ def selective_scan_bwd(
         dlast_state if dlast_state is not None else A,
         du, ddelta, dz if z is not None else du, dA_part, dB_part, dC_part,
         dD_part if D is not None else dA_part, dbias_part if delta_bias is not None else dA_part,
-        dinit if initial_state is not None else dA_part, scratch,
+        carry,
         dim, seqlen, dstate, num_chunks(seqlen), _dpg(B, dim), _dpg(C, dim),
         *u.stride(), *delta.stride(), *_strides3(z), *dout.stride(),
         *A.stride(),
@@ -175,21 +166,21 @@ def selective_scan_bwd(
         *_strides3(initial_state), scan_intermediates.stride(0), scan_intermediates.stride(1),
         *_strides3(dlast_state),
         du.stride(0), du.stride(1),
-    ), dict(HAS_DLAST=dlast_state is not None, BC_ATOMIC=bc_atomic,
+    ), dict(HAS_DLAST=dlast_state is not None, BC_ATOMIC=bc_atomic, CHANNELS=channels,
             **_flags(B, C, D, z, delta_bias, initial_state, delta_softplus), **cfg))
 
     def bc_grad(part: Tensor, M: Tensor) -> Tensor:
         if M.dim() == 2:
             return part.sum(0).to(M.dtype)
         if not bc_atomic:
-            part = part.view(batch, _groups(M), n_dblocks // _groups(M), dstate, seqlen).sum(2)
+            part = part.view(batch, _groups(M), n_programs // _groups(M), dstate, seqlen).sum(2)
         return part.view(M.shape).to(M.dtype)
 
     return (
         du, ddelta, dA_part.sum(0), bc_grad(dB_part, B), bc_grad(dC_part, C),
         dD_part.sum(0) if D is not None else dD_part,
         dbias_part.sum(0) if delta_bias is not None else dbias_part,
-        dz, dinit,
+        dz, carry[:, :, num_chunks(seqlen) % 2].clone() if initial_state is not None else u.new_empty(0, **f32),
     )
 
 
