@@ -7,7 +7,7 @@ from torch import Tensor
 
 from . import _ops  # noqa: F401  (registers the operators)
 from ._validation import check_scan_inputs
-from .backends.triton import triton_forward_op
+from .backends.triton import triton_op_for
 
 
 def selective_scan_fn(
@@ -34,7 +34,7 @@ def selective_scan_fn(
     """
     check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
     # GPU tensors call the Triton operator itself, so compiled graphs launch its kernels
-    forward = triton_forward_op(u) or torch.ops.ssmops.selective_scan_fwd
+    forward = triton_op_for("selective_scan_fwd", u) or torch.ops.ssmops.selective_scan_fwd
     out, _, out_z, last_state = forward(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus)
     y = out_z if z is not None else out
     return (y, last_state) if return_last_state else y

@@ -7,6 +7,7 @@ from torch import Tensor
 
 from . import _ops  # noqa: F401  (registers the operators)
 from ._validation import check_state_update_inputs
+from .backends.triton import triton_op_for
 
 
 def _flatten_heads(t: Tensor | None, shape) -> Tensor | None:
@@ -61,4 +62,5 @@ def selective_state_update(
         )
         return y.view(batch, nheads, headdim)
     check_state_update_inputs(state, x, dt, A, B, C, D, z, dt_bias)
-    return torch.ops.ssmops.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
+    step = triton_op_for("selective_state_update", x) or torch.ops.ssmops.selective_state_update
+    return step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)

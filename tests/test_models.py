@@ -19,7 +19,7 @@ import ssmops
 from ssmops.models import InferenceParams, MambaConfig, MambaLMHeadModel
 from ssmops.modules import Mamba
 
-from conftest import REPO, TOLERANCES, assert_close, backend_params
+from conftest import REPO, STATE_UPDATE_CASES, TOLERANCES, assert_close, backend_params, state_update_inputs
 
 # --- the reference: Mamba one timestep at a time ---------------------------------------
 
@@ -77,36 +77,6 @@ def tiny_model(seed: int = 0, **kw) -> MambaLMHeadModel:
 
 
 # --- selective_state_update --------------------------------------------------------------
-
-
-def state_update_inputs(batch=2, dim=6, dstate=5, groups=None, dtype=torch.float32, full=True, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen)
-
-    bc_shape = (batch, dstate) if groups is None else (batch, groups, dstate)
-    return dict(
-        state=randn(batch, dim, dstate),
-        x=randn(batch, dim).to(dtype),
-        dt=(randn(batch, dim) * 0.5 - 1).to(dtype),
-        A=-torch.rand(dim, dstate, generator=gen) - 0.1,
-        B=randn(*bc_shape).to(dtype),
-        C=randn(*bc_shape).to(dtype),
-        D=randn(dim) if full else None,
-        z=randn(batch, dim).to(dtype) if full else None,
-        dt_bias=randn(dim) * 0.1 if full else None,
-        dt_softplus=full,
-    )
-
-
-STATE_UPDATE_CASES = [
-    dict(),
-    dict(groups=3),
-    dict(full=False),
-    dict(groups=1, dtype=torch.bfloat16),
-    dict(dtype=torch.float16, groups=2),
-]
 
 
 def _case_id(case: dict) -> str:

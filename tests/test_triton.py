@@ -10,7 +10,6 @@ results. The tests marked `gpu` need a CUDA device (on ROCm too).
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import os
 import subprocess
@@ -24,7 +23,10 @@ import ssmops
 from ssmops._validation import CHUNK_LEN
 from ssmops.backends.triton import interpreting
 
-from conftest import REPO, TOLERANCES, Case, assert_close, make_inputs, run_python, run_scan_with_grads
+from conftest import (
+    REPO, STATE_UPDATE_CASES, TOLERANCES, Case, assert_close, make_inputs, run_python, run_scan_with_grads,
+    state_update_inputs,
+)
 
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 TRITON_AVAILABLE = ssmops.available_backends()["triton"] == "available"
@@ -87,7 +89,7 @@ def test_triton_opcheck(case):
 def test_triton_ops_match_main_ops_and_schemas():
     from ssmops._ops import SCHEMAS
 
-    for name in ("selective_scan_fwd", "selective_scan_bwd"):  # the scan; the decoding step has no Triton kernel
+    for name in ("selective_scan_fwd", "selective_scan_bwd"):  # (the decoding step's op: its own opcheck)
         schema = SCHEMAS[name]
         triton_schema = str(getattr(torch.ops.ssmops, f"{name}_triton").default._schema)
         # same arguments; only the (unnamed) returns differ in spelling
@@ -103,14 +105,15 @@ def test_triton_ops_match_main_ops_and_schemas():
 @needs_interpreter
 def test_triton_is_the_gpu_kernel_of_the_main_ops():
     """Eager calls of the main ops on CUDA (ROCm) or XPU tensors dispatch to the Triton launchers."""
-    for op in ("ssmops::selective_scan_fwd", "ssmops::selective_scan_bwd"):
+    for op in ("ssmops::selective_scan_fwd", "ssmops::selective_scan_bwd", "ssmops::selective_state_update"):
         for key in ("CUDA", "XPU"):
             assert torch._C._dispatch_has_kernel_for_dispatch_key(op, key), (op, key)
         # CPU keeps its own kernel (the C++ library or default), not Triton
-    from ssmops.backends.triton import triton_forward_op
+    from ssmops.backends.triton import triton_op_for
 
-    assert triton_forward_op(torch.empty(1, device="meta")) is None
-    assert triton_forward_op(torch.empty(1)) is None
+    for name in ("selective_scan_fwd", "selective_state_update"):
+        assert triton_op_for(name, torch.empty(1, device="meta")) is None
+        assert triton_op_for(name, torch.empty(1)) is None
 
 
 @needs_interpreter
@@ -157,6 +160,23 @@ def test_triton_variable_dB_dC_summed_over_channel_blocks(deterministic, monkeyp
             assert torch.equal(first[name], second[name]), name
 
 
+@needs_interpreter
+@pytest.mark.parametrize("case", STATE_UPDATE_CASES, ids=lambda case: "-".join(f"{k}={v}" for k, v in case.items()))
+def test_triton_state_update_matches_default(case):
+    kw = state_update_inputs(batch=3, dim=192, **case)  # two 128-channel tiles at dstate 5, the second half full
+    expected_state = kw["state"].clone()
+    with ssmops.use_backend("default"):
+        expected = ssmops.selective_state_update(**{**kw, "state": expected_state})
+    buffer = torch.zeros(*kw["state"].shape[:2], 2 * kw["state"].shape[2])
+    state = buffer[..., ::2]  # strided: the kernel writes through to the caller's memory
+    state.copy_(kw["state"])
+    y = torch.ops.ssmops.selective_state_update_triton(**{**kw, "state": state})
+    assert_close(y, expected, TOLERANCES[kw["x"].dtype], "y")
+    assert_close(buffer[..., ::2], expected_state, TOLERANCES[torch.float32], "state")
+    torch.library.opcheck(torch.ops.ssmops.selective_state_update_triton.default,
+                          tuple({**kw, "state": kw["state"].clone()}.values()))
+
+
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
 def test_triton_env_selector_routes_cpu_tensors_to_triton():
     """SSMOPS_BACKEND=triton registers the Triton launchers as the CPU kernels, for the process."""
@@ -190,7 +210,7 @@ def test_triton_env_selector_routes_cpu_tensors_to_triton():
 # (their arguments' dtypes, the tile sizes and warps `_config` picks) for NVIDIA H100 and
 # A100 and AMD MI300, and read the register use and spills off the compiled kernels.
 
-GPU_TARGETS = {"sm90": ("cuda", 90, 32), "sm80": ("cuda", 80, 32), "gfx942": ("hip", "gfx942", 64)}
+COMPILE_TARGETS = ("sm90", "sm80", "gfx942")  # H100, A100, MI300
 # (the length of the first case fills the 2048-step tile that Mamba-sized inputs use)
 COMPILE_CASES = [
     Case(batch=1, dim=64, seqlen=4096, dstate=16, dtype=torch.bfloat16, B="var", C="var", initial_state=True),
@@ -199,69 +219,10 @@ COMPILE_CASES = [
     Case(batch=1, dim=8, seqlen=40, dstate=5, B="const", C="const", D=False, z=False, delta_bias=False,
          softplus=False),
 ]
-_TRITON_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
-
-
-def _recorded_launches(case: Case, monkeypatch, deterministic: bool) -> list:
-    """(kernel, args, meta) of the forward and backward launches for `case` (not run)."""
-    from ssmops.backends.triton import ops
-
-    launches = []
-    monkeypatch.setattr(ops, "_launch", lambda kernel, grid, args, meta: launches.append((kernel, args, meta)))
-    args = _fwd_args(case)
-    out, x, out_z, last = ops.selective_scan_fwd(*args)
-    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
-    ops.selective_scan_bwd(*args[:9], torch.ones_like(out), x, torch.ones_like(last), args[9])
-    return launches
-
-
-def _compile(kernel, args, meta, target):
-    """Compiles one recorded launch as Triton's launcher would: an int equal to 1 becomes a
-    constant, and pointers and ints divisible by 16 are marked so (which enables vector loads)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile
-
-    constants = dict(meta)
-    num_warps = constants.pop("num_warps")
-    signature, attrs = {name: "constexpr" for name in constants}, {}
-    for i, (name, arg) in enumerate(zip(kernel.arg_names, args)):
-        if isinstance(arg, torch.Tensor):
-            signature[name], aligned = _TRITON_TYPES[arg.dtype], arg.data_ptr() % 16 == 0
-        elif arg == 1:
-            signature[name], constants[name], aligned = "constexpr", 1, False
-        else:
-            signature[name], aligned = ("i32" if -(2**31) <= arg < 2**31 else "i64"), arg % 16 == 0
-        if aligned:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    assert sorted(signature) == sorted(kernel.arg_names), "the launch does not fill every kernel argument"
-    signature = {name: signature[name] for name in kernel.arg_names}
-    return compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget(*target),
-                   options={"num_warps": num_warps})
-
-
-def _resource_usage(compiled) -> dict:
-    """Registers per thread and spilled bytes of a compiled kernel."""
-    import re
-    import tempfile
-
-    if "amdgcn" in compiled.asm:
-        text = compiled.asm["amdgcn"]
-        field = lambda key: int(re.search(rf"\.{key}:\s+(\d+)", text).group(1))  # noqa: E731
-        # (spilled scalar registers go to vector registers, not memory: only vector spills count)
-        return dict(regs=field("vgpr_count"), spills=field("vgpr_spill_count"))
-    cuobjdump = os.path.join(os.path.dirname(importlib.import_module("triton").__file__), "backends", "nvidia",
-                             "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
-                               check=True).stdout
-    regs, stack, local = re.search(r"REG:(\d+) STACK:(\d+) .*LOCAL:(\d+)", usage).groups()
-    return dict(regs=int(regs), spills=int(stack) + int(local))
 
 
 def _compile_params():
-    for target in GPU_TARGETS:
+    for target in COMPILE_TARGETS:
         for i, case in enumerate(COMPILE_CASES):
             for deterministic in (False, True) if case.B != "const" else (False,):
                 quick = target == "sm90" and i == 0 and not deterministic
@@ -273,16 +234,40 @@ def _compile_params():
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
 @pytest.mark.skipif(interpreting(), reason="compiles the JIT kernels, which the interpreter replaces")
 @pytest.mark.parametrize("target, case, deterministic", list(_compile_params()))
-def test_triton_kernels_compile_for_gpus_without_spilling(target, case, deterministic, monkeypatch):
-    launches = _recorded_launches(case, monkeypatch, deterministic)
+def test_triton_kernels_compile_for_gpus_without_spilling(target, case, deterministic):
+    from ssmops.backends.triton import aot
+
+    launches = aot.record_scan(_fwd_args(case), deterministic)
     assert [k.__name__ for k, _, _ in launches] == ["selective_scan_fwd_kernel", "selective_scan_bwd_kernel"]
     assert launches[1][2]["BC_ATOMIC"] == (not deterministic)
+    groups = {"var": None, "const": None}.get(case.B, int(case.B[1:]) if case.B.startswith("g") else None)
+    with aot.recorded_launches() as step:  # the decoding step, for the same dtype and dstate
+        aot.ops.selective_state_update(**state_update_inputs(dim=case.dim, dstate=case.dstate, groups=groups,
+                                                             dtype=case.dtype))
+    launches += step
     for kernel, args, meta in launches:
-        usage = _resource_usage(_compile(kernel, args, meta, GPU_TARGETS[target]))
-        print(kernel.__name__, target, meta["BLOCK_T"], meta["num_warps"], usage)
+        usage = aot.resource_usage(aot.compile_launch(kernel, args, meta, target))
+        print(kernel.__name__, target, meta.get("BLOCK_T"), meta["num_warps"], usage)
         # rows of a length not divisible by 16 are read element by element, not in vectors, and the
         # backward's addresses then spill a few registers
         assert usage["spills"] <= (0 if case.seqlen % 16 == 0 else 128), (kernel.__name__, usage)
+
+
+@pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
+@pytest.mark.skipif(interpreting(), reason="compiles the JIT kernels, which the interpreter replaces")
+def test_triton_static_estimate_shows_time_inside_the_threads():
+    """benchmarks/triton_static.py runs without a GPU. Its lane-shuffle counts guard the kernels'
+    layout: with time inside the threads the forward's loop needs under 4 shuffles per (step,
+    state) and the backward's under 12 (with time across lanes they were 14 and 43)."""
+    proc = subprocess.run([sys.executable, "benchmarks/triton_static.py"], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.startswith(("forward",
+                                                                                                     "backward"))}
+    header = next(line.split() for line in proc.stdout.splitlines() if line.startswith("pass"))
+    shuffles = header.index("shfl/elt")
+    assert float(rows["forward"][shuffles]) < 4 and float(rows["backward"][shuffles]) < 12, proc.stdout
+    assert rows["forward"][header.index("spill")] == rows["backward"][header.index("spill")] == "0", proc.stdout
 
 
 _TRACE_ON_FAKE_CUDA = """
@@ -354,6 +339,20 @@ def test_triton_cuda_matches_reference(case):
     assert_close(last, last_ref, TOLERANCES[torch.float32] * 5, "last_state")
     for name, g in grads.items():
         assert_close(g, g_ref[name], tol * 2, f"d{name}")
+
+
+@gpu
+@pytest.mark.parametrize("case", STATE_UPDATE_CASES, ids=lambda case: "-".join(f"{k}={v}" for k, v in case.items()))
+def test_triton_cuda_state_update_matches_default(case):
+    kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v
+          for k, v in state_update_inputs(batch=4, dim=192, dstate=16, **case).items()}
+    expected_state = kw["state"].clone()
+    with ssmops.use_backend("default"):
+        expected = ssmops.selective_state_update(**{**kw, "state": expected_state})
+    state = kw["state"].clone()
+    y = ssmops.selective_state_update(**{**kw, "state": state})  # CUDA: the Triton op
+    assert_close(y, expected, TOLERANCES[kw["x"].dtype], "y")
+    assert_close(state, expected_state, TOLERANCES[torch.float32], "state")
 
 
 @gpu

@@ -45,20 +45,20 @@ def load() -> str | None:
     return None
 
 
-def triton_forward_op(u: torch.Tensor):
-    """The Triton forward operator when it serves u's device natively, else None.
+def triton_op_for(name: str, t: torch.Tensor):
+    """The Triton operator `ssmops::{name}_triton` when it serves t's device natively, else None.
 
-    `selective_scan_fn` calls it instead of the device-dispatched main operator, so that
-    torch.compile and AOTInductor trace into the Triton kernels.
+    `selective_scan_fn` and `selective_state_update` call it instead of the device-dispatched
+    main operator, so that torch.compile and AOTInductor trace into the Triton kernels.
     """
-    if not _registered or u.device.type not in GPU_DEVICES:
+    if not _registered or t.device.type not in GPU_DEVICES:
         return None
     if not torch.compiler.is_compiling():
         from .. import selected_backend
 
         if selected_backend() not in (None, "triton"):  # an explicit `use_backend` wins in eager mode
             return None
-    return torch.ops.ssmops.selective_scan_fwd_triton.default
+    return getattr(torch.ops.ssmops, f"{name}_triton").default
 
 
 def __getattr__(name: str):

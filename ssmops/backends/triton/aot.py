@@ -1,0 +1,121 @@
+"""The launchers' kernels compiled for a GPU target ahead of time, on a machine without one.
+
+Triton compiles for a named target (`GPUTarget`) without its driver, and its wheel carries
+NVIDIA's `cuobjdump`. This records the launches the launchers in `ops.py` make for given
+inputs (their argument dtypes, tile sizes and warps) instead of running them, compiles each
+one as Triton's launcher would, and reads off the result: registers, spills and, for
+NVIDIA, the instructions of the innermost loop. tests/test_triton.py checks the kernels
+with it; benchmarks/triton_static.py estimates their speed from it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import re
+import subprocess
+import tempfile
+from typing import Iterator, Optional
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+
+from . import ops
+
+TARGETS = {"sm90": ("cuda", 90, 32), "sm80": ("cuda", 80, 32), "gfx942": ("hip", "gfx942", 64)}
+_POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
+
+
+@contextlib.contextmanager
+def recorded_launches() -> Iterator[list]:
+    """Within it, the launchers append (kernel, args, meta) to the list it yields, launching nothing."""
+    launches: list = []
+    launch = ops._launch
+    ops._launch = lambda kernel, grid, args, meta: launches.append((kernel, args, meta))
+    try:
+        yield launches
+    finally:
+        ops._launch = launch
+
+
+def record_scan(fwd_args: tuple, deterministic: bool = False) -> list:
+    """The forward and backward launches for the arguments of `ssmops::selective_scan_fwd` (CPU
+    tensors will do), with the backward's dB/dC summed atomically or deterministically."""
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    with recorded_launches() as launches:
+        out, x, out_z, last = ops.selective_scan_fwd(*fwd_args)
+        torch.use_deterministic_algorithms(deterministic)
+        try:
+            ops.selective_scan_bwd(*fwd_args[:9], torch.ones_like(out), x, torch.ones_like(last), fwd_args[9])
+        finally:
+            torch.use_deterministic_algorithms(was_deterministic)
+    return launches
+
+
+def compile_launch(kernel, args: tuple, meta: dict, target: str):
+    """Compiles one recorded launch for TARGETS[target] as Triton's launcher would: an int equal
+    to 1 becomes a constant, and pointers and ints divisible by 16 are marked so (which lets
+    loads be vectorized)."""
+    constants = dict(meta)
+    num_warps = constants.pop("num_warps")
+    signature, attrs = {name: "constexpr" for name in constants}, {}
+    for i, (name, arg) in enumerate(zip(kernel.arg_names, args)):
+        if isinstance(arg, torch.Tensor):
+            signature[name], aligned = _POINTER_TYPES[arg.dtype], arg.data_ptr() % 16 == 0
+        elif arg == 1:
+            signature[name], constants[name], aligned = "constexpr", 1, False
+        else:
+            signature[name], aligned = ("i32" if -(2**31) <= arg < 2**31 else "i64"), arg % 16 == 0
+        if aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    if sorted(signature) != sorted(kernel.arg_names):
+        raise ValueError(f"the launch of {kernel.__name__} does not fill its arguments")
+    signature = {name: signature[name] for name in kernel.arg_names}
+    return compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget(*TARGETS[target]),
+                   options={"num_warps": num_warps})
+
+
+def _cuobjdump(compiled, flag: str) -> str:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def resource_usage(compiled) -> dict:
+    """Registers per thread and bytes spilled to memory."""
+    if "amdgcn" in compiled.asm:
+        text = compiled.asm["amdgcn"]
+
+        def field(key: str) -> int:
+            return int(re.search(rf"\.{key}:\s+(\d+)", text).group(1))
+
+        # spilled scalar registers go to vector registers, not memory: only vector spills count
+        return dict(regs=field("vgpr_count"), spills=field("vgpr_spill_count"))
+    usage = _cuobjdump(compiled, "--dump-resource-usage")
+    regs, stack, local = re.search(r"REG:(\d+) STACK:(\d+) .*LOCAL:(\d+)", usage).groups()
+    return dict(regs=int(regs), spills=int(stack) + int(local))
+
+
+def innermost_loop(compiled) -> Optional[collections.Counter]:
+    """Opcode counts of the shortest backward-branching span of an NVIDIA kernel's SASS (its
+    innermost loop), or None if it has no loop."""
+    instructions = []
+    for line in _cuobjdump(compiled, "-sass").splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        if m:
+            instructions.append((int(m.group(1), 16), m.group(2)))
+    loops = []
+    for i, (address, text) in enumerate(instructions):
+        target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < address:
+            start = next(j for j, (a, _) in enumerate(instructions) if a == int(target.group(1), 16))
+            loops.append(instructions[start:i + 1])
+    if not loops:
+        return None
+    body = min(loops, key=len)
+    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0] for _, text in body)
