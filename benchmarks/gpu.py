@@ -27,13 +27,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def shape_parser(doc: str) -> argparse.ArgumentParser:
+    """A parser with the benchmark shape (also benchmarks/triton_static.py's)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--dim", type=int, default=4096)
     p.add_argument("--seqlen", type=int, default=4096)
     p.add_argument("--dstate", type=int, default=16)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    return p
+
+
+def parse_args(argv=None):
+    p = shape_parser(__doc__)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--ref-seqlen", type=int, default=256, help="seqlen at which the compiled reference is timed")
     p.add_argument("--skip-baselines", action="store_true", help="time the Triton operators only")

@@ -19,24 +19,14 @@ on a GPU. The defaults describe an H100 SXM as the device tool lends it (132 SMs
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from gpu import DTYPES, shape_parser  # (puts the repository on sys.path too)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--dim", type=int, default=4096)
-    p.add_argument("--seqlen", type=int, default=4096)
-    p.add_argument("--dstate", type=int, default=16)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p = shape_parser(__doc__)
     p.add_argument("--sms", type=int, default=132)
     p.add_argument("--clock-ghz", type=float, default=1.755)
     p.add_argument("--copy-tbps", type=float, default=3.0, help="device-to-device copy, bytes read + written")
