@@ -10,8 +10,9 @@ fraction of the GPU's measured copy bandwidth (a large `empty_like(x).copy_(x)`)
 the speed-up over the `default` backend and over the torch.compile'd reference. The
 compiled reference unrolls one step per timestep, so it is compiled and timed at
 `--ref-seqlen` steps and scaled linearly to the full seqlen (marked `~`).
-Goals: forward >= 70% of copy bandwidth, backward >= 50%. `--sweep` times the kernels
-with other warp counts in place of the launchers' choice, to retune it.
+Goals: forward >= 70% of copy bandwidth, backward >= 50%. Then one decoding step
+(`selective_state_update`, batch x dim) against the `default` backend. `--sweep` times the
+scan kernels with other warp counts in place of the launchers' choice, to retune it.
 """
 
 from __future__ import annotations
@@ -148,9 +149,35 @@ def main(argv=None) -> int:
             approx = "~" if bname == "compiled ref" and args.ref_seqlen < args.seqlen else " "
             line += f" {approx}{times[i] / t:15.1f}x"
         print(line)
+    decode_step(args, bw)
     if args.sweep:
         sweep_tiles(lambda: fwd_op(*fargs), lambda: bwd_op(*bargs), args.repeats)
     return 0
+
+
+def decode_step(args, bw: float) -> None:
+    """One `selective_state_update` at batch x dim (dstate, dtype as given): the Triton kernel
+    against the `default` backend's torch ops. Its bytes are mostly the float32 state, read and
+    written once."""
+    import ssmops
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dtype = DTYPES[args.dtype]
+
+    def randn(*shape, dt=dtype):
+        return torch.randn(*shape, generator=g, device="cuda").to(dt)
+
+    b, d, n = args.batch, args.dim, args.dstate
+    kw = dict(state=randn(b, d, n, dt=torch.float32), x=randn(b, d), dt=randn(b, d),
+              A=-randn(d, n, dt=torch.float32).abs(), B=randn(b, n), C=randn(b, n), D=randn(d, dt=torch.float32),
+              z=randn(b, d), dt_bias=randn(d, dt=torch.float32), dt_softplus=True)
+    step = torch.ops.ssmops.selective_state_update_triton.default
+    moved = nbytes(kw["state"], kw["state"], kw["x"], kw["dt"], kw["z"], kw["x"])  # state in and out; y out
+    t = cuda_time(lambda: step(*kw.values()), args.repeats)
+    with ssmops.use_backend("default"):
+        t_default = cuda_time(lambda: torch.ops.ssmops.selective_state_update(*kw.values()), args.repeats)
+    print(f"decode step (batch {b}, dim {d}): {t * 1e6:.1f} us, {moved / t / bw:.0%} of copy bandwidth, "
+          f"{t_default / t:.1f}x the default backend")
 
 
 SWEEP_WARPS = (1, 2, 4, 8, 16)
