@@ -2,10 +2,10 @@
 
 On a CPU-only machine the kernels run under Triton's interpreter, which has to be switched
 on (`TRITON_INTERPRET=1`) before Triton and ssmops are imported; `test_triton_interpreter_suite`
-therefore runs the Triton tests of this file and of test_ops.py in a fresh interpreter with
-it set, so the rest of the suite is unaffected. Run
-`TRITON_INTERPRET=1 pytest tests/test_ops.py tests/test_triton.py -k triton` for test-by-test
-results. The tests marked `gpu` need a CUDA device (on ROCm too).
+therefore runs the Triton tests of this file, test_ops.py and test_properties.py in a fresh
+interpreter with it set, so the rest of the suite is unaffected. Run
+`TRITON_INTERPRET=1 pytest tests/test_ops.py tests/test_properties.py tests/test_triton.py -k triton`
+for test-by-test results. The tests marked `gpu` need a CUDA device (on ROCm too).
 """
 
 from __future__ import annotations
@@ -42,9 +42,10 @@ gpu = pytest.mark.skipif(not (HAS_CUDA and TRITON_AVAILABLE), reason="needs a CU
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
 @pytest.mark.skipif(interpreting(), reason="already under the interpreter: the tests run in this process")
 def test_triton_interpreter_suite(request):
-    """The sweep of test_ops.py and this file's interpreter tests, with TRITON_INTERPRET=1."""
+    """The sweep of test_ops.py, the drawn problems of test_properties.py and this file's
+    interpreter tests, with TRITON_INTERPRET=1."""
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "triton",
-            "tests/test_ops.py", "tests/test_triton.py"]
+            "tests/test_ops.py", "tests/test_properties.py", "tests/test_triton.py"]
     markexpr = request.config.getoption("markexpr")
     if markexpr:
         args += ["-m", markexpr]

@@ -48,9 +48,25 @@ def _affine_combine(a1, b1, a2, b2):
 
 
 @triton.jit
+def _log1p(x):
+    # log(1 + x), accurate for tiny x too: log(u) * x / (u - 1) with u = 1 + x as rounded
+    u = 1.0 + x
+    return tl.where(u == 1.0, x, tl.log(u) * (x / (u - 1.0)))
+
+
+@triton.jit
 def _softplus(x):
     # torch.nn.functional.softplus with its default threshold of 20
-    return tl.where(x <= 20.0, tl.log(1.0 + tl.exp(x)), x)
+    return tl.where(x <= 20.0, _log1p(tl.exp(x)), x)
+
+
+@triton.jit
+def _states(decay, drive, h0, tt):
+    """h_t = decay_t h_{t-1} + drive_t over the tile from h_{-1} = h0: the scan of the affine
+    maps, with h0 entering through the first step's drive (as the recurrence has it, so that an
+    infinite decay meets h0 = 0 only where the recurrence itself multiplies them)."""
+    _, h = tl.associative_scan((decay, tl.where(tt == 0, decay * h0 + drive, drive)), 0, _affine_combine)
+    return h
 
 
 @triton.jit
@@ -159,9 +175,8 @@ def selective_scan_fwd_kernel(
             A2 = tl.load(A_row + n * s_An) * LOG2E  # decay = exp2(dt * A * log2(e))
             h0 = _start_state(x_prev, init_row, c, n, s_in, HAS_INIT)
             decay = tl.exp2(dt * A2)
-            drive = dtu * _load_bc(B_base, n, t, mask, s_Bn, s_Bt, B_VAR)
-            a_cum, b_cum = tl.associative_scan((decay, drive), 0, _affine_combine)
-            hs = a_cum * h0 + b_cum  # past seqlen decay is 1 and drive 0: the end holds the last state
+            hs = _states(decay, dtu * _load_bc(B_base, n, t, mask, s_Bn, s_Bt, B_VAR), h0, tt)
+            # (past seqlen decay is 1 and drive 0: the tile's end holds the last state)
             y += hs * _load_bc(C_base, n, t, mask, s_Cn, s_Ct, C_VAR)
             tl.store(x_chunk + 2 * n, tl.exp2(dt_total * A2))
             _store_at(x_chunk + 2 * n + 1, hs, tt, BLOCK_T - 1)
@@ -289,14 +304,13 @@ def selective_scan_bwd_kernel(
                     Bn = _load_bc(B_base, n, t, mask, s_Bn, s_Bt, B_VAR)
                     Cn = _load_bc(C_base, n, t, mask, s_Cn, s_Ct, C_VAR)
                     drive = dtu * Bn
-                    a_cum, b_cum = tl.associative_scan((decay, drive), 0, _affine_combine)
-                    hs = a_cum * h0 + b_cum
+                    hs = _states(decay, drive, h0, tt)
                     y += hs * Cn
-                    # g_t = C_t dy_t + decay_{t+1} g_{t+1}, and the later chunks' gradient enters at
-                    # the end: g = b + a * carry for the reverse scan (a, b) of (decay_{t+1}, C_t dy_t)
+                    # g_t = C_t dy_t + decay_{t+1} g_{t+1}: a reverse scan, which the later chunks'
+                    # gradient enters at the last step
                     decay_next = tl.where(has_next, tl.gather(decay, next_step, 0), 1.0)
-                    a_rev, b_rev = tl.associative_scan((decay_next, Cn * dy), 0, _affine_combine, reverse=True)
-                    g = b_rev + a_rev * tl.load(carry_in + n)
+                    rhs = Cn * dy + tl.where(tt == BLOCK_T - 1, tl.load(carry_in + n), 0.0)
+                    _, g = tl.associative_scan((decay_next, rhs), 0, _affine_combine, reverse=True)
                     _store_at(carry_out + n, decay * g, tt, 0)
                     q = g * (hs - drive)  # g_t * decay_t * h_{t-1}: the gradient through the decay
                     _accumulate(dA_ptr + bd * dstate + n, tl.sum(q * dt, axis=0))
