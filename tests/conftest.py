@@ -147,6 +147,10 @@ def state_update_inputs(batch=2, dim=6, dstate=5, groups=None, dtype=torch.float
     )
 
 
+def state_update_case_id(case: dict) -> str:
+    return "-".join(f"{k}={str(v).replace('torch.', '')}" for k, v in case.items()) or "plain"
+
+
 STATE_UPDATE_CASES = [
     dict(),
     dict(groups=3),

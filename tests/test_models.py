@@ -19,7 +19,9 @@ import ssmops
 from ssmops.models import InferenceParams, MambaConfig, MambaLMHeadModel
 from ssmops.modules import Mamba
 
-from conftest import REPO, STATE_UPDATE_CASES, TOLERANCES, assert_close, backend_params, state_update_inputs
+from conftest import (
+    REPO, STATE_UPDATE_CASES, TOLERANCES, assert_close, backend_params, state_update_case_id, state_update_inputs,
+)
 
 # --- the reference: Mamba one timestep at a time ---------------------------------------
 
@@ -79,17 +81,13 @@ def tiny_model(seed: int = 0, **kw) -> MambaLMHeadModel:
 # --- selective_state_update --------------------------------------------------------------
 
 
-def _case_id(case: dict) -> str:
-    return "-".join(f"{k}={str(v).replace('torch.', '')}" for k, v in case.items()) or "plain"
-
-
-@pytest.mark.parametrize("case", STATE_UPDATE_CASES, ids=_case_id)
+@pytest.mark.parametrize("case", STATE_UPDATE_CASES, ids=state_update_case_id)
 def test_state_update_opcheck(case):
     kw = state_update_inputs(**case)
     torch.library.opcheck(torch.ops.ssmops.selective_state_update.default, tuple(kw.values()))
 
 
-@pytest.mark.parametrize("case", STATE_UPDATE_CASES, ids=_case_id)
+@pytest.mark.parametrize("case", STATE_UPDATE_CASES, ids=state_update_case_id)
 def test_state_update_is_one_step_of_the_scan(case):
     kw = state_update_inputs(**case)
     state = kw["state"].clone()

@@ -25,7 +25,7 @@ from ssmops.backends.triton import interpreting
 
 from conftest import (
     REPO, STATE_UPDATE_CASES, TOLERANCES, Case, assert_close, make_inputs, run_python, run_scan_with_grads,
-    state_update_inputs,
+    state_update_case_id, state_update_inputs,
 )
 
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
@@ -161,19 +161,25 @@ def test_triton_variable_dB_dC_summed_over_channel_blocks(deterministic, monkeyp
             assert torch.equal(first[name], second[name]), name
 
 
-@needs_interpreter
-@pytest.mark.parametrize("case", STATE_UPDATE_CASES, ids=lambda case: "-".join(f"{k}={v}" for k, v in case.items()))
-def test_triton_state_update_matches_default(case):
-    kw = state_update_inputs(batch=3, dim=192, **case)  # two 128-channel tiles at dstate 5, the second half full
+def _check_state_update_against_default(kw: dict, state, step) -> None:
+    """step(**kw) with `state` (holding kw["state"]'s values) updated in place, against the
+    default backend (tests/test_models.py checks that against one step of the scan)."""
     expected_state = kw["state"].clone()
     with ssmops.use_backend("default"):
         expected = ssmops.selective_state_update(**{**kw, "state": expected_state})
+    y = step(**{**kw, "state": state})
+    assert_close(y, expected, TOLERANCES[kw["x"].dtype], "y")
+    assert_close(state, expected_state, TOLERANCES[torch.float32], "state")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", STATE_UPDATE_CASES, ids=state_update_case_id)
+def test_triton_state_update_matches_default(case):
+    kw = state_update_inputs(batch=3, dim=192, **case)  # two 128-channel tiles at dstate 5, the second half full
     buffer = torch.zeros(*kw["state"].shape[:2], 2 * kw["state"].shape[2])
     state = buffer[..., ::2]  # strided: the kernel writes through to the caller's memory
     state.copy_(kw["state"])
-    y = torch.ops.ssmops.selective_state_update_triton(**{**kw, "state": state})
-    assert_close(y, expected, TOLERANCES[kw["x"].dtype], "y")
-    assert_close(buffer[..., ::2], expected_state, TOLERANCES[torch.float32], "state")
+    _check_state_update_against_default(kw, state, torch.ops.ssmops.selective_state_update_triton)
     torch.library.opcheck(torch.ops.ssmops.selective_state_update_triton.default,
                           tuple({**kw, "state": kw["state"].clone()}.values()))
 
@@ -241,7 +247,7 @@ def test_triton_kernels_compile_for_gpus_without_spilling(target, case, determin
     launches = aot.record_scan(_fwd_args(case), deterministic)
     assert [k.__name__ for k, _, _ in launches] == ["selective_scan_fwd_kernel", "selective_scan_bwd_kernel"]
     assert launches[1][2]["BC_ATOMIC"] == (not deterministic)
-    groups = {"var": None, "const": None}.get(case.B, int(case.B[1:]) if case.B.startswith("g") else None)
+    groups = int(case.B[1:]) if case.B.startswith("g") else None
     with aot.recorded_launches() as step:  # the decoding step, for the same dtype and dstate
         aot.ops.selective_state_update(**state_update_inputs(dim=case.dim, dstate=case.dstate, groups=groups,
                                                              dtype=case.dtype))
@@ -343,17 +349,12 @@ def test_triton_cuda_matches_reference(case):
 
 
 @gpu
-@pytest.mark.parametrize("case", STATE_UPDATE_CASES, ids=lambda case: "-".join(f"{k}={v}" for k, v in case.items()))
+@pytest.mark.parametrize("case", STATE_UPDATE_CASES, ids=state_update_case_id)
 def test_triton_cuda_state_update_matches_default(case):
     kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v
           for k, v in state_update_inputs(batch=4, dim=192, dstate=16, **case).items()}
-    expected_state = kw["state"].clone()
-    with ssmops.use_backend("default"):
-        expected = ssmops.selective_state_update(**{**kw, "state": expected_state})
-    state = kw["state"].clone()
-    y = ssmops.selective_state_update(**{**kw, "state": state})  # CUDA: the Triton op
-    assert_close(y, expected, TOLERANCES[kw["x"].dtype], "y")
-    assert_close(state, expected_state, TOLERANCES[torch.float32], "state")
+    # on CUDA, selective_state_update calls the Triton op
+    _check_state_update_against_default(kw, kw["state"].clone(), ssmops.selective_state_update)
 
 
 @gpu

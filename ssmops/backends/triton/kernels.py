@@ -7,7 +7,7 @@ few consecutive steps. The states are taken one at a time (`for n in range(dstat
 for state n the recurrence `h_t = decay_t * h_{t-1} + drive_t` over the chunk is a
 first-order linear recurrence, so it is an inclusive `tl.associative_scan` along time of
 the affine maps `(decay_t, drive_t)` (combine: `(a1, b1), (a2, b2) -> (a1 a2, a2 b1 + b2)`),
-applied to the chunk-start state: `h_t = a_cum_t * h_start + b_cum_t`. With time inside
+with the chunk-start state entering through the first step's drive (`_states`). With time inside
 the threads the scan is mostly sequential arithmetic in registers (few lane shuffles), and
 the sum over states of the output, `y_t = sum_n h_t[n] C_t[n]`, is a plain accumulation
 in registers. u, delta, z and dout are read once per chunk, coalesced; B and C once per

@@ -34,7 +34,6 @@ GPU_DEVICES = ("cuda", "xpu")
 DETERMINISTIC_CHANNELS = 64
 
 
-
 def _pow2_divisor(n: int, cap: int) -> int:
     """Largest power of two dividing n, at most cap."""
     p = 1
@@ -47,8 +46,8 @@ def _config(seqlen: int, dstate: int, backward: bool) -> dict:
     """The time tile is the 2048-step chunk, or the whole sequence when shorter, spread over
     the warps so that a thread holds 16 consecutive steps in the forward and 8 in the
     backward, whose dozen live tiles would spill at 16. (From the sm_90 compiler's output:
-    the forward's scan loop costs 23 instructions per (step, state) at 16 steps a thread,
-    30 at 8; tests/test_triton.py compiles the launches and checks for spills.)"""
+    fewer steps a thread cost more instructions per (step, state) in the scan; see
+    benchmarks/triton_static.py. tests/test_triton.py compiles the launches and checks for spills.)"""
     block_t = min(CHUNK_LEN, max(triton.next_power_of_2(seqlen), 16))
     steps_per_thread = 8 if backward else 16
     return dict(BLOCK_T=block_t, BLOCK_N=max(triton.next_power_of_2(dstate), 2), CHUNK=CHUNK_LEN,
@@ -57,7 +56,7 @@ def _config(seqlen: int, dstate: int, backward: bool) -> dict:
 
 def _launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
     """Launches through `wrap_triton`, so that a tracer records the launch itself. (The one
-    place kernels are launched: tests/test_triton.py intercepts it to compile the exact
+    place kernels are launched: `aot.recorded_launches` intercepts it to compile the exact
     launches for GPU targets ahead of time, without a GPU.)"""
     wrap_triton(kernel)[grid](*args, **meta)
 
@@ -82,13 +81,8 @@ def _flags(B, C, D, z, delta_bias, initial_state, delta_softplus) -> dict:
 
 
 def _groups(M: Tensor) -> int:
-    """B/C groups of a variable B or C."""
+    """B/C groups (1 when B or C is shared by all channels or constant)."""
     return M.shape[1] if M.dim() == 4 else 1
-
-
-def _dpg(M: Tensor, dim: int) -> int:
-    """Channels per B/C group (dim when shared by all channels or constant)."""
-    return dim // M.shape[1] if M.dim() == 4 else dim
 
 
 def selective_scan_fwd(
@@ -110,7 +104,7 @@ def selective_scan_fwd(
         delta_bias if delta_bias is not None else A,
         initial_state if initial_state is not None else A,
         out, out_z if z is not None else out, x, last,
-        dim, seqlen, dstate, n_chunks, _dpg(B, dim), _dpg(C, dim),
+        dim, seqlen, dstate, n_chunks, dim // _groups(B), dim // _groups(C),
         *u.stride(), *delta.stride(), *_strides3(z),
         *A.stride(),
         *_bc_strides(B), *_bc_strides(C),
@@ -135,6 +129,7 @@ def selective_scan_bwd(
     bc_atomic = not torch.are_deterministic_algorithms_enabled()
     channels = 1 if bc_atomic or B.dim() == C.dim() == 2 else _pow2_divisor(dim // groups, DETERMINISTIC_CHANNELS)
     n_programs = dim // channels
+    n_chunks = num_chunks(seqlen)
     f32 = dict(dtype=torch.float32, device=u.device)
     du = torch.empty((batch, dim, seqlen), dtype=u.dtype, device=u.device)
     ddelta = torch.empty_like(du)
@@ -161,7 +156,7 @@ def selective_scan_bwd(
         du, ddelta, dz if z is not None else du, dA_part, dB_part, dC_part,
         dD_part if D is not None else dA_part, dbias_part if delta_bias is not None else dA_part,
         carry,
-        dim, seqlen, dstate, num_chunks(seqlen), _dpg(B, dim), _dpg(C, dim),
+        dim, seqlen, dstate, n_chunks, dim // _groups(B), dim // _groups(C),
         *u.stride(), *delta.stride(), *_strides3(z), *dout.stride(),
         *A.stride(),
         *_bc_strides(B), *_bc_strides(C),
@@ -182,7 +177,7 @@ def selective_scan_bwd(
         du, ddelta, dA_part.sum(0), bc_grad(dB_part, B), bc_grad(dC_part, C),
         dD_part.sum(0) if D is not None else dD_part,
         dbias_part.sum(0) if delta_bias is not None else dbias_part,
-        dz, carry[:, :, num_chunks(seqlen) % 2].clone() if initial_state is not None else u.new_empty(0, **f32),
+        dz, carry[:, :, n_chunks % 2].clone() if initial_state is not None else u.new_empty(0, **f32),
     )
 
 
