@@ -8,7 +8,7 @@ PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 
 .PHONY: install demo test test-quick bench sanitize gpu-check clean
 
-$(VENV)/.installed: pyproject.toml setup.py $(wildcard ssmops/csrc/*)
+$(VENV)/.installed: pyproject.toml setup.py $(shell find ssmops/csrc -type f)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q "setuptools>=70" wheel numpy pytest hypothesis transformers "triton; platform_system == 'Linux'"
@@ -24,7 +24,7 @@ demo: install
 # library unloaded, so that `default` is what the dispatcher registers for CPU.
 test: install
 	$(PYTEST) tests
-	SSMOPS_BACKEND=default $(PYTEST) tests/test_ops.py tests/test_compile_export.py -k "opcheck or compile or export or aoti"
+	SSMOPS_BACKEND=default $(PYTEST) tests/ops/test_selective_scan.py tests/test_compile_export.py -k "opcheck or compile or export or aoti"
 
 # The quick subset: everything but the checks marked slow.
 test-quick: install
@@ -37,7 +37,7 @@ bench: install
 # hypothesis: build against that torch, then run the GPU tests and the GPU benchmark.
 gpu-check:
 	$(PYTHON) -m pip install -q --no-build-isolation --no-deps -e .
-	$(PYTHON) -m pytest -q -p no:cacheprovider -rs tests/test_triton.py tests/test_ops.py -k "triton or cuda"
+	$(PYTHON) -m pytest -q -p no:cacheprovider -rs tests/test_triton.py tests/ops/test_selective_scan.py -k "triton or cuda"
 	$(PYTHON) benchmarks/gpu.py --sweep
 
 clean:

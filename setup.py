@@ -7,6 +7,7 @@ it fails to compile the package still installs and runs on the `default` backend
 """
 
 import os
+from pathlib import Path
 
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
@@ -19,15 +20,10 @@ setup(
     ext_modules=[
         CppExtension(
             "ssmops._C",
-            # selective_scan.cpp: schemas, checks, dispatch; scan_kernel_<isa>.cpp: the
-            # same kernels (scan_kernel.h) for each instruction set, picked at run time.
-            sources=[
-                "ssmops/csrc/selective_scan.cpp",
-                "ssmops/csrc/scan_kernel_generic.cpp",
-                "ssmops/csrc/scan_kernel_avx2.cpp",
-                "ssmops/csrc/scan_kernel_avx512.cpp",
-            ],
-            depends=["ssmops/csrc/scan_kernel.h", "ssmops/csrc/scan_params.h"],
+            # library.cpp: every schema; csrc/<family>/: that family's checks, kernels and CPU
+            # registrations (a kernel_<isa>.cpp per instruction set, picked at run time).
+            sources=sorted(str(p) for p in Path("ssmops/csrc").rglob("*.cpp")),
+            depends=sorted(str(p) for p in Path("ssmops/csrc").rglob("*.h")),
             py_limited_api=True,
             optional=True,
             extra_link_args=SANITIZE if sanitize else [],

@@ -126,7 +126,7 @@ def peak_memory(name: str, shape, threads: int) -> dict:
     """Peak RSS growth of one forward+backward in a fresh process, with the inputs and
     the output gradient already allocated; also the bytes those occupy."""
     code = _MEMORY_PROBE.format(bench_dir=str(BENCH_DIR), threads=threads, name=name, shape=tuple(shape),
-                                is_backend=name in ssmops.backends.BACKEND_NAMES)
+                                is_backend=name in ssmops._registry.BACKEND_NAMES)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 

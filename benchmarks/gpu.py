@@ -186,7 +186,7 @@ SWEEP_WARPS = (1, 2, 4, 8, 16)
 def sweep_tiles(fwd, bwd, repeats: int) -> None:
     """Forward and backward ms with each warp count of SWEEP_WARPS in place of the launchers'
     choice (the first row): the 2048-step tile then gives each thread 2048 / (32 warps) steps."""
-    from ssmops.backends.triton import ops
+    from ssmops.ops.selective_scan import triton as ops
 
     chosen = ops._config
     print("warps                      forward ms  backward ms")

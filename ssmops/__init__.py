@@ -3,14 +3,14 @@
     import ssmops
     y = ssmops.selective_scan_fn(u, delta, A, B, C, D, z, delta_bias, delta_softplus=True)
 
-The operators live in `torch.ops.ssmops`; see DESIGN.md for their contract.
+The operators live in `torch.ops.ssmops`; docs/design.md states their contract.
 """
 
+from ._registry import available_backends, use_backend  # first: registers every operator
 from . import compat
-from .backends import available_backends, use_backend
-from .backends.cpu import library_path
+from ._native import library_path
 from .mamba_inner import mamba_inner_fn
-from .reference import selective_scan_ref
+from .ops.selective_scan.reference import selective_scan_ref
 from .selective_scan import selective_scan_fn
 from .state_update import selective_state_update
 

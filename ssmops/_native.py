@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-_PACKAGE_DIR = Path(__file__).resolve().parents[1]
+_PACKAGE_DIR = Path(__file__).resolve().parent
 
 
 def library_path() -> str:
@@ -33,14 +33,13 @@ def load() -> str | None:
     return None
 
 
-def _native(op_name: str):
-    def kernel(*args):
+def kernel(op_name: str):
+    """The library's CPU kernel of `ssmops::op_name`, as `use_backend("cpu")` calls it (with any
+    backend override lifted, the operator reaches the kernel the library registered)."""
+
+    def run(*args):
         if args[0].device.type != "cpu":
-            raise ValueError(f"the cpu backend takes CPU tensors, got u on {args[0].device}")
+            raise ValueError(f"the cpu backend takes CPU tensors, got {args[0].device}")
         return getattr(torch.ops.ssmops, op_name).default(*args)
 
-    return kernel
-
-
-# Called with any backend override lifted, these reach the library's CPU kernels.
-KERNELS = {name: _native(name) for name in ("selective_scan_fwd", "selective_scan_bwd", "selective_state_update")}
+    return run

@@ -1,4 +1,10 @@
-"""Backend registry and the explicit backend selector.
+"""The registry: loads the native library, registers every family's kernels per device, and
+selects backends.
+
+For each family of `ssmops.ops.FAMILIES` it defines the schemas the C++ library did not,
+registers the fake kernels, the autograd formulas, the `default` kernels (every device)
+and, where Triton can run, the Triton operators and kernels (GPU devices). Families never
+import this module; the package's `__init__` imports it first.
 
 By default the dispatcher picks a backend by device: the native `cpu` library for
 CPU tensors when it is loaded, `triton` for CUDA/ROCm/XPU when Triton is installed,
@@ -17,15 +23,25 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import os
 import threading
+import warnings
 from collections.abc import Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import _native
+from .ops import FAMILIES
+from .ops._family import GPU_DEVICES, Family, Operator
+
 BACKEND_NAMES = ("default", "cpu", "triton")
 ENV_VAR = "SSMOPS_BACKEND"
+
+
+class NativeLibraryWarning(UserWarning):
+    """The C++ operator library could not be loaded; CPU tensors use the `default` backend."""
 
 
 def env_backend() -> str | None:
@@ -35,20 +51,169 @@ def env_backend() -> str | None:
     return name
 
 
-# name -> None when usable, else the reason it is not; filled in by ssmops._ops at import.
-unavailable: dict[str, str | None] = {}
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+# backend name -> None when usable, else the reason it is not
+_unavailable: dict[str, str | None] = {"default": None}
+# backend name -> {operator name: kernel}, what `use_backend` routes to
+_kernels: dict[str, dict] = {"default": {}, "cpu": {}, "triton": {}}
 
 
 def available_backends() -> dict[str, str]:
     """Each backend's status: 'available' or the reason it cannot run here."""
-    return {name: unavailable.get(name) or "available" for name in BACKEND_NAMES}
+    return {name: _unavailable.get(name) or "available" for name in BACKEND_NAMES}
+
+
+# --- loading ---------------------------------------------------------------------------
+
+
+def _load_native() -> None:
+    """Loads the C++ library unless SSMOPS_BACKEND asks for another CPU backend."""
+    choice = env_backend()
+    if choice in ("default", "triton"):
+        _unavailable["cpu"] = f"not loaded because {ENV_VAR}={choice}"
+        return
+    reason = _native.load()
+    _unavailable["cpu"] = reason
+    if reason is None:
+        return
+    if choice == "cpu":
+        raise ImportError(f"{ENV_VAR}=cpu but the native library failed to load: {reason}")
+    warnings.warn(
+        f"ssmops: the native CPU library is not available ({reason}); "
+        "CPU tensors run on the pure-PyTorch 'default' backend.",
+        NativeLibraryWarning,
+        stacklevel=4,
+    )
+
+
+def _gpu_present() -> bool:
+    xpu = getattr(torch, "xpu", None)
+    return torch.cuda.is_available() or bool(xpu is not None and xpu.is_available())
+
+
+def _triton_unavailable() -> str | None:
+    """Why the Triton backend cannot run here, or None."""
+    if importlib.util.find_spec("triton") is None:
+        return "No module named 'triton' (pip install 'ssmops[triton]')"
+    if not (_gpu_present() or interpreting()):
+        return "Triton runs CPU tensors only under TRITON_INTERPRET=1"
+    try:
+        import triton  # noqa: F401
+    except ImportError as err:
+        return f"Triton failed to import: {err}"
+    return None
+
+
+# --- registration ----------------------------------------------------------------------
+
+
+def _on_backend_of_forward(autograd):
+    """Wraps a family's (backward, setup_context) so that the backward runs on the backend its
+    forward ran on (the `use_backend` in force at the forward)."""
+
+    def wrapped(bwd_op):
+        backward, setup_context = autograd(bwd_op)
+
+        def setup(ctx, inputs, output):
+            setup_context(ctx, inputs, output)
+            ctx.backend = selected_backend()
+
+        def run_backward(ctx, *grads):
+            with use_backend(ctx.backend):
+                return backward(ctx, *grads)
+
+        return run_backward, setup
+
+    return wrapped
+
+
+def _register(op: Operator, lib: torch.library.Library) -> None:
+    qualname = f"ssmops::{op.name}"
+    torch.library.register_fake(qualname, op.fake, lib=lib)
+    # `default` serves every device without a kernel of its own (the C++ library registered CPU's)
+    torch.library.register_kernel(qualname, None, op.default, lib=lib)
+    _kernels["default"][op.name] = op.default
+    if op.autograd is not None:
+        backward, setup_context = _on_backend_of_forward(op.autograd)(getattr(torch.ops.ssmops, op.backward).default)
+        torch.library.register_autograd(qualname, backward, setup_context=setup_context, lib=lib)
+
+
+def _register_triton(family: Family, lib: torch.library.Library) -> None:
+    """The family's Triton operators get the main operators' fakes (an interpreted kernel must
+    not run on fake tensors, and seqlen must stay symbolic) and autograd (a compiled backward
+    graph then holds the Triton backward kernels too); the launchers become the main
+    operators' GPU kernels (and CPU's under SSMOPS_BACKEND=triton, for the interpreter)."""
+    from .ops import _triton
+
+    module = importlib.import_module(family.triton)
+    devices = list(GPU_DEVICES) + (["cpu"] if env_backend() == "triton" else [])
+    for op in family.operators:
+        triton_op = module.TRITON_OPS[op.name]
+        triton_op.register_fake(op.fake)
+        if op.autograd is not None:
+            backward, setup_context = _on_backend_of_forward(op.autograd)(module.TRITON_OPS[op.backward])
+            triton_op.register_autograd(backward, setup_context=setup_context)
+        _triton.keep_opaque_on_cpu(triton_op)
+        torch.library.register_kernel(f"ssmops::{op.name}", devices, module.KERNELS[op.name], lib=lib)
+        _kernels["triton"][op.name] = module.KERNELS[op.name]
+        _triton_ops[op.name] = getattr(torch.ops.ssmops, f"{op.name}_triton").default
+
+
+_triton_ops: dict[str, object] = {}
+_load_native()
+_lib = torch.library.Library("ssmops", "FRAGMENT")  # kept alive for the process
+_operators = [op for family in FAMILIES for op in family.operators]
+for _op in _operators:  # every schema first: an autograd formula names another operator
+    if hasattr(torch.ops.ssmops, _op.name):  # the C++ library defined it and registered its CPU kernel
+        _kernels["cpu"][_op.name] = _native.kernel(_op.name)
+    else:
+        _lib.define(_op.schema)
+for _op in _operators:
+    _register(_op, _lib)
+
+
+
+def load_triton() -> str | None:
+    """Registers the families' Triton kernels where Triton can run (once); returns why it cannot, or None."""
+    if _unavailable.get("triton", "") is None:
+        return None
+    _unavailable["triton"] = _triton_unavailable()
+    if _unavailable["triton"] is None:
+        for family in FAMILIES:
+            if family.triton is not None:
+                _register_triton(family, _lib)
+    return _unavailable["triton"]
+
+
+if load_triton() is not None and env_backend() == "triton":
+    raise ImportError(f"{ENV_VAR}=triton but the Triton backend cannot run: {_unavailable['triton']}")
+
+
+# --- selection -------------------------------------------------------------------------
+
+
+def triton_op_for(name: str, t: torch.Tensor):
+    """The Triton operator `ssmops::{name}_triton` when it serves t's device natively, else None.
+
+    Front ends call it instead of the device-dispatched main operator, so that torch.compile
+    and AOTInductor trace into the Triton kernels.
+    """
+    op = _triton_ops.get(name)
+    if op is None or t.device.type not in GPU_DEVICES:
+        return None
+    if not torch.compiler.is_compiling() and selected_backend() not in (None, "triton"):
+        return None  # an explicit `use_backend` wins in eager mode
+    return op
 
 
 def kernels(name: str) -> dict:
-    reason = unavailable.get(name)
+    reason = _unavailable.get(name)
     if reason:
         raise RuntimeError(f"ssmops backend {name!r} is not available: {reason}")
-    return importlib.import_module(f"{__name__}.{name}").KERNELS
+    return _kernels[name]
 
 
 class _BackendMode(TorchDispatchMode):
@@ -56,9 +221,7 @@ class _BackendMode(TorchDispatchMode):
 
     def __init__(self, name: str):
         super().__init__()
-        self.kernels = {
-            getattr(torch.ops.ssmops, op).default: fn for op, fn in kernels(name).items()
-        }
+        self.kernels = {getattr(torch.ops.ssmops, op).default: fn for op, fn in kernels(name).items()}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return self.kernels.get(func, func)(*args, **(kwargs or {}))

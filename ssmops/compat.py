@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _ops  # noqa: F401  (registers the operators)
-from ._validation import check_scan_inputs
+from .ops.selective_scan.checks import check_scan_inputs
 
 
 class _SelectiveScanExtension:

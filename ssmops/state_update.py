@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import _ops  # noqa: F401  (registers the operators)
-from ._validation import check_state_update_inputs
-from .backends.triton import triton_op_for
+from ._registry import triton_op_for
+from .ops.state_update.checks import check_state_update_inputs
 
 
 def _flatten_heads(t: Tensor | None, shape) -> Tensor | None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ssmops
-from ssmops._validation import CHUNK_LEN
+from ssmops.ops.selective_scan.checks import CHUNK_LEN
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -106,7 +106,7 @@ def backend_params(cases=None):
     """Every backend (times every case), skipped with its reason where it cannot run on CPU
     tensors here. Triton runs CPU tensors only under its interpreter (tests/test_triton.py
     sweeps CUDA tensors on a GPU machine), where its multi-chunk cases are slow."""
-    from ssmops.backends.triton import interpreting
+    from ssmops._registry import interpreting
 
     params = []
     for case in cases or [None]:
@@ -161,14 +161,15 @@ STATE_UPDATE_CASES = [
 
 
 
-def run_python(code: str, env: dict | None = None, timeout: float = 600, cwd=REPO) -> subprocess.CompletedProcess:
+def run_python(code: str, env: dict | None = None, timeout: float = 600, cwd=REPO,
+               args: list[str] = ()) -> subprocess.CompletedProcess:
     """Runs code in a fresh interpreter (so a crash or a different import-time setting is
     isolated), importing the same ssmops as this process (e.g. `make sanitize`'s build)."""
     env = dict(env or {})
     package_root = str(Path(ssmops.__file__).resolve().parents[1])
     path = os.pathsep.join(filter(None, [env.pop("PYTHONPATH", None), package_root, os.environ.get("PYTHONPATH")]))
     return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=cwd,
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd,
         env={**os.environ, **env, "PYTHONPATH": path},
     )
 

@@ -1,4 +1,4 @@
-"""The deployment paths of DESIGN.md on CPU: torch.compile, torch.export, AOTInductor."""
+"""The deployment paths of the contract (docs/design.md) on CPU: torch.compile, torch.export, AOTInductor."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The native CPU library (ssmops/csrc): its ABI, its schemas, its checks, determinism,
 and its kernels on every instruction-set path against the reference.
 
-The full grid against the reference is tests/test_ops.py, which picks up the `cpu`
+The full grid against the reference is tests/ops/test_selective_scan.py, which picks up the `cpu`
 backend by itself; this file covers what is particular to the C++ library.
 """
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ssmops
-from ssmops._ops import SCHEMAS
+from ssmops.ops import SCHEMAS
 
 from conftest import TOLERANCES, Case, assert_close, make_inputs, run_python, run_scan_with_grads
 
@@ -243,22 +243,3 @@ def test_every_isa_path_matches_reference(isa):
     res = run_python(_ISA_CHECK, env={"SSMOPS_CPU_ISA": isa, "PYTHONPATH": "tests"})
     assert res.returncode == 0, res.stdout + res.stderr
     assert f"ISA {isa}" in res.stdout and "OK" in res.stdout, res.stdout
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_state_update_matches_default_and_updates_a_strided_state(dtype):
-    g = torch.Generator().manual_seed(0)
-    batch, dim, dstate = 3, 8, 5
-    buffer = torch.randn(batch, dim, 2 * dstate, generator=g)
-    kw = dict(x=torch.randn(batch, dim, generator=g).to(dtype), dt=torch.randn(batch, dim, generator=g).to(dtype),
-              A=-torch.rand(dim, dstate, generator=g), B=torch.randn(batch, 2, dstate, generator=g),
-              C=torch.randn(batch, 2, dstate, generator=g), D=torch.randn(dim, generator=g),
-              z=torch.randn(batch, dim, generator=g).to(dtype), dt_bias=torch.randn(dim, generator=g),
-              dt_softplus=True)
-    expected_state = buffer[..., ::2].clone()
-    with ssmops.use_backend("default"):
-        expected = ssmops.selective_state_update(expected_state, **kw)
-    state = buffer[..., ::2]  # strided: the kernel must write through to the caller's memory
-    y = torch.ops.ssmops.selective_state_update(state, *kw.values())
-    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(buffer[..., ::2], expected_state, rtol=1e-5, atol=1e-6)

@@ -1,20 +1,23 @@
-"""Without the C++ library the package still imports, says so once, and runs on `default`."""
+"""The registry: without the C++ library the package still imports, says so once, and runs on
+`default`; the backend selectors; every module imports on its own (no import cycle)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 
 import pytest
+import torch
 
 import ssmops
-from conftest import REPO, run_python
+from conftest import REPO, Case, make_inputs, run_python
 
 _SCRIPT = """
 import warnings
 warnings.simplefilter("always")
 with warnings.catch_warnings(record=True) as caught:
-    import ssmops, ssmops.compat, ssmops._ops
+    import ssmops, ssmops.compat, ssmops._registry
 import torch
 print("WARNINGS", sum("native CPU library is not available" in str(w.message) for w in caught))
 print("STATUS", ssmops.available_backends()["cpu"])
@@ -51,3 +54,70 @@ def test_env_var_rejects_unknown_backend():
 @pytest.mark.skipif(os.environ.get("CI") != "true", reason="CI must build the native library; elsewhere it is optional")
 def test_ci_has_the_native_library():
     assert ssmops.available_backends()["cpu"] == "available"
+
+
+def test_use_backend_rejects_unknown_and_unavailable():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        with ssmops.use_backend("cuda"):
+            pass
+    for name, status in ssmops.available_backends().items():
+        if status != "available":
+            with pytest.raises(RuntimeError, match=name):
+                with ssmops.use_backend(name):
+                    pass
+
+
+def test_use_backend_routes_forward_and_its_backward(monkeypatch):
+    from ssmops._registry import kernels
+
+    calls = []
+    for op in ("selective_scan_fwd", "selective_scan_bwd"):
+        kernel = kernels("default")[op]
+        monkeypatch.setitem(kernels("default"), op, lambda *a, op=op, kernel=kernel: calls.append(op) or kernel(*a))
+    kw = {k: v.requires_grad_() if isinstance(v, torch.Tensor) else v for k, v in make_inputs(Case()).items()}
+    with ssmops.use_backend("default"):
+        y = ssmops.selective_scan_fn(**kw)
+    y.sum().backward()  # outside the block: still the forward's backend
+    assert calls == ["selective_scan_fwd", "selective_scan_bwd"]
+
+
+def _package_modules() -> list[str]:
+    root = REPO / "ssmops"
+    names = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+_IMPORT_EACH_ALONE = """
+import os, sys
+import torch  # the slow part, once: each module is then imported alone in a forked child
+
+failed = []
+for name in sys.argv[1:]:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            __import__(name)
+        except BaseException as err:
+            print("FAIL", name, type(err).__name__, err, flush=True)
+            os._exit(1)
+        os._exit(0)
+    if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0:
+        failed.append(name)
+print("FAILED", failed)
+"""
+
+
+def test_every_module_imports_alone_in_a_fresh_interpreter():
+    """Each module of the package, imported first and alone (e.g. ssmops.ops.selective_scan.default),
+    succeeds: no module reads a half-imported one through an import cycle. Triton's modules are
+    skipped where Triton is not installed; `__main__` is the CLI."""
+    modules = [m for m in _package_modules() if not m.endswith("__main__")]
+    if importlib.util.find_spec("triton") is None:
+        modules = [m for m in modules if "triton" not in m]
+    assert "ssmops.ops.selective_scan.default" in modules and len(modules) > 20
+    out = run_python(_IMPORT_EACH_ALONE, args=modules)
+    assert out.returncode == 0, out.stderr
+    assert "FAILED []" in out.stdout, out.stdout

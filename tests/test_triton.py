@@ -1,10 +1,10 @@
-"""What is specific to the Triton backend (the backend-vs-reference sweep is tests/test_ops.py).
+"""What is specific to the Triton backend (the backend-vs-reference sweep is tests/ops/test_selective_scan.py).
 
 On a CPU-only machine the kernels run under Triton's interpreter, which has to be switched
 on (`TRITON_INTERPRET=1`) before Triton and ssmops are imported; `test_triton_interpreter_suite`
-therefore runs the Triton tests of this file, test_ops.py and test_properties.py in a fresh
+therefore runs the Triton tests of this file, tests/ops/test_selective_scan.py and test_properties.py in a fresh
 interpreter with it set, so the rest of the suite is unaffected. Run
-`TRITON_INTERPRET=1 pytest tests/test_ops.py tests/test_properties.py tests/test_triton.py -k triton`
+`TRITON_INTERPRET=1 pytest tests/ops/test_selective_scan.py tests/test_properties.py tests/test_triton.py -k triton`
 for test-by-test results. The tests marked `gpu` need a CUDA device (on ROCm too).
 """
 
@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import ssmops
-from ssmops._validation import CHUNK_LEN
-from ssmops.backends.triton import interpreting
+from ssmops.ops.selective_scan.checks import CHUNK_LEN
+from ssmops._registry import interpreting
 
 from conftest import (
     REPO, STATE_UPDATE_CASES, TOLERANCES, Case, assert_close, make_inputs, run_python, run_scan_with_grads,
@@ -42,10 +42,10 @@ gpu = pytest.mark.skipif(not (HAS_CUDA and TRITON_AVAILABLE), reason="needs a CU
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
 @pytest.mark.skipif(interpreting(), reason="already under the interpreter: the tests run in this process")
 def test_triton_interpreter_suite(request):
-    """The sweep of test_ops.py, the drawn problems of test_properties.py and this file's
+    """The sweep of tests/ops/test_selective_scan.py, the drawn problems of test_properties.py and this file's
     interpreter tests, with TRITON_INTERPRET=1."""
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "triton",
-            "tests/test_ops.py", "tests/test_properties.py", "tests/test_triton.py"]
+            "tests/ops/test_selective_scan.py", "tests/test_properties.py", "tests/test_triton.py"]
     markexpr = request.config.getoption("markexpr")
     if markexpr:
         args += ["-m", markexpr]
@@ -88,7 +88,7 @@ def test_triton_opcheck(case):
 
 @needs_interpreter
 def test_triton_ops_match_main_ops_and_schemas():
-    from ssmops._ops import SCHEMAS
+    from ssmops.ops import SCHEMAS
 
     for name in ("selective_scan_fwd", "selective_scan_bwd"):  # (the decoding step's op: its own opcheck)
         schema = SCHEMAS[name]
@@ -110,7 +110,7 @@ def test_triton_is_the_gpu_kernel_of_the_main_ops():
         for key in ("CUDA", "XPU"):
             assert torch._C._dispatch_has_kernel_for_dispatch_key(op, key), (op, key)
         # CPU keeps its own kernel (the C++ library or default), not Triton
-    from ssmops.backends.triton import triton_op_for
+    from ssmops._registry import triton_op_for
 
     for name in ("selective_scan_fwd", "selective_state_update"):
         assert triton_op_for(name, torch.empty(1, device="meta")) is None
@@ -142,9 +142,9 @@ def test_triton_variable_dB_dC_summed_over_channel_blocks(deterministic, monkeyp
     """Variable dB/dC are summed over a group's channels (4 here): by atomics, one program per
     channel, or, under torch.use_deterministic_algorithms(True), by programs that each add up
     2 channels in their own rows, which are then summed in a fixed order: the same bits on every run."""
-    from ssmops.backends.triton import ops
+    from ssmops.ops.selective_scan import triton as scan_triton
 
-    monkeypatch.setattr(ops, "DETERMINISTIC_CHANNELS", 2)
+    monkeypatch.setattr(scan_triton, "DETERMINISTIC_CHANNELS", 2)
     case = Case(batch=2, dim=8, seqlen=37, dstate=4, B="g2", C="g2", initial_state=True)
     kw = make_inputs(case)
     _, _, g_ref = run_scan_with_grads(ssmops.selective_scan_ref, kw)
@@ -242,14 +242,14 @@ def _compile_params():
 @pytest.mark.skipif(interpreting(), reason="compiles the JIT kernels, which the interpreter replaces")
 @pytest.mark.parametrize("target, case, deterministic", list(_compile_params()))
 def test_triton_kernels_compile_for_gpus_without_spilling(target, case, deterministic):
-    from ssmops.backends.triton import aot
+    from ssmops.ops import triton_aot as aot
 
     launches = aot.record_scan(_fwd_args(case), deterministic)
     assert [k.__name__ for k, _, _ in launches] == ["selective_scan_fwd_kernel", "selective_scan_bwd_kernel"]
     assert launches[1][2]["BC_ATOMIC"] == (not deterministic)
     groups = int(case.B[1:]) if case.B.startswith("g") else None
     with aot.recorded_launches() as step:  # the decoding step, for the same dtype and dstate
-        aot.ops.selective_state_update(**state_update_inputs(dim=case.dim, dstate=case.dstate, groups=groups,
+        aot.state_update_triton.selective_state_update(**state_update_inputs(dim=case.dim, dstate=case.dstate, groups=groups,
                                                              dtype=case.dtype))
     launches += step
     for kernel, args, meta in launches:
@@ -279,13 +279,13 @@ def test_triton_static_estimate_shows_time_inside_the_threads():
 
 _TRACE_ON_FAKE_CUDA = """
 import torch
-import ssmops.backends.triton as triton_backend
+import ssmops._registry as registry
 from torch._functorch.aot_autograd import aot_export_module
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-triton_backend._gpu_present = lambda: True  # fake CUDA tensors stand in for a GPU
-assert triton_backend.load() is None
+registry._gpu_present = lambda: True  # fake CUDA tensors stand in for a GPU
+assert registry.load_triton() is None
 
 
 class FwdBwd(torch.nn.Module):

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ..export import load_state_dict
+from ..checkpoint import load_state_dict
 from ..modules.mamba import Mamba
 from .generation import GenerationOutput, decode
 

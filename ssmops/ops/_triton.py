@@ -1,69 +1,51 @@
-"""The `triton` backend: Triton kernels for CUDA, ROCm and XPU tensors.
-
-Importing this package is cheap and never imports Triton; `load()` does, once, from
-`ssmops._ops`. On a CPU-only machine the kernels run only under `TRITON_INTERPRET=1`
-(Triton's interpreter, for testing), which must be set before ssmops is imported.
-
-Files: `kernels.py` (the Triton kernels and how they divide the work), `ops.py` (the
-launchers, the `ssmops::selective_scan_{fwd,bwd}_triton` operators and their
-registrations).
+"""What every family's Triton backend shares: the one launch site, the operators' functionalization
+on CPU tensors, and the JIT helpers of more than one kernel. Imports Triton: only a family's
+`triton.py` (imported by the registry where Triton can run) imports this.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.library import wrap_triton
 
-import torch
+from ._family import GPU_DEVICES
 
-GPU_DEVICES = ("cuda", "xpu")  # "cuda" is also ROCm's device type
-_registered = False  # set by load() once the Triton operators exist
-
-
-def _gpu_present() -> bool:
-    xpu = getattr(torch, "xpu", None)
-    return torch.cuda.is_available() or bool(xpu is not None and xpu.is_available())
+LOG2E = tl.constexpr(1.4426950408889634)  # a JIT function reads only constexpr globals
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+def launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
+    """Launches through `wrap_triton`, so that a tracer records the launch itself. (The one
+    place kernels are launched: `triton_aot.recorded_launches` replaces it to compile the exact
+    launches for GPU targets ahead of time, without a GPU; call it as `_triton.launch`.)"""
+    wrap_triton(kernel)[grid](*args, **meta)
 
 
-def load() -> str | None:
-    """Imports Triton and registers the kernels; returns why the backend cannot run here, or None."""
-    if importlib.util.find_spec("triton") is None:
-        return "No module named 'triton' (pip install 'ssmops[triton]')"
-    if not (_gpu_present() or interpreting()):
-        return "Triton runs CPU tensors only under TRITON_INTERPRET=1"
-    try:
-        from . import ops
-    except ImportError as err:
-        return f"Triton failed to import: {err}"
-    global _registered
-    ops.register()
-    _registered = True
-    return None
+def keep_opaque_on_cpu(op_def) -> None:
+    """Under the interpreter the kernels cannot be traced (they are Python, not JIT functions),
+    so for CPU tensors the functionalization rule keeps the operator whole instead of
+    decomposing it into kernel launches; GPU tensors keep triton_op's decomposition."""
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    decompose = op_def._torch_dispatch_fns[FunctionalTensorMode]
+
+    def rule(mode, op, types, args, kwargs):
+        if isinstance(args[0], Tensor) and args[0].device.type not in GPU_DEVICES:
+            return mode.__torch_dispatch__(op, types, args, kwargs)
+        return decompose(mode, op, types, args, kwargs)
+
+    op_def.register_torch_dispatch(FunctionalTensorMode, rule)
 
 
-def triton_op_for(name: str, t: torch.Tensor):
-    """The Triton operator `ssmops::{name}_triton` when it serves t's device natively, else None.
-
-    `selective_scan_fn` and `selective_state_update` call it instead of the device-dispatched
-    main operator, so that torch.compile and AOTInductor trace into the Triton kernels.
-    """
-    if not _registered or t.device.type not in GPU_DEVICES:
-        return None
-    if not torch.compiler.is_compiling():
-        from .. import selected_backend
-
-        if selected_backend() not in (None, "triton"):  # an explicit `use_backend` wins in eager mode
-            return None
-    return getattr(torch.ops.ssmops, f"{name}_triton").default
+@triton.jit
+def log1p(x):
+    # log(1 + x), accurate for tiny x too: log(u) * x / (u - 1) with u = 1 + x as rounded
+    u = 1.0 + x
+    return tl.where(u == 1.0, x, tl.log(u) * (x / (u - 1.0)))
 
 
-def __getattr__(name: str):
-    if name == "KERNELS":  # what `use_backend("triton")` routes to
-        from .ops import KERNELS
-
-        return KERNELS
-    raise AttributeError(name)
+@triton.jit
+def softplus(x):
+    # torch.nn.functional.softplus with its default threshold of 20
+    return tl.where(x <= 20.0, log1p(tl.exp(x)), x)

@@ -1,7 +1,7 @@
 """The launchers' kernels compiled for a GPU target ahead of time, on a machine without one.
 
 Triton compiles for a named target (`GPUTarget`) without its driver, and its wheel carries
-NVIDIA's `cuobjdump`. This records the launches the launchers in `ops.py` make for given
+NVIDIA's `cuobjdump`. This records the launches the families' launchers (`<family>/triton.py`) make for given
 inputs (their argument dtypes, tile sizes and warps) instead of running them, compiles each
 one as Triton's launcher would, and reads off the result: registers, spills and, for
 NVIDIA, the instructions of the innermost loop. tests/test_triton.py checks the kernels
@@ -23,7 +23,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
-from . import ops
+from . import _triton
+from .selective_scan import triton as scan_triton
+from .state_update import triton as state_update_triton
 
 TARGETS = {"sm90": ("cuda", 90, 32), "sm80": ("cuda", 80, 32), "gfx942": ("hip", "gfx942", 64)}
 _POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
@@ -33,12 +35,12 @@ _POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16
 def recorded_launches() -> Iterator[list]:
     """Within it, the launchers append (kernel, args, meta) to the list it yields, launching nothing."""
     launches: list = []
-    launch = ops._launch
-    ops._launch = lambda kernel, grid, args, meta: launches.append((kernel, args, meta))
+    launch = _triton.launch
+    _triton.launch = lambda kernel, grid, args, meta: launches.append((kernel, args, meta))
     try:
         yield launches
     finally:
-        ops._launch = launch
+        _triton.launch = launch
 
 
 def record_scan(fwd_args: tuple, deterministic: bool = False) -> list:
@@ -46,10 +48,10 @@ def record_scan(fwd_args: tuple, deterministic: bool = False) -> list:
     tensors will do), with the backward's dB/dC summed atomically or deterministically."""
     was_deterministic = torch.are_deterministic_algorithms_enabled()
     with recorded_launches() as launches:
-        out, x, out_z, last = ops.selective_scan_fwd(*fwd_args)
+        out, x, out_z, last = scan_triton.selective_scan_fwd(*fwd_args)
         torch.use_deterministic_algorithms(deterministic)
         try:
-            ops.selective_scan_bwd(*fwd_args[:9], torch.ones_like(out), x, torch.ones_like(last), fwd_args[9])
+            scan_triton.selective_scan_bwd(*fwd_args[:9], torch.ones_like(out), x, torch.ones_like(last), fwd_args[9])
         finally:
             torch.use_deterministic_algorithms(was_deterministic)
     return launches

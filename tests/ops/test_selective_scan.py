@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 import ssmops
-from ssmops._ops import SCHEMAS
-from ssmops._validation import CHUNK_LEN
+from ssmops.ops import SCHEMAS
+from ssmops.ops.selective_scan.checks import CHUNK_LEN
 
 from conftest import (
     TOLERANCES,
@@ -28,11 +28,11 @@ from conftest import (
     tensor_args,
 )
 
-# --- the reference against a scalar, per-timestep transcription of DESIGN.md ---------
+# --- the reference against a scalar, per-timestep transcription of the contract (docs/design.md) ---------
 
 
 def _formulas(kw: dict) -> tuple[np.ndarray, np.ndarray]:
-    """DESIGN.md's equations, one scalar at a time, in float64."""
+    """the contract (docs/design.md)'s equations, one scalar at a time, in float64."""
     f = {k: v.double().numpy() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
     u, delta, A = f["u"], f["delta"], f["A"]
     batch, dim, seqlen = u.shape
@@ -240,28 +240,3 @@ def test_selective_scan_fn_returns_like_mamba_ssm():
     positional = ssmops.selective_scan_fn(kw["u"], kw["delta"], kw["A"], kw["B"], kw["C"], kw["D"], kw["z"],
                                           kw["delta_bias"], True, False)
     assert torch.equal(y, positional)
-
-
-def test_use_backend_rejects_unknown_and_unavailable():
-    with pytest.raises(ValueError, match="backend must be one of"):
-        with ssmops.use_backend("cuda"):
-            pass
-    for name, status in ssmops.available_backends().items():
-        if status != "available":
-            with pytest.raises(RuntimeError, match=name):
-                with ssmops.use_backend(name):
-                    pass
-
-
-def test_use_backend_routes_forward_and_its_backward(monkeypatch):
-    from ssmops.backends import default
-
-    calls = []
-    for op in ("selective_scan_fwd", "selective_scan_bwd"):
-        kernel = default.KERNELS[op]
-        monkeypatch.setitem(default.KERNELS, op, lambda *a, op=op, kernel=kernel: calls.append(op) or kernel(*a))
-    kw = {k: v.requires_grad_() if isinstance(v, torch.Tensor) else v for k, v in make_inputs(Case()).items()}
-    with ssmops.use_backend("default"):
-        y = ssmops.selective_scan_fn(**kw)
-    y.sum().backward()  # outside the block: still the forward's backend
-    assert calls == ["selective_scan_fwd", "selective_scan_bwd"]

@@ -1,7 +1,7 @@
-// The ssmops operator library: schemas, argument checks and CPU registrations of the
-// selective scan, written against LibTorch's stable ABI only (no c10/at/torch C++
-// symbols, no Python). The kernels themselves are in scan_kernel.h, compiled once per
-// instruction set; this file picks one at run time.
+// The selective scan's CPU operators: argument checks, the choice of kernel and the CPU
+// registrations, on LibTorch's stable ABI only (no c10/at/torch C++ symbols, no Python).
+// The kernels themselves are in scan_kernel.h, compiled once per instruction set; this
+// file picks one at run time. The schemas are in ../library.cpp.
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
@@ -15,121 +15,17 @@
 #include <tuple>
 #include <vector>
 
+#include "../common/checks.h"
+#include "../common/isa.h"
 #include "scan_params.h"
 
 namespace ssmops_cpu {
 namespace {
 
-using torch::stable::Tensor;
-using OptTensor = std::optional<Tensor>;
-using ST = torch::headeronly::ScalarType;
-
-constexpr int64_t kMaxDstate = 256;
-
-// --- instruction-set selection ---------------------------------------------------------
-
-enum class Isa { kGeneric, kAvx2, kAvx512 };
-
-const char* isa_name(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512:
-      return "avx512";
-    case Isa::kAvx2:
-      return "avx2";
-    default:
-      return "generic";
-  }
-}
-
-Isa best_isa() {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("fma"))
-    return Isa::kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
-#endif
-  return Isa::kGeneric;
-}
-
-// SSMOPS_CPU_ISA=avx512|avx2|generic (or scalar) forces a path, e.g. to test each one;
-// asking for one this CPU lacks is an error rather than a crash.
-Isa selected_isa() {
-  const Isa best = best_isa();
-  const char* env = std::getenv("SSMOPS_CPU_ISA");
-  if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) return best;
-  const std::string want(env);
-  Isa isa;
-  if (want == "avx512")
-    isa = Isa::kAvx512;
-  else if (want == "avx2")
-    isa = Isa::kAvx2;
-  else if (want == "generic" || want == "scalar")
-    isa = Isa::kGeneric;
-  else
-    STD_TORCH_CHECK(false, "SSMOPS_CPU_ISA must be auto, avx512, avx2 or generic, got '", want, "'");
-  STD_TORCH_CHECK(static_cast<int>(isa) <= static_cast<int>(best), "SSMOPS_CPU_ISA=", want,
-                  " but this CPU supports at most ", isa_name(best));
-  return isa;
-}
-
 // --- argument checks -------------------------------------------------------------------
-
-std::string shape_of(const Tensor& t) {
-  std::string s = "(";
-  for (int64_t i = 0; i < t.dim(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(t.size(i));
-  }
-  return s + (t.dim() == 1 ? ",)" : ")");
-}
-
-std::string shape_str(const std::vector<int64_t>& shape) {
-  std::string s = "(";
-  for (size_t i = 0; i < shape.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(shape[i]);
-  }
-  return s + (shape.size() == 1 ? ",)" : ")");
-}
-
-const char* dtype_name(ST t) {
-  switch (t) {
-    case ST::Float:
-      return "float32";
-    case ST::Half:
-      return "float16";
-    case ST::BFloat16:
-      return "bfloat16";
-    case ST::Double:
-      return "float64";
-    default:
-      return "an unsupported dtype";
-  }
-}
 
 int dtype_code(ST t) {
   return t == ST::Half ? kFloat16 : t == ST::BFloat16 ? kBFloat16 : kFloat32;
-}
-
-bool same_shape(const Tensor& t, const std::vector<int64_t>& shape) {
-  if (t.dim() != static_cast<int64_t>(shape.size())) return false;
-  for (size_t i = 0; i < shape.size(); ++i)
-    if (t.size(i) != shape[i]) return false;
-  return true;
-}
-
-void check_cpu(const char* name, const Tensor& t) {
-  STD_TORCH_CHECK(t.is_cpu(), "selective_scan (cpu): ", name, " must be a CPU tensor");
-}
-
-void check_tensor(const char* name, const Tensor& t, const std::vector<int64_t>& shape, ST dtype) {
-  check_cpu(name, t);
-  STD_TORCH_CHECK(same_shape(t, shape), "selective_scan: ", name, " must have shape ", shape_str(shape),
-                  ", got ", shape_of(t));
-  STD_TORCH_CHECK(t.scalar_type() == dtype, "selective_scan: ", name, " must have dtype ",
-                  dtype_name(dtype), ", got ", dtype_name(t.scalar_type()));
 }
 
 struct Dims {
@@ -216,8 +112,6 @@ void parallel_for_torch(int64_t n, RangeFn fn, void* ctx) {
 
 const float* fptr(const OptTensor& t) { return t ? t->const_data_ptr<float>() : nullptr; }
 
-Tensor contig(const Tensor& t) { return torch::stable::contiguous(t); }
-OptTensor contig(const OptTensor& t) { return t ? OptTensor(contig(*t)) : std::nullopt; }
 
 // Fills the inputs shared by forward and backward; the tensors must outlive the call.
 ScanArgs make_args(const Dims& d, const Tensor& u, const Tensor& delta, const Tensor& A, const Tensor& B,
@@ -276,9 +170,6 @@ FwdKernel bwd_kernel(Isa isa) {
   }
 }
 
-Tensor empty_like_shape(const Tensor& like, const std::vector<int64_t>& shape, ST dtype) {
-  return torch::stable::new_empty(like, shape, dtype);
-}
 
 int64_t num_chunks(int64_t seqlen) { return (seqlen + kChunkLen - 1) / kChunkLen; }
 
@@ -354,123 +245,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
   return {du, ddelta, dA, dB, dC, dD, ddelta_bias, dz, dinit};
 }
 
-// --- selective_state_update: one decoding step ------------------------------------------
-// Tiny work per call (batch * dim * dstate), so a plain loop over float32 copies of the
-// inputs; `state` is updated in place (through a contiguous copy when it is strided).
-
-Tensor as_f32(const Tensor& t) { return contig(torch::stable::to(t, ST::Float)); }
-
-void check_f32_or(const char* name, const Tensor& t, const std::vector<int64_t>& shape, ST x_dtype) {
-  check_cpu(name, t);
-  STD_TORCH_CHECK(same_shape(t, shape), "selective_state_update: ", name, " must have shape ", shape_str(shape),
-                  ", got ", shape_of(t));
-  STD_TORCH_CHECK(t.scalar_type() == ST::Float || t.scalar_type() == x_dtype, "selective_state_update: ", name,
-                  " must have dtype float32 or ", dtype_name(x_dtype), " (x's dtype), got ",
-                  dtype_name(t.scalar_type()));
-}
-
-Tensor selective_state_update(Tensor state, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, OptTensor D,
-                              OptTensor z, OptTensor dt_bias, bool dt_softplus) {
-  check_cpu("x", x);
-  STD_TORCH_CHECK(x.dim() == 2, "selective_state_update: x must have shape (batch, dim), got ", shape_of(x));
-  const ST xt = x.scalar_type();
-  STD_TORCH_CHECK(xt == ST::Float || xt == ST::Half || xt == ST::BFloat16,
-                  "selective_state_update: x must have dtype float32, float16 or bfloat16, got ", dtype_name(xt));
-  const int64_t batch = x.size(0), dim = x.size(1);
-  check_cpu("A", A);
-  STD_TORCH_CHECK(A.dim() == 2 && A.size(0) == dim,
-                  "selective_state_update: A must have shape (dim, dstate) with dim=", dim, ", got ", shape_of(A));
-  const int64_t dstate = A.size(1);
-  STD_TORCH_CHECK(dstate >= 1 && dstate <= kMaxDstate, "selective_state_update: A must have 1 <= dstate <= ",
-                  kMaxDstate, ", got dstate=", dstate);
-  check_tensor("A", A, {dim, dstate}, ST::Float);
-  check_tensor("state", state, {batch, dim, dstate}, ST::Float);
-  check_tensor("dt", dt, {batch, dim}, xt);
-  STD_TORCH_CHECK(B.dim() == 2 || B.dim() == 3, "selective_state_update: B must have shape (batch, dstate) or ",
-                  "(batch, groups, dstate), got ", shape_of(B));
-  const int64_t groups = B.dim() == 3 ? B.size(1) : 1;
-  STD_TORCH_CHECK(groups >= 1 && dim % groups == 0, "selective_state_update: B has ", groups,
-                  " groups, which does not divide dim=", dim);
-  const std::vector<int64_t> bc_shape = B.dim() == 3 ? std::vector<int64_t>{batch, groups, dstate}
-                                                     : std::vector<int64_t>{batch, dstate};
-  check_f32_or("B", B, bc_shape, xt);
-  check_f32_or("C", C, bc_shape, xt);
-  if (D) check_f32_or("D", *D, {dim}, xt);
-  if (dt_bias) check_f32_or("dt_bias", *dt_bias, {dim}, xt);
-  if (z) check_tensor("z", *z, {batch, dim}, xt);
-
-  Tensor h = contig(state), x32 = as_f32(x), dt32 = as_f32(dt), A32 = contig(A);
-  Tensor B32 = as_f32(B), C32 = as_f32(C);
-  std::optional<Tensor> D32, z32, bias32;
-  if (D) D32 = as_f32(*D);
-  if (z) z32 = as_f32(*z);
-  if (dt_bias) bias32 = as_f32(*dt_bias);
-  Tensor y = empty_like_shape(x, {batch, dim}, ST::Float);
-  float* hp = h.mutable_data_ptr<float>();
-  float* yp = y.mutable_data_ptr<float>();
-  const float *xp = x32.const_data_ptr<float>(), *dtp = dt32.const_data_ptr<float>();
-  const float *Ap = A32.const_data_ptr<float>(), *Bp = B32.const_data_ptr<float>();
-  const float* Cp = C32.const_data_ptr<float>();
-  const float* Dp = D32 ? D32->const_data_ptr<float>() : nullptr;
-  const float* zp = z32 ? z32->const_data_ptr<float>() : nullptr;
-  const float* biasp = bias32 ? bias32->const_data_ptr<float>() : nullptr;
-  const int64_t per_group = dim / groups;
-  torch::stable::parallel_for(0, batch * dim, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t b = row / dim, c = row % dim;
-      const float* Bg = Bp + (b * groups + c / per_group) * dstate;
-      const float* Cg = Cp + (b * groups + c / per_group) * dstate;
-      float delta = dtp[row] + (biasp ? biasp[c] : 0.0f);
-      if (dt_softplus) delta = delta > 20.0f ? delta : std::log1p(std::exp(delta));  // torch's threshold
-      const float xv = xp[row];
-      float acc = 0.0f;
-      for (int64_t n = 0; n < dstate; ++n) {
-        float& hn = hp[row * dstate + n];
-        hn = std::exp(delta * Ap[c * dstate + n]) * hn + delta * Bg[n] * xv;
-        acc += hn * Cg[n];
-      }
-      if (Dp) acc += Dp[c] * xv;
-      if (zp) acc *= zp[row] / (1.0f + std::exp(-zp[row]));
-      yp[row] = acc;
-    }
-  });
-  if (h.data_ptr() != state.data_ptr()) torch::stable::copy_(state, h);
-  return xt == ST::Float ? y : torch::stable::to(y, xt);
-}
-
 }  // namespace
 }  // namespace ssmops_cpu
-
-// The instruction set the kernels run on in this process ("avx512", "avx2" or
-// "generic"), for benchmarks and diagnostics: a plain C symbol, read with ctypes, so
-// that the operator set stays the schemas below.
-extern "C" __attribute__((visibility("default"))) const char* ssmops_cpu_isa(void) {
-  try {
-    return ssmops_cpu::isa_name(ssmops_cpu::selected_isa());
-  } catch (...) {
-    return "invalid SSMOPS_CPU_ISA";
-  }
-}
-
-// The schemas: exactly ssmops._ops.SCHEMAS, so a Python-free process has them too.
-STABLE_TORCH_LIBRARY(ssmops, m) {
-  m.def(
-      "selective_scan_fwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, Tensor? D, "
-      "Tensor? z, Tensor? delta_bias, Tensor? initial_state, bool delta_softplus) -> "
-      "(Tensor out, Tensor scan_intermediates, Tensor out_z, Tensor last_state)");
-  m.def(
-      "selective_scan_bwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, Tensor? D, "
-      "Tensor? z, Tensor? delta_bias, Tensor? initial_state, Tensor dout, "
-      "Tensor scan_intermediates, Tensor? dlast_state, bool delta_softplus) -> "
-      "(Tensor du, Tensor ddelta, Tensor dA, Tensor dB, Tensor dC, Tensor dD, "
-      "Tensor ddelta_bias, Tensor dz, Tensor dinitial_state)");
-  m.def(
-      "selective_state_update(Tensor(a!) state, Tensor x, Tensor dt, Tensor A, Tensor B, "
-      "Tensor C, Tensor? D, Tensor? z, Tensor? dt_bias, bool dt_softplus) -> Tensor");
-}
 
 STABLE_TORCH_LIBRARY_IMPL(ssmops, CPU, m) {
   m.impl("selective_scan_fwd", TORCH_BOX(&ssmops_cpu::selective_scan_fwd));
   m.impl("selective_scan_bwd", TORCH_BOX(&ssmops_cpu::selective_scan_bwd));
-  m.impl("selective_state_update", TORCH_BOX(&ssmops_cpu::selective_state_update));
 }

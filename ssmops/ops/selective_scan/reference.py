@@ -1,4 +1,4 @@
-"""The selective scan in plain PyTorch: the executable form of DESIGN.md.
+"""The selective scan in plain PyTorch: the executable form of the contract (docs/design.md).
 
 Slow and obvious on purpose (one Python step per timestep over the whole
 `(batch, dim, seqlen, dstate)` tensors); every fast backend is tested against it.

@@ -1,8 +1,8 @@
-"""The `torch.ops.ssmops` operators: schemas, fake kernels, autograd and backend registrations.
+"""The selective scan's operators: schemas, fake kernels and autograd.
 
-This is the one place where operators are declared. The C++ library declares the
-same schemas (so a Python-free process has them); when it is loaded they come from
-it, otherwise from here, and `tests/test_ops.py` checks that the two agree.
+The C++ library declares the same schemas (so a Python-free process has them); when it
+is loaded they come from it, otherwise the registry defines them from here, and
+`tests/ops/test_selective_scan.py` checks that the two agree.
 
 Conventions that the schemas cannot express:
 * an absent optional output (`out_z` without z, `dD` without D, ...) is an empty
@@ -19,70 +19,22 @@ Conventions that the schemas cannot express:
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
-from . import backends
-from ._validation import check_scan_grad_inputs, check_scan_inputs, check_state_update_inputs, num_chunks
-from .backends import cpu as _cpu_backend
-from .backends import default as _default_backend
-from .backends import triton as _triton_backend
+from .checks import check_scan_grad_inputs, check_scan_inputs, num_chunks
 
-SCHEMAS = {
-    "selective_scan_fwd": (
-        "selective_scan_fwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, Tensor? D, "
-        "Tensor? z, Tensor? delta_bias, Tensor? initial_state, bool delta_softplus) -> "
-        "(Tensor out, Tensor scan_intermediates, Tensor out_z, Tensor last_state)"
-    ),
-    "selective_scan_bwd": (
-        "selective_scan_bwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, Tensor? D, "
-        "Tensor? z, Tensor? delta_bias, Tensor? initial_state, Tensor dout, "
-        "Tensor scan_intermediates, Tensor? dlast_state, bool delta_softplus) -> "
-        "(Tensor du, Tensor ddelta, Tensor dA, Tensor dB, Tensor dC, Tensor dD, "
-        "Tensor ddelta_bias, Tensor dz, Tensor dinitial_state)"
-    ),
-    # The single-token step of decoding: inference only (no autograd), `state` updated in
-    # place, which torch.compile and torch.export functionalise.
-    "selective_state_update": (
-        "selective_state_update(Tensor(a!) state, Tensor x, Tensor dt, Tensor A, Tensor B, "
-        "Tensor C, Tensor? D, Tensor? z, Tensor? dt_bias, bool dt_softplus) -> Tensor"
-    ),
-}
-
-
-class NativeLibraryWarning(UserWarning):
-    """The C++ operator library could not be loaded; CPU tensors use the `default` backend."""
-
-
-def _load_native() -> None:
-    """Loads the C++ library unless SSMOPS_BACKEND asks for another CPU backend."""
-    choice = backends.env_backend()
-    if choice in ("default", "triton"):
-        backends.unavailable["cpu"] = f"not loaded because {backends.ENV_VAR}={choice}"
-        return
-    reason = _cpu_backend.load()
-    backends.unavailable["cpu"] = reason
-    if reason is None:
-        return
-    if choice == "cpu":
-        raise ImportError(f"{backends.ENV_VAR}=cpu but the native library failed to load: {reason}")
-    warnings.warn(
-        f"ssmops: the native CPU library is not available ({reason}); "
-        "CPU tensors run on the pure-PyTorch 'default' backend.",
-        NativeLibraryWarning,
-        stacklevel=3,
-    )
-
-
-_load_native()
-_lib = torch.library.Library("ssmops", "FRAGMENT")  # kept alive for the process
-for _name, _schema in SCHEMAS.items():
-    if not hasattr(torch.ops.ssmops, _name):  # the C++ library defines them when loaded
-        _lib.define(_schema)
-
-backends.unavailable["default"] = None
-_OPS = {name: getattr(torch.ops.ssmops, name).default for name in SCHEMAS}
+FWD_SCHEMA = (
+    "selective_scan_fwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, Tensor? D, "
+    "Tensor? z, Tensor? delta_bias, Tensor? initial_state, bool delta_softplus) -> "
+    "(Tensor out, Tensor scan_intermediates, Tensor out_z, Tensor last_state)"
+)
+BWD_SCHEMA = (
+    "selective_scan_bwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, Tensor? D, "
+    "Tensor? z, Tensor? delta_bias, Tensor? initial_state, Tensor dout, "
+    "Tensor scan_intermediates, Tensor? dlast_state, bool delta_softplus) -> "
+    "(Tensor du, Tensor ddelta, Tensor dA, Tensor dB, Tensor dC, Tensor dD, "
+    "Tensor ddelta_bias, Tensor dz, Tensor dinitial_state)"
+)
 
 
 def _empty(like: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
@@ -92,8 +44,7 @@ def _empty(like: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
 # --- fake kernels: exact output shapes and dtypes, symbolic seqlen included ----------
 
 
-@torch.library.register_fake("ssmops::selective_scan_fwd")
-def _fwd_fake(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus):
+def fwd_fake(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus):
     batch, dim, seqlen, dstate, _ = check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
     out = u.new_empty(u.shape)
     x = u.new_empty(batch, dim, num_chunks(seqlen) * 2 * dstate, dtype=torch.float32)
@@ -101,8 +52,7 @@ def _fwd_fake(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus
     return out, x, out_z, u.new_empty(batch, dim, dstate, dtype=torch.float32)
 
 
-@torch.library.register_fake("ssmops::selective_scan_bwd")
-def _bwd_fake(
+def bwd_fake(
     u, delta, A, B, C, D, z, delta_bias, initial_state, dout, scan_intermediates, dlast_state,
     delta_softplus,
 ):
@@ -118,12 +68,6 @@ def _bwd_fake(
     )
 
 
-@torch.library.register_fake("ssmops::selective_state_update")
-def _state_update_fake(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
-    batch, dim, _, _ = check_state_update_inputs(state, x, dt, A, B, C, D, z, dt_bias)
-    return x.new_empty(batch, dim)
-
-
 # --- autograd: the backward is the backward operator --------------------------------
 
 
@@ -136,7 +80,6 @@ def autograd_for(bwd_op):
         out, scan_intermediates, out_z, _ = output
         ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, scan_intermediates)
         ctx.delta_softplus = delta_softplus
-        ctx.backend = backends.selected_backend()  # the backward runs where the forward ran
         # The gradient flows through the final output (out_z when gated) and last_state only.
         ctx.mark_non_differentiable(scan_intermediates, out if z is not None else out_z)
 
@@ -145,11 +88,10 @@ def autograd_for(bwd_op):
         d_final = dout_z if z is not None else dout
         if d_final is None:
             d_final = torch.zeros_like(u)
-        with backends.use_backend(ctx.backend):
-            du, ddelta, dA, dB, dC, dD, ddelta_bias, dz, dinit = bwd_op(
-                u, delta, A, B, C, D, z, delta_bias, initial_state, d_final, scan_intermediates,
-                dlast_state, ctx.delta_softplus,
-            )
+        du, ddelta, dA, dB, dC, dD, ddelta_bias, dz, dinit = bwd_op(
+            u, delta, A, B, C, D, z, delta_bias, initial_state, d_final, scan_intermediates,
+            dlast_state, ctx.delta_softplus,
+        )
         present = (D, z, delta_bias, initial_state)
         dD, dz, ddelta_bias, dinit = (
             g if x is not None else None for g, x in zip((dD, dz, ddelta_bias, dinit), present)
@@ -157,20 +99,3 @@ def autograd_for(bwd_op):
         return du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinit, None
 
     return backward, setup_context
-
-
-_backward, _setup_context = autograd_for(_OPS["selective_scan_bwd"])
-torch.library.register_autograd("ssmops::selective_scan_fwd", _backward, setup_context=_setup_context)
-
-# --- backend registrations ------------------------------------------------------------
-# `default` serves every device without a native kernel; the C++ library registered
-# its own CPU kernels when it loaded.
-for _name, _fn in _default_backend.KERNELS.items():
-    torch.library.register_kernel(f"ssmops::{_name}", None, _fn)
-
-
-# The Triton kernels: their own operators, which Inductor traces into, and the GPU kernels
-# of the operators above. Imports Triton only where it can run (see backends/triton).
-backends.unavailable["triton"] = _triton_backend.load()
-if backends.env_backend() == "triton" and backends.unavailable["triton"]:
-    raise ImportError(f"{backends.ENV_VAR}=triton but the Triton backend cannot run: {backends.unavailable['triton']}")

@@ -1,17 +1,16 @@
-"""Python launchers of the Triton kernels, and the `ssmops::*_triton` operators.
+"""The scan's Triton backend: launchers, and the `ssmops::selective_scan_{fwd,bwd}_triton` operators.
 
-`selective_scan_fwd`, `selective_scan_bwd` and `selective_state_update` take the
-arguments of the main operators' schemas, in the same order, check them, allocate the
-outputs and launch the kernels through `torch.library.wrap_triton`, so that a tracer
+`selective_scan_fwd` and `selective_scan_bwd` take the arguments of the main operators'
+schemas, in the same order, check them, allocate the outputs and launch the kernels
+(`triton_kernels.py`) through `torch.library.wrap_triton`, so that a tracer
 (torch.compile's AOTDispatcher, AOTInductor) records the kernel launches themselves. They
 serve CUDA/ROCm/XPU tensors, and CPU tensors under `TRITON_INTERPRET=1`.
 
-`selective_scan_fwd_triton`, `selective_scan_bwd_triton` and
-`selective_state_update_triton` wrap them as `torch.library.triton_op`s: operators whose
-implementation Inductor sees through, so a compiled graph or an AOTInductor package
-launches the kernels itself (no call back into ssmops). `register()` gives them the main
-operators' fake kernels and the scan an autograd formula, and registers the launchers as
-the CUDA/XPU kernels of the main `ssmops::*` operators.
+`selective_scan_fwd_triton` and `selective_scan_bwd_triton` wrap them as
+`torch.library.triton_op`s: operators whose implementation Inductor sees through, so a
+compiled graph or an AOTInductor package launches the kernels itself (no call back into
+ssmops). The registry gives them the main operators' fake kernels and autograd, and
+registers the launchers as the GPU kernels of the main operators.
 """
 
 from typing import Optional
@@ -19,15 +18,11 @@ from typing import Optional
 import torch
 import triton
 from torch import Tensor
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
-from ..._validation import (
-    CHUNK_LEN, check_scan_grad_inputs, check_scan_inputs, check_state_update_inputs, num_chunks,
-)
-from .kernels import selective_scan_bwd_kernel, selective_scan_fwd_kernel, selective_state_update_kernel
-
-# Devices whose tensors the kernels serve natively ("cuda" covers ROCm).
-GPU_DEVICES = ("cuda", "xpu")
+from .. import _triton
+from .checks import CHUNK_LEN, check_scan_grad_inputs, check_scan_inputs, num_chunks
+from .triton_kernels import selective_scan_bwd_kernel, selective_scan_fwd_kernel
 
 # Channels of one B/C group that a program of the deterministic backward walks in turn (its
 # variable dB/dC partial rows are then dim / DETERMINISTIC_CHANNELS times B's size).
@@ -53,12 +48,6 @@ def _config(seqlen: int, dstate: int, backward: bool) -> dict:
     return dict(BLOCK_T=block_t, BLOCK_N=max(triton.next_power_of_2(dstate), 2), CHUNK=CHUNK_LEN,
                 num_warps=min(8, max(1, block_t // (32 * steps_per_thread))))
 
-
-def _launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
-    """Launches through `wrap_triton`, so that a tracer records the launch itself. (The one
-    place kernels are launched: `aot.recorded_launches` intercepts it to compile the exact
-    launches for GPU targets ahead of time, without a GPU.)"""
-    wrap_triton(kernel)[grid](*args, **meta)
 
 
 def _bc_strides(M: Tensor) -> tuple:
@@ -99,7 +88,7 @@ def selective_scan_fwd(
     x = torch.empty((batch, dim, n_chunks * 2 * dstate), dtype=torch.float32, device=u.device)
     last = torch.empty((batch, dim, dstate), dtype=torch.float32, device=u.device)
     grid = (dim, batch)
-    _launch(selective_scan_fwd_kernel, grid, (
+    _triton.launch(selective_scan_fwd_kernel, grid, (
         u, delta, A, B, C, D if D is not None else A, z if z is not None else u,
         delta_bias if delta_bias is not None else A,
         initial_state if initial_state is not None else A,
@@ -148,7 +137,7 @@ def selective_scan_bwd(
 
     dB_part, dC_part = bc_partial(B), bc_partial(C)
     grid = (n_programs, batch)
-    _launch(selective_scan_bwd_kernel, grid, (
+    _triton.launch(selective_scan_bwd_kernel, grid, (
         u, delta, A, B, C, D if D is not None else A, z if z is not None else u,
         delta_bias if delta_bias is not None else A,
         initial_state if initial_state is not None else A, dout, scan_intermediates,
@@ -181,35 +170,7 @@ def selective_scan_bwd(
     )
 
 
-def selective_state_update(
-    state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
-    z: Optional[Tensor], dt_bias: Optional[Tensor], dt_softplus: bool,
-) -> Tensor:
-    batch, dim, dstate, groups = check_state_update_inputs(state, x, dt, A, B, C, D, z, dt_bias)
-    out = torch.empty((batch, dim), dtype=x.dtype, device=x.device)
-    block_n = max(triton.next_power_of_2(dstate), 2)
-    block_d = min(max(1024 // block_n, 1), triton.next_power_of_2(dim))  # a (block_d, block_n) tile of 1024
-
-    def bc_strides(M: Tensor) -> tuple:  # (batch, group, state); (batch, dstate) is one shared group
-        return (M.stride(0), 0, M.stride(1)) if M.dim() == 2 else tuple(M.stride())
-
-    _launch(selective_state_update_kernel, (triton.cdiv(dim, block_d), batch), (
-        state, x, dt, A, B, C, D if D is not None else A, z if z is not None else x,
-        dt_bias if dt_bias is not None else A, out,
-        dim, dstate, dim // groups,
-        *state.stride(), *x.stride(), *dt.stride(), *(z.stride() if z is not None else (0, 0)), *A.stride(),
-        *bc_strides(B), *bc_strides(C), D.stride(0) if D is not None else 0,
-        dt_bias.stride(0) if dt_bias is not None else 0, out.stride(0),
-    ), dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
-            BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4))
-    return out
-
-
-KERNELS = {
-    "selective_scan_fwd": selective_scan_fwd,
-    "selective_scan_bwd": selective_scan_bwd,
-    "selective_state_update": selective_state_update,
-}
+KERNELS = {"selective_scan_fwd": selective_scan_fwd, "selective_scan_bwd": selective_scan_bwd}
 
 
 # --- the operators Inductor traces into ------------------------------------------------
@@ -238,48 +199,4 @@ def selective_scan_bwd_triton(
     )
 
 
-@triton_op("ssmops::selective_state_update_triton", mutates_args={"state"})
-def selective_state_update_triton(
-    state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
-    z: Optional[Tensor], dt_bias: Optional[Tensor], dt_softplus: bool,
-) -> Tensor:
-    """`ssmops::selective_state_update` on the Triton kernel; same schema and conventions."""
-    return selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
-
-
-def _keep_opaque_on_cpu(op_def):
-    """Under the interpreter the kernels cannot be traced (they are Python, not JIT functions),
-    so for CPU tensors the functionalization rule keeps the operator whole instead of
-    decomposing it into kernel launches; GPU tensors keep triton_op's decomposition."""
-    from torch._subclasses.functional_tensor import FunctionalTensorMode
-
-    decompose = op_def._torch_dispatch_fns[FunctionalTensorMode]
-
-    def rule(mode, op, types, args, kwargs):
-        if isinstance(args[0], Tensor) and args[0].device.type not in GPU_DEVICES:
-            return mode.__torch_dispatch__(op, types, args, kwargs)
-        return decompose(mode, op, types, args, kwargs)
-
-    op_def.register_torch_dispatch(FunctionalTensorMode, rule)
-
-
-def register() -> None:
-    """Fake kernels and autograd of the Triton operators; the main operators' GPU kernels."""
-    from ... import _ops, backends
-
-    # triton_op uses the implementation as its fake kernel; the main ops' fakes do not
-    # launch anything (an interpreted kernel would run on fake tensors) and keep seqlen symbolic.
-    selective_scan_fwd_triton.register_fake(_ops._fwd_fake)
-    selective_scan_bwd_triton.register_fake(_ops._bwd_fake)
-    selective_state_update_triton.register_fake(_ops._state_update_fake)
-    # a compiled backward graph then holds the Triton backward kernels too
-    backward, setup_context = _ops.autograd_for(selective_scan_bwd_triton)
-    selective_scan_fwd_triton.register_autograd(backward, setup_context=setup_context)
-    for op_def in (selective_scan_fwd_triton, selective_scan_bwd_triton, selective_state_update_triton):
-        _keep_opaque_on_cpu(op_def)
-    # eager calls of the main operators on GPU tensors run the kernels too
-    devices = list(GPU_DEVICES)
-    if backends.env_backend() == "triton":  # SSMOPS_BACKEND=triton: CPU tensors as well (interpreter)
-        devices.append("cpu")
-    for name, fn in KERNELS.items():
-        torch.library.register_kernel(f"ssmops::{name}", devices, fn)
+TRITON_OPS = {"selective_scan_fwd": selective_scan_fwd_triton, "selective_scan_bwd": selective_scan_bwd_triton}

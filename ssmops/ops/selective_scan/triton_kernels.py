@@ -21,8 +21,8 @@ Backward: chunks are walked last to first, and each starts from its saved start 
 (the previous chunk's `x`, or initial_state), so nothing is replayed. Per state, the
 forward scan is recomputed, then the adjoint recurrence `g_t = C_t dy_t + decay_{t+1}
 g_{t+1}` is a reverse `tl.associative_scan` (decay_{t+1} is gathered from decay one step
-on); `g_t * decay_t * h_{t-1}` is formed as `g_t * (h_t - drive_t)`, so no shifted state is
-needed. The gradient that leaves a chunk through its start state, `decay_{t0} g_{t0}`, is
+on); `g_t * decay_t * h_{t-1}` takes h_{t-1} gathered from the states one step back (not
+`h_t - drive_t`, which cancels to noise where the decay is tiny). The gradient that leaves a chunk through its start state, `decay_{t0} g_{t0}`, is
 parked per state in `carry` (batch, dim, 2, dstate: a chunk reads one half and writes the
 other, so no thread overwrites a value another has yet to read) and enters the previous
 chunk at its last step; after chunk 0 it is d initial_state. Reductions over time (dA,
@@ -38,26 +38,14 @@ rows in a fixed order.
 import triton
 import triton.language as tl
 
-LOG2E = tl.constexpr(1.4426950408889634)  # a JIT function reads only constexpr globals
+from .._triton import LOG2E, softplus
+
 
 
 @triton.jit
 def _affine_combine(a1, b1, a2, b2):
     # composition of h -> a1 h + b1 followed by h -> a2 h + b2
     return a1 * a2, a2 * b1 + b2
-
-
-@triton.jit
-def _log1p(x):
-    # log(1 + x), accurate for tiny x too: log(u) * x / (u - 1) with u = 1 + x as rounded
-    u = 1.0 + x
-    return tl.where(u == 1.0, x, tl.log(u) * (x / (u - 1.0)))
-
-
-@triton.jit
-def _softplus(x):
-    # torch.nn.functional.softplus with its default threshold of 20
-    return tl.where(x <= 20.0, _log1p(tl.exp(x)), x)
 
 
 @triton.jit
@@ -77,7 +65,7 @@ def _load_dt(delta_row, bias, t, mask, s_dt, HAS_BIAS: tl.constexpr, SOFTPLUS: t
         dt_raw = dt_raw + bias
     dt = dt_raw
     if SOFTPLUS:
-        dt = _softplus(dt_raw)
+        dt = softplus(dt_raw)
     dt = tl.where(mask, dt, 0.0)
     return dt_raw, dt
 
@@ -288,6 +276,7 @@ def selective_scan_bwd_kernel(
                 # step, and padding steps (decay 1, no C dy) pass it down to the last real one
                 has_next = t + 1 < c_end
                 next_step = tl.minimum(tt + 1, BLOCK_T - 1)
+                prev_step = tl.maximum(tt - 1, 0)
                 dtu = dt * u
                 _, _, _, dy = _load_dout(dout_row, z_row, t, mask, s_gt, s_zt, HAS_Z)
                 y = Dv * u
@@ -312,7 +301,11 @@ def selective_scan_bwd_kernel(
                     rhs = Cn * dy + tl.where(tt == BLOCK_T - 1, tl.load(carry_in + n), 0.0)
                     _, g = tl.associative_scan((decay_next, rhs), 0, _affine_combine, reverse=True)
                     _store_at(carry_out + n, decay * g, tt, 0)
-                    q = g * (hs - drive)  # g_t * decay_t * h_{t-1}: the gradient through the decay
+                    # g_t * decay_t * h_{t-1}, the gradient through the decay, with h_{t-1} gathered from
+                    # one step back (h_t - drive_t would cancel to noise where decay_t is tiny), in
+                    # autograd's order so that non-finite values come out where the reference's do
+                    h_prev = tl.where(tt == 0, h0, tl.gather(hs, prev_step, 0))
+                    q = (g * h_prev) * decay
                     _accumulate(dA_ptr + bd * dstate + n, tl.sum(q * dt, axis=0))
                     d_dt_decay += q * A
                     d_dtu += g * Bn
@@ -346,42 +339,3 @@ def selective_scan_bwd_kernel(
                 tl.store(dD_ptr + bd, dD_acc)
             if HAS_BIAS:
                 tl.store(dbias_ptr + bd, dbias_acc)
-
-
-@triton.jit
-def selective_state_update_kernel(
-    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, out_ptr,
-    dim, dstate, dpg,
-    s_sb, s_sd, s_sn, s_xb, s_xd, s_tb, s_td, s_zb, s_zd, s_Ad, s_An,
-    s_Bb, s_Bg, s_Bn, s_Cb, s_Cg, s_Cn, s_D, s_bias, s_ob,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """One decoding step for a block of channels of one batch row: the (BLOCK_D, BLOCK_N) state
-    tile is read, advanced by one step and written back; y = <state, C> + D x, gated by silu(z).
-    B and C are (batch, groups, dstate) (groups stride 0 when shared by all channels)."""
-    pid_b = tl.program_id(1).to(tl.int64)
-    d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask_d = d < dim
-    n = tl.arange(0, BLOCK_N)
-    mask_dn = mask_d[:, None] & (n < dstate)[None, :]
-    x = tl.load(x_ptr + pid_b * s_xb + d * s_xd, mask=mask_d, other=0.0).to(tl.float32)
-    dt = tl.load(dt_ptr + pid_b * s_tb + d * s_td, mask=mask_d, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        dt += tl.load(bias_ptr + d * s_bias, mask=mask_d, other=0.0).to(tl.float32)
-    if SOFTPLUS:
-        dt = _softplus(dt)
-    A = tl.load(A_ptr + d[:, None] * s_Ad + n[None, :] * s_An, mask=mask_dn, other=0.0)
-    group = (d // dpg)[:, None]
-    Bv = tl.load(B_ptr + pid_b * s_Bb + group * s_Bg + n[None, :] * s_Bn, mask=mask_dn, other=0.0).to(tl.float32)
-    Cv = tl.load(C_ptr + pid_b * s_Cb + group * s_Cg + n[None, :] * s_Cn, mask=mask_dn, other=0.0).to(tl.float32)
-    state_ptrs = state_ptr + pid_b * s_sb + d[:, None] * s_sd + n[None, :] * s_sn
-    h = tl.exp2(dt[:, None] * A * LOG2E) * tl.load(state_ptrs, mask=mask_dn, other=0.0) + (dt * x)[:, None] * Bv
-    tl.store(state_ptrs, h, mask=mask_dn)
-    y = tl.sum(h * Cv, axis=1)
-    if HAS_D:
-        y += tl.load(D_ptr + d * s_D, mask=mask_d, other=0.0).to(tl.float32) * x
-    if HAS_Z:
-        zv = tl.load(z_ptr + pid_b * s_zb + d * s_zd, mask=mask_d, other=0.0).to(tl.float32)
-        y = y * zv * tl.sigmoid(zv)
-    tl.store(out_ptr + pid_b * s_ob + d, y.to(out_ptr.dtype.element_ty), mask=mask_d)

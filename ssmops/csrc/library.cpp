@@ -1,0 +1,32 @@
+// The ssmops operator library: the schemas of every operator, in one place. Each family's
+// CPU kernels register themselves (csrc/<family>/); nothing here or there needs Python.
+#include "common/isa.h"
+
+// The instruction set the kernels run on in this process ("avx512", "avx2" or
+// "generic"), for benchmarks and diagnostics: a plain C symbol, read with ctypes, so
+// that the operator set stays the schemas below.
+extern "C" __attribute__((visibility("default"))) const char* ssmops_cpu_isa(void) {
+  try {
+    return ssmops_cpu::isa_name(ssmops_cpu::selected_isa());
+  } catch (...) {
+    return "invalid SSMOPS_CPU_ISA";
+  }
+}
+
+// Every schema of every family, exactly as the families declare them in Python
+// (ssmops/ops/<family>/schema.py; tests compare them), so a Python-free process has them too.
+STABLE_TORCH_LIBRARY(ssmops, m) {
+  m.def(
+      "selective_scan_fwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, Tensor? D, "
+      "Tensor? z, Tensor? delta_bias, Tensor? initial_state, bool delta_softplus) -> "
+      "(Tensor out, Tensor scan_intermediates, Tensor out_z, Tensor last_state)");
+  m.def(
+      "selective_scan_bwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, Tensor? D, "
+      "Tensor? z, Tensor? delta_bias, Tensor? initial_state, Tensor dout, "
+      "Tensor scan_intermediates, Tensor? dlast_state, bool delta_softplus) -> "
+      "(Tensor du, Tensor ddelta, Tensor dA, Tensor dB, Tensor dC, Tensor dD, "
+      "Tensor ddelta_bias, Tensor dz, Tensor dinitial_state)");
+  m.def(
+      "selective_state_update(Tensor(a!) state, Tensor x, Tensor dt, Tensor A, Tensor B, "
+      "Tensor C, Tensor? D, Tensor? z, Tensor? dt_bias, bool dt_softplus) -> Tensor");
+}

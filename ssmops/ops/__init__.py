@@ -1,0 +1,10 @@
+"""The operator families, one folder each: schema, checks, reference, one file per backend.
+
+Adding a family is adding its folder and its line here; the registry reads this tuple.
+"""
+
+from . import selective_scan, state_update
+
+FAMILIES = (selective_scan.FAMILY, state_update.FAMILY)
+# operator name -> schema, every family's (the C++ library declares the same)
+SCHEMAS = {op.name: op.schema for family in FAMILIES for op in family.operators}
