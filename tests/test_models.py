@@ -19,7 +19,7 @@ import ssmops
 from ssmops.models import InferenceParams, MambaConfig, MambaLMHeadModel
 from ssmops.modules import Mamba
 
-from conftest import REPO, TOLERANCES, assert_close
+from conftest import REPO, assert_close
 
 # --- the reference: Mamba one timestep at a time ---------------------------------------
 

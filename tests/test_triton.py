@@ -243,14 +243,15 @@ def _compile_params():
 @pytest.mark.parametrize("target, case, deterministic", list(_compile_params()))
 def test_triton_kernels_compile_for_gpus_without_spilling(target, case, deterministic):
     from ssmops.ops import triton_aot as aot
+    from ssmops.ops.state_update import triton as state_update_triton
 
     launches = aot.record_scan(_fwd_args(case), deterministic)
     assert [k.__name__ for k, _, _ in launches] == ["selective_scan_fwd_kernel", "selective_scan_bwd_kernel"]
     assert launches[1][2]["BC_ATOMIC"] == (not deterministic)
     groups = int(case.B[1:]) if case.B.startswith("g") else None
     with aot.recorded_launches() as step:  # the decoding step, for the same dtype and dstate
-        aot.state_update_triton.selective_state_update(**state_update_inputs(dim=case.dim, dstate=case.dstate, groups=groups,
-                                                             dtype=case.dtype))
+        state_update_triton.selective_state_update(**state_update_inputs(dim=case.dim, dstate=case.dstate,
+                                                                         groups=groups, dtype=case.dtype))
     launches += step
     for kernel, args, meta in launches:
         usage = aot.resource_usage(aot.compile_launch(kernel, args, meta, target))

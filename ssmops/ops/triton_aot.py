@@ -25,7 +25,6 @@ from triton.compiler import ASTSource, compile
 
 from . import _triton
 from .selective_scan import triton as scan_triton
-from .state_update import triton as state_update_triton
 
 TARGETS = {"sm90": ("cuda", 90, 32), "sm80": ("cuda", 80, 32), "gfx942": ("hip", "gfx942", 64)}
 _POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}

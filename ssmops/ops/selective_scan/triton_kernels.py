@@ -17,22 +17,22 @@ Forward: per chunk and state, the chunk-end state and the cumulative decay since
 mamba_ssm's `x` (`scan_intermediates`): `x[c][2n]` and `x[c][2n+1]`. The next chunk starts
 from `x[c][2n+1]`, and the last chunk's states are copied to `last_state`.
 
-Backward: chunks are walked last to first, and each starts from its saved start state
-(the previous chunk's `x`, or initial_state), so nothing is replayed. Per state, the
-forward scan is recomputed, then the adjoint recurrence `g_t = C_t dy_t + decay_{t+1}
-g_{t+1}` is a reverse `tl.associative_scan` (decay_{t+1} is gathered from decay one step
-on); `g_t * decay_t * h_{t-1}` takes h_{t-1} gathered from the states one step back (not
-`h_t - drive_t`, which cancels to noise where the decay is tiny). The gradient that leaves a chunk through its start state, `decay_{t0} g_{t0}`, is
-parked per state in `carry` (batch, dim, 2, dstate: a chunk reads one half and writes the
-other, so no thread overwrites a value another has yet to read) and enters the previous
-chunk at its last step; after chunk 0 it is d initial_state. Reductions over time (dA,
-dD, d delta_bias, constant dB/dC) are per-program float32 partials that the caller sums
-with torch. Variable dB/dC vary with time and are summed over the channels of a B/C
-group: by default a program adds its channel's contribution atomically into a float32
-buffer shaped like B/C (as mamba_ssm does); under `torch.use_deterministic_algorithms(True)`
-a program instead walks `CHANNELS` channels of one group in turn, adds their contributions
-in order into its own (dstate, seqlen) rows of a partial buffer, and the caller sums the
-rows in a fixed order.
+Backward: chunks are walked last to first, and each starts from its saved start state (the
+previous chunk's `x`, or initial_state), so nothing is replayed. Per state, the forward scan
+is recomputed, then the adjoint recurrence `g_t = C_t dy_t + decay_{t+1} g_{t+1}` is a
+reverse `tl.associative_scan` (decay_{t+1} is gathered from decay one step on); `g_t *
+decay_t * h_{t-1}` takes h_{t-1} gathered from the states one step back (not `h_t -
+drive_t`, which cancels to noise where the decay is tiny). The gradient that leaves a chunk
+through its start state, `decay_{t0} g_{t0}`, is parked per state in `carry` (batch, dim, 2,
+dstate: a chunk reads one half and writes the other, so no thread overwrites a value another
+has yet to read) and enters the previous chunk at its last step; after chunk 0 it is d
+initial_state. Reductions over time (dA, dD, d delta_bias, constant dB/dC) are per-program
+float32 partials that the caller sums with torch. Variable dB/dC vary with time and are
+summed over the channels of a B/C group: by default a program adds its channel's
+contribution atomically into a float32 buffer shaped like B/C (as mamba_ssm does); under
+`torch.use_deterministic_algorithms(True)` a program instead walks `CHANNELS` channels of
+one group in turn, adds their contributions in order into its own (dstate, seqlen) rows of a
+partial buffer, and the caller sums the rows in a fixed order.
 """
 
 import triton
