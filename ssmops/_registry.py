@@ -151,6 +151,8 @@ def _register_triton(family: Family, lib: torch.library.Library) -> None:
     module = importlib.import_module(family.triton)
     devices = list(GPU_DEVICES) + (["cpu"] if env_backend() == "triton" else [])
     for op in family.operators:
+        if op.name not in module.TRITON_OPS:  # served by `default` on GPUs until it has a kernel
+            continue
         triton_op = module.TRITON_OPS[op.name]
         triton_op.register_fake(op.fake)
         if op.autograd is not None:

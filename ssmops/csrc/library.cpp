@@ -29,4 +29,7 @@ STABLE_TORCH_LIBRARY(ssmops, m) {
   m.def(
       "selective_state_update(Tensor(a!) state, Tensor x, Tensor dt, Tensor A, Tensor B, "
       "Tensor C, Tensor? D, Tensor? z, Tensor? dt_bias, bool dt_softplus) -> Tensor");
+  m.def(
+      "multihead_state_update(Tensor(a!) state, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, "
+      "Tensor? D, Tensor? z, Tensor? dt_bias, Tensor? state_batch_indices, bool dt_softplus) -> Tensor");
 }

@@ -50,9 +50,12 @@ def test_state_update_is_one_step_of_the_scan(case):
         kw["D"], kw["z"][..., None] if kw["z"] is not None else None, kw["dt_bias"],
         delta_softplus=kw["dt_softplus"], return_last_state=True, initial_state=kw["state"],
     )
+    ref_state = kw["state"].clone()
+    y_ref = selective_state_update_ref(**{**kw, "state": ref_state})
     assert y.dtype == kw["x"].dtype and state.dtype == torch.float32
-    assert_close(state, last, TOLERANCES[torch.float32], "state")
-    assert_close(y, y_scan[..., 0], TOLERANCES[kw["x"].dtype], "y")
+    for got_state, got_y in ((state, y), (ref_state, y_ref)):
+        assert_close(got_state, last, TOLERANCES[torch.float32], "state")
+        assert_close(got_y, y_scan[..., 0], TOLERANCES[kw["x"].dtype], "y")
 
 
 def test_state_update_multihead_layout_matches_flat():
@@ -72,7 +75,7 @@ def test_state_update_multihead_layout_matches_flat():
 @pytest.mark.parametrize(
     "change, error, match",
     [
-        (dict(state=torch.zeros(2, 6, 5, dtype=torch.float16)), TypeError, "state must have dtype float32"),
+        (dict(state=torch.zeros(2, 6, 5, dtype=torch.float64)), TypeError, "state must have dtype float32"),
         (dict(state=torch.zeros(2, 6, 4)), ValueError, r"state must have shape \(2, 6, 5\)"),
         (dict(B=torch.zeros(2, 4, 5)), ValueError, "B has 4 groups, which does not divide dim=6"),
         (dict(C=torch.zeros(2, 3, 5)), ValueError, "B has 1 groups but C has 3"),
@@ -145,3 +148,164 @@ def test_state_update_matches_default_and_updates_a_strided_state(dtype):
     y = torch.ops.ssmops.selective_state_update(state, *kw.values())
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(buffer[..., ::2], expected_state, rtol=1e-5, atol=1e-6)
+
+
+# --- the multi-head form: Mamba-2's layout, tied decay, a cache, low-precision states -----
+
+
+def multihead_inputs(batch=3, nheads=4, headdim=5, dstate=6, ngroups=2, tied=True, D="head", full=True,
+                     state_dtype=torch.float32, dtype=torch.float32, cache=None, seed=0):
+    """Inputs of the 4-D layout, dt/A/dt_bias passed as mamba_ssm's Mamba2 passes them when tied
+    (stride-0 expansions over headdim and dstate); `cache` rows with a padding row when given."""
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g)
+
+    dt = randn(batch, nheads) * 0.5 - 1 if tied else randn(batch, nheads, headdim) * 0.5 - 1
+    A = -torch.rand(nheads, generator=g) - 0.1 if tied else -torch.rand(nheads, headdim, dstate, generator=g) - 0.1
+    bias = randn(nheads) * 0.1 if tied else randn(nheads, headdim) * 0.1
+    if tied:
+        dt, A, bias = dt[..., None].expand(batch, nheads, headdim), A[:, None, None].expand(nheads, headdim, dstate), \
+            bias[:, None].expand(nheads, headdim)
+    rows = cache or batch
+    kw = dict(
+        state=randn(rows, nheads, headdim, dstate).to(state_dtype), x=randn(batch, nheads, headdim).to(dtype),
+        dt=dt.to(dtype), A=A, B=randn(batch, ngroups, dstate).to(dtype), C=randn(batch, ngroups, dstate).to(dtype),
+        D=(randn(nheads) if D == "head" else randn(nheads, headdim)) if full else None,
+        z=randn(batch, nheads, headdim).to(dtype) if full else None, dt_bias=bias if full else None,
+        dt_softplus=full,
+    )
+    if cache:  # rows in a shuffled order, the middle one padding
+        kw["state_batch_indices"] = torch.tensor([cache - 1] + [-1] * (batch - 2) + [0], dtype=torch.int32)
+    return kw
+
+
+MULTIHEAD_CASES = [
+    dict(),
+    dict(tied=False, D="channel"),
+    dict(full=False, ngroups=1),
+    dict(state_dtype=torch.bfloat16, dtype=torch.bfloat16, ngroups=4),
+    dict(state_dtype=torch.float16, cache=5),
+    dict(tied=False, cache=4, state_dtype=torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("case", MULTIHEAD_CASES, ids=state_update_case_id)
+def test_multihead_backend_matches_reference(backend, case):
+    kw = multihead_inputs(**case)
+    expected_state = kw["state"].clone()
+    expected = selective_state_update_ref(**{**kw, "state": expected_state})
+    with ssmops.use_backend(backend):
+        y = ssmops.selective_state_update(**kw)
+    assert y.dtype == kw["x"].dtype and kw["state"].dtype == case.get("state_dtype", torch.float32)
+    # the state is rounded to its dtype once per step in both
+    assert_close(kw["state"].float(), expected_state.float(), TOLERANCES[kw["state"].dtype], "state")
+    assert_close(y, expected, TOLERANCES[kw["x"].dtype], "y")
+    if "state_batch_indices" in kw:
+        assert torch.equal(y[1], torch.zeros_like(y[1]))  # the padding row
+
+
+def test_reference_multihead_is_the_flat_layout():
+    """Mamba-2's layout is Mamba-1's with (head, channel) pairs as channels: the reference's two
+    layouts agree with each other, tied forms included."""
+    kw = multihead_inputs(D="channel")
+    batch, nheads, headdim, dstate = kw["state"].shape
+    dim = nheads * headdim
+    flat = dict(state=kw["state"].reshape(batch, dim, dstate).clone(), x=kw["x"].reshape(batch, dim),
+                dt=kw["dt"].reshape(batch, dim), A=kw["A"].reshape(dim, dstate), B=kw["B"], C=kw["C"],
+                D=kw["D"].reshape(dim), z=kw["z"].reshape(batch, dim), dt_bias=kw["dt_bias"].reshape(dim),
+                dt_softplus=True)
+    y = selective_state_update_ref(**kw)
+    y_flat = selective_state_update_ref(**flat)
+    torch.testing.assert_close(y.reshape(batch, dim), y_flat)
+    torch.testing.assert_close(kw["state"].reshape(batch, dim, dstate), flat["state"])
+
+
+def test_tied_views_take_one_decay_per_head(monkeypatch):
+    """mamba_ssm's Mamba2 passes dt, A and dt_bias as stride-0 expansions: the operator receives
+    their per-head forms (one exp per head), and the result equals the untied computation."""
+    kw = multihead_inputs()
+    seen = []
+    op = torch.ops.ssmops.multihead_state_update
+
+    def spy(*args):
+        seen.append((args[2].dim(), args[3].dim(), args[8].dim()))
+        return op(*args)
+
+    monkeypatch.setattr(torch.ops.ssmops, "multihead_state_update", spy)
+    untied = {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    untied["state"] = kw["state"].clone()
+    y = ssmops.selective_state_update(**kw)
+    y_untied = ssmops.selective_state_update(**untied)
+    assert seen == [(2, 1, 1), (3, 3, 2)]
+    assert_close(y, y_untied, TOLERANCES[torch.float32], "y")
+    assert_close(kw["state"], untied["state"], TOLERANCES[torch.float32], "state")
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float16, torch.bfloat16])
+def test_mamba1_layout_takes_a_low_precision_state_and_a_cache(state_dtype):
+    kw = state_update_inputs(groups=2)
+    cache = kw["state"].repeat(2, 1, 1).to(state_dtype)  # 4 rows; batch rows 0 and 1 use rows 3 and 1
+    indices = torch.tensor([3, 1])
+    expected_cache = cache.clone()
+    expected = selective_state_update_ref(**{**kw, "state": expected_cache}, state_batch_indices=indices)
+    y = ssmops.selective_state_update(**{**kw, "state": cache}, state_batch_indices=indices)
+    assert cache.dtype == state_dtype and y.dtype == kw["x"].dtype
+    assert_close(y, expected, TOLERANCES[state_dtype], "y")
+    assert_close(cache.float(), expected_cache.float(), TOLERANCES[state_dtype], "state")
+    assert torch.equal(cache[[0, 2]], expected_cache[[0, 2]])  # rows no batch row points at: untouched
+
+
+@pytest.mark.parametrize("case", MULTIHEAD_CASES, ids=state_update_case_id)
+def test_multihead_opcheck(case):
+    kw = multihead_inputs(**case)
+    args = [kw.get(k) for k in ("state", "x", "dt", "A", "B", "C", "D", "z", "dt_bias", "state_batch_indices")]
+    args[2], args[3], args[8] = (t.contiguous() if t is not None else None for t in (args[2], args[3], args[8]))
+    torch.library.opcheck(torch.ops.ssmops.multihead_state_update.default, (*args, kw["dt_softplus"]))
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (dict(state=torch.zeros(3, 4, 5, 6, dtype=torch.float64)), TypeError, "state must have dtype"),
+        (dict(state=torch.zeros(3, 4, 2, 6)), ValueError, r"state must have shape \(cache_size, nheads"),
+        (dict(B=torch.zeros(3, 3, 6)), ValueError, "B has ngroups=3, which does not divide nheads=4"),
+        (dict(A=torch.zeros(4, 5)), ValueError, "A must have shape"),
+        (dict(dt=torch.zeros(3, 4, 2)), ValueError, "dt must have shape"),
+        (dict(D=torch.zeros(4, 2)), ValueError, "D must have shape"),
+        (dict(state_batch_indices=torch.tensor([0, 1, 9])), ValueError, "state_batch_indices must be <"),
+        (dict(state_batch_indices=torch.tensor([0.0, 1.0, 2.0])), TypeError, "state_batch_indices must have dtype"),
+    ],
+)
+def test_multihead_errors_name_the_argument(change, error, match):
+    kw = {**multihead_inputs(), **change}
+    with pytest.raises(error, match=match):
+        ssmops.selective_state_update(**kw)
+    # the operator checks too (the C++ library raises RuntimeError with the argument's name)
+    (name,) = change
+    args = [kw.get(k) for k in ("state", "x", "dt", "A", "B", "C", "D", "z", "dt_bias", "state_batch_indices")]
+    with pytest.raises((error, RuntimeError), match=rf"\b{name}\b"):
+        torch.ops.ssmops.multihead_state_update(*args, True)
+
+
+class _MultiheadStep(torch.nn.Module):
+    def forward(self, state, x, dt, A, B, C, D, z, dt_bias, indices):
+        return ssmops.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, True, indices) * 2
+
+
+def test_multihead_step_compiles_and_exports():
+    kw = multihead_inputs(cache=4, tied=False)
+    args = [kw[k] for k in ("state", "x", "dt", "A", "B", "C", "D", "z", "dt_bias", "state_batch_indices")]
+    expected_state = args[0].clone()
+    expected = _MultiheadStep()(expected_state, *args[1:])
+    state = args[0].clone()
+    y = torch.compile(_MultiheadStep(), fullgraph=True, backend="aot_eager")(state, *args[1:])
+    torch.testing.assert_close(y, expected)
+    torch.testing.assert_close(state, expected_state)
+    ep = torch.export.export(_MultiheadStep(), (args[0].clone(), *args[1:]))
+    assert "multihead_state_update" in str(ep.graph)
+    state = args[0].clone()
+    torch.testing.assert_close(ep.module()(state, *args[1:]), expected)
+    torch.testing.assert_close(state, expected_state)

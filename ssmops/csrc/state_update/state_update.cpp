@@ -1,5 +1,9 @@
-// The decoding step's CPU operator (selective_state_update), on LibTorch's stable ABI only.
-// The schema is in ../library.cpp.
+// The decoding step's CPU operators (selective_state_update, multihead_state_update), on
+// LibTorch's stable ABI only. The schemas are in ../library.cpp.
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
+
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <vector>
@@ -91,9 +95,167 @@ Tensor selective_state_update(Tensor state, Tensor x, Tensor dt, Tensor A, Tenso
   return xt == ST::Float ? y : torch::stable::to(y, xt);
 }
 
+// --- multihead_state_update: Mamba-2's layout, a cache of states in any float dtype ----
+// Latency-bound (one token): small inputs are taken as float32 copies, the state is read and
+// written in place in its own dtype through its strides, and a head whose dt, A and dt_bias are
+// tied over headdim takes one exp per head instead of one per (channel, state).
+
+float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }  // torch's threshold
+
+// dt, A, D and dt_bias: per (head, channel) when `per_channel` has its rank, else per head.
+void check_per_head(const char* name, const Tensor& t, const std::vector<int64_t>& per_channel,
+                    const std::vector<int64_t>& per_head, bool float32_only) {
+  check_cpu(name, t);
+  const bool channels = t.dim() == static_cast<int64_t>(per_channel.size());
+  const std::vector<int64_t>& shape = channels ? per_channel : per_head;
+  STD_TORCH_CHECK(same_shape(t, shape), "multihead_state_update: ", name, " must have shape ",
+                  shape_str(per_channel), " or ", shape_str(per_head), " (tied over headdim), got ", shape_of(t));
+  const ST ty = t.scalar_type();
+  STD_TORCH_CHECK(ty == ST::Float || (!float32_only && (ty == ST::Half || ty == ST::BFloat16)),
+                  "multihead_state_update: ", name, " must have dtype ",
+                  float32_only ? "float32" : "float32, float16 or bfloat16", ", got ", dtype_name(ty));
+}
+
+void check_float(const char* name, const Tensor& t, const std::vector<int64_t>& shape) {
+  check_per_head(name, t, shape, shape, false);
+}
+
+struct MultiheadArgs {
+  int64_t batch, nheads, headdim, dstate, ngroups;
+  bool dt_tied, A_tied, bias_tied, softplus;
+  const float *x, *dt, *A, *B, *C, *D, *z, *bias;  // D, z, bias may be null
+  bool D_tied;
+  const int64_t* rows;  // the state row of each batch row, -1 for padding
+  float* y;
+};
+
+template <class T>
+void multihead_step(const MultiheadArgs& a, T* state, const int64_t* st) {
+  const int64_t p = a.headdim, n = a.dstate, per_group = a.nheads / a.ngroups;
+  const int64_t grain = std::max<int64_t>(1, 32768 / (p * n));  // a thread takes >= ~32K states
+  torch::stable::parallel_for(0, a.batch * a.nheads, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / a.nheads, h = bh % a.nheads;
+      float* yrow = a.y + bh * p;
+      const int64_t row = a.rows[b];
+      if (row < 0) {  // padding: no state to advance
+        for (int64_t i = 0; i < p; ++i) yrow[i] = 0.0f;
+        continue;
+      }
+      const float* Bg = a.B + (b * a.ngroups + h / per_group) * n;
+      const float* Cg = a.C + (b * a.ngroups + h / per_group) * n;
+      T* hs = state + row * st[0] + h * st[1];
+      for (int64_t i = 0; i < p; ++i) {
+        float dt = a.dt[a.dt_tied ? bh : bh * p + i];
+        if (a.bias) dt += a.bias[a.bias_tied ? h : h * p + i];
+        if (a.softplus) dt = softplus(dt);
+        const float xv = a.x[bh * p + i], dtx = dt * xv;
+        T* hrow = hs + i * st[2];
+        float acc = 0.0f;
+        if (a.A_tied) {
+          const float decay = std::exp(dt * a.A[h]);
+          for (int64_t k = 0; k < n; ++k) {
+            const float v = static_cast<float>(hrow[k * st[3]]) * decay + dtx * Bg[k];
+            hrow[k * st[3]] = static_cast<T>(v);
+            acc += v * Cg[k];
+          }
+        } else {
+          const float* Arow = a.A + (h * p + i) * n;
+          for (int64_t k = 0; k < n; ++k) {
+            const float v = static_cast<float>(hrow[k * st[3]]) * std::exp(dt * Arow[k]) + dtx * Bg[k];
+            hrow[k * st[3]] = static_cast<T>(v);
+            acc += v * Cg[k];
+          }
+        }
+        if (a.D) acc += a.D[a.D_tied ? h : h * p + i] * xv;
+        if (a.z) {
+          const float zv = a.z[bh * p + i];
+          acc *= zv / (1.0f + std::exp(-zv));
+        }
+        yrow[i] = acc;
+      }
+    }
+  });
+}
+
+Tensor multihead_state_update(Tensor state, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, OptTensor D,
+                              OptTensor z, OptTensor dt_bias, OptTensor state_batch_indices, bool dt_softplus) {
+  check_cpu("x", x);
+  STD_TORCH_CHECK(x.dim() == 3, "multihead_state_update: x must have shape (batch, nheads, headdim), got ",
+                  shape_of(x));
+  const int64_t batch = x.size(0), nheads = x.size(1), headdim = x.size(2);
+  check_float("x", x, {batch, nheads, headdim});
+  check_cpu("state", state);
+  STD_TORCH_CHECK(state.dim() == 4 && state.size(1) == nheads && state.size(2) == headdim,
+                  "multihead_state_update: state must have shape (cache_size, nheads, headdim, dstate) with "
+                  "(nheads, headdim)=(", nheads, ", ", headdim, "), got ", shape_of(state));
+  const int64_t cache = state.size(0), dstate = state.size(3);
+  check_float("state", state, {cache, nheads, headdim, dstate});
+  check_per_head("dt", dt, {batch, nheads, headdim}, {batch, nheads}, false);
+  check_per_head("A", A, {nheads, headdim, dstate}, {nheads}, true);
+  STD_TORCH_CHECK(B.dim() == 3 && B.size(0) == batch && B.size(2) == dstate,
+                  "multihead_state_update: B must have shape (batch, ngroups, dstate) with (batch, dstate)=(",
+                  batch, ", ", dstate, "), got ", shape_of(B));
+  const int64_t ngroups = B.size(1);
+  STD_TORCH_CHECK(ngroups >= 1 && nheads % ngroups == 0, "multihead_state_update: B has ngroups=", ngroups,
+                  ", which does not divide nheads=", nheads);
+  check_float("B", B, {batch, ngroups, dstate});
+  check_float("C", C, {batch, ngroups, dstate});
+  if (D) check_per_head("D", *D, {nheads, headdim}, {nheads}, false);
+  if (dt_bias) check_per_head("dt_bias", *dt_bias, {nheads, headdim}, {nheads}, false);
+  if (z) check_float("z", *z, {batch, nheads, headdim});
+
+  std::vector<int64_t> rows(batch);
+  if (state_batch_indices) {
+    const Tensor& idx = *state_batch_indices;
+    check_cpu("state_batch_indices", idx);
+    STD_TORCH_CHECK(same_shape(idx, {batch}) && (idx.scalar_type() == ST::Int || idx.scalar_type() == ST::Long),
+                    "multihead_state_update: state_batch_indices must have shape ", shape_str({batch}),
+                    " and dtype int32 or int64, got ", shape_of(idx), " ", dtype_name(idx.scalar_type()));
+    const Tensor idx64 = contig(torch::stable::to(idx, ST::Long));
+    const int64_t* ip = idx64.const_data_ptr<int64_t>();
+    for (int64_t b = 0; b < batch; ++b) {
+      STD_TORCH_CHECK(ip[b] < cache, "multihead_state_update: state_batch_indices must be < the state's cache size ",
+                      cache, ", got ", ip[b], " at row ", b);
+      rows[b] = ip[b] < 0 ? -1 : ip[b];
+    }
+  } else {
+    STD_TORCH_CHECK(cache == batch, "multihead_state_update: state must have batch ", batch,
+                    " like x (or give state_batch_indices), got ", shape_of(state));
+    for (int64_t b = 0; b < batch; ++b) rows[b] = b;
+  }
+
+  const Tensor x32 = as_f32(x), dt32 = as_f32(dt), A32 = contig(A), B32 = as_f32(B), C32 = as_f32(C);
+  OptTensor D32, z32, bias32;
+  if (D) D32 = as_f32(*D);
+  if (z) z32 = as_f32(*z);
+  if (dt_bias) bias32 = as_f32(*dt_bias);
+  Tensor y = empty_like_shape(x, {batch, nheads, headdim}, ST::Float);
+  MultiheadArgs a{batch, nheads, headdim, dstate, ngroups, dt.dim() == 2, A.dim() == 1,
+                  dt_bias && dt_bias->dim() == 1, dt_softplus,
+                  x32.const_data_ptr<float>(), dt32.const_data_ptr<float>(), A32.const_data_ptr<float>(),
+                  B32.const_data_ptr<float>(), C32.const_data_ptr<float>(),
+                  D32 ? D32->const_data_ptr<float>() : nullptr, z32 ? z32->const_data_ptr<float>() : nullptr,
+                  bias32 ? bias32->const_data_ptr<float>() : nullptr, D && D->dim() == 1, rows.data(),
+                  y.mutable_data_ptr<float>()};
+  const int64_t strides[4] = {state.stride(0), state.stride(1), state.stride(2), state.stride(3)};
+  switch (state.scalar_type()) {
+    case ST::Half:
+      multihead_step(a, static_cast<c10::Half*>(state.mutable_data_ptr()), strides);
+      break;
+    case ST::BFloat16:
+      multihead_step(a, static_cast<c10::BFloat16*>(state.mutable_data_ptr()), strides);
+      break;
+    default:
+      multihead_step(a, state.mutable_data_ptr<float>(), strides);
+  }
+  return x.scalar_type() == ST::Float ? y : torch::stable::to(y, x.scalar_type());
+}
+
 }  // namespace
 }  // namespace ssmops_cpu
 
 STABLE_TORCH_LIBRARY_IMPL(ssmops, CPU, m) {
   m.impl("selective_state_update", TORCH_BOX(&ssmops_cpu::selective_state_update));
+  m.impl("multihead_state_update", TORCH_BOX(&ssmops_cpu::multihead_state_update));
 }

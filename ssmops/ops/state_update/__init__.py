@@ -6,6 +6,9 @@ from .._family import Family, Operator
 from . import default, schema
 
 FAMILY = Family(
-    operators=(Operator(schema.SCHEMA, schema.fake, default.selective_state_update),),
+    operators=(
+        Operator(schema.SCHEMA, schema.fake, default.selective_state_update),
+        Operator(schema.MULTIHEAD_SCHEMA, schema.multihead_fake, default.multihead_state_update),
+    ),
     triton="ssmops.ops.state_update.triton",
 )

@@ -1,13 +1,18 @@
-"""The decoding step's operator: schema and fake kernel.
+"""The decoding step's operators: schemas and fake kernels.
 
-One timestep of the selective scan for every (batch, channel), `state` updated in place
-(torch.compile and torch.export functionalise the mutation). Inference only: no autograd.
-The C++ library declares the same schema.
+One timestep of the scan, `state` updated in place (torch.compile and torch.export functionalise
+the mutation). Inference only: no autograd. The C++ library declares the same schemas.
+
+* `selective_state_update`: Mamba-1's layout, a float32 state `(batch, dim, dstate)`;
+* `multihead_state_update`: Mamba-2's layout `(cache_size, nheads, headdim, dstate)` in any
+  float dtype, a cache row per batch row (`state_batch_indices`), and dt, A and dt_bias either
+  per (head, channel) or tied per head, in which case one decay per head is computed. Mamba-1's
+  layout with a low-precision state or a cache maps onto it with headdim 1.
 """
 
 from __future__ import annotations
 
-from .checks import check_state_update_inputs
+from .checks import check_multihead_inputs, check_state_update_inputs
 
 SCHEMA = (
     "selective_state_update(Tensor(a!) state, Tensor x, Tensor dt, Tensor A, Tensor B, "
@@ -18,3 +23,14 @@ SCHEMA = (
 def fake(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
     batch, dim, _, _ = check_state_update_inputs(state, x, dt, A, B, C, D, z, dt_bias)
     return x.new_empty(batch, dim)
+
+
+MULTIHEAD_SCHEMA = (
+    "multihead_state_update(Tensor(a!) state, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, "
+    "Tensor? D, Tensor? z, Tensor? dt_bias, Tensor? state_batch_indices, bool dt_softplus) -> Tensor"
+)
+
+
+def multihead_fake(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, dt_softplus):
+    check_multihead_inputs(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices)
+    return x.new_empty(x.shape)
