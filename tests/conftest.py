@@ -102,8 +102,8 @@ def run_scan_with_grads(fn, kw: dict, seed: int = 1):
     return y.detach(), last.detach(), dict(zip(tensors, grads))
 
 
-def backend_params(cases=None):
-    """Every backend (times every case), skipped with its reason where it cannot run on CPU
+def backend_params(cases=None, names=None):
+    """Every backend (or those `names`), times every case, skipped with its reason where it cannot run on CPU
     tensors here. Triton runs CPU tensors only under its interpreter (tests/test_triton.py
     sweeps CUDA tensors on a GPU machine), where its multi-chunk cases are slow."""
     from ssmops._registry import interpreting
@@ -111,6 +111,8 @@ def backend_params(cases=None):
     params = []
     for case in cases or [None]:
         for name, status in ssmops.available_backends().items():
+            if names is not None and name not in names:
+                continue
             marks = []
             if status != "available":
                 marks.append(pytest.mark.skip(reason=f"{name}: {status}"))

@@ -39,3 +39,39 @@ class TinyScanModel(nn.Module):
             return_last_state=True, initial_state=self.h0.expand(batch, -1, -1),
         )
         return y + last.sum(-1, keepdim=True).to(y.dtype)
+
+
+class TinySsdModel(nn.Module):
+    """x (batch, seqlen, d_model) -> (batch, seqlen, d_model) through projections and the SSD scan
+    (Mamba-2's), every optional argument used with `full=True` (D per channel, z, dt_bias,
+    softplus, a dt_limit, learned initial states, the final states), none with `full=False`."""
+
+    def __init__(self, d_model: int = 8, nheads: int = 4, headdim: int = 4, ngroups: int = 2, dstate: int = 4,
+                 chunk_size: int = 16, full: bool = True):
+        super().__init__()
+        self.full, self.nheads, self.headdim, self.ngroups, self.dstate = full, nheads, headdim, ngroups, dstate
+        self.chunk_size = chunk_size
+        d_inner = nheads * headdim
+        self.in_proj = nn.Linear(d_model, 2 * d_inner + 2 * ngroups * dstate + nheads)
+        self.out_proj = nn.Linear(d_inner, d_model)
+        self.A_log = nn.Parameter(torch.log(torch.linspace(1, 4, nheads)))
+        self.D = nn.Parameter(torch.ones(nheads, headdim))
+        self.dt_bias = nn.Parameter(torch.full((nheads,), -1.0))
+        self.h0 = nn.Parameter(torch.zeros(1, nheads, headdim, dstate).normal_(0, 0.1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seqlen, _ = x.shape
+        d_inner, gn = self.nheads * self.headdim, self.ngroups * self.dstate
+        xs, z, B, C, dt = self.in_proj(x).split([d_inner, d_inner, gn, gn, self.nheads], dim=-1)
+        xs = xs.reshape(batch, seqlen, self.nheads, self.headdim)
+        B, C = (M.reshape(batch, seqlen, self.ngroups, self.dstate) for M in (B, C))
+        A = -torch.exp(self.A_log)
+        if not self.full:
+            y = ssmops.mamba_chunk_scan_combined(xs, dt.sigmoid(), A, B, C, self.chunk_size)
+            return self.out_proj(y.reshape(batch, seqlen, d_inner))
+        y, final = ssmops.mamba_chunk_scan_combined(
+            xs, dt, A, B, C, self.chunk_size, D=self.D, z=z.reshape(xs.shape), dt_bias=self.dt_bias,
+            initial_states=self.h0.expand(batch, -1, -1, -1), dt_softplus=True, dt_limit=(0.0, 10.0),
+            return_final_states=True,
+        )
+        return self.out_proj(y.reshape(batch, seqlen, d_inner)) + final.sum((1, 2, 3))[:, None, None]
