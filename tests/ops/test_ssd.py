@@ -549,3 +549,64 @@ def test_opcheck(case):
     cotangents = make_cotangents(case, inputs)
     torch.library.opcheck(torch.ops.ssmops.ssd_scan_bwd.default,
                           (*args, cotangents["out"], chunk_states, cotangents["final"], cotangents.get("varlen")))
+
+
+# --- deployment paths ------------------------------------------------------------------------------
+
+
+def _ssd_model(full: bool):
+    from models import TinySsdModel
+
+    torch.manual_seed(0)
+    return TinySsdModel(full=full).eval()
+
+
+@pytest.mark.parametrize("full", [True, False], ids=["all-optionals", "no-optionals"])
+def test_compile_fullgraph_dynamic_seqlen_forward_and_backward(full):
+    torch._dynamo.reset()
+    model = _ssd_model(full)
+    compiled = torch.compile(model, fullgraph=True, dynamic=False)
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for seqlen in (37, 100, 301):
+        x = torch.randn(2, seqlen, 8, generator=torch.Generator().manual_seed(seqlen))
+        x_eager, x_comp = x.clone().requires_grad_(), x.clone().requires_grad_()
+        torch._dynamo.mark_dynamic(x_comp, 1)
+        y_eager, y_comp = model(x_eager), compiled(x_comp)
+        assert rel_err(y_comp, y_eager) < 1e-5
+        params = list(model.parameters())
+        g_eager = torch.autograd.grad(y_eager.square().sum(), [x_eager, *params], materialize_grads=True)
+        g_comp = torch.autograd.grad(y_comp.square().sum(), [x_comp, *params], materialize_grads=True)
+        for a, b in zip(g_comp, g_eager):
+            assert rel_err(a, b) < 1e-4
+    # seqlen stays symbolic: no recompilation per length
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before == 1
+
+
+def _export(model, seqlen=37):
+    seq = torch.export.Dim("seqlen", min=2, max=1 << 20)
+    return torch.export.export(model, (torch.randn(2, seqlen, 8),), dynamic_shapes={"x": {1: seq}})
+
+
+@pytest.mark.parametrize("full", [True, False], ids=["all-optionals", "no-optionals"])
+def test_export_dynamic_seqlen_save_load(full, tmp_path):
+    model = _ssd_model(full)
+    ep = _export(model)
+    assert "ssmops.ssd_scan_fwd.default" in {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    torch.export.save(ep, tmp_path / "model.pt2")
+    loaded = torch.export.load(tmp_path / "model.pt2").module()
+    for seqlen in (5, 37, 130):
+        x = torch.randn(2, seqlen, 8)
+        with torch.no_grad():
+            assert rel_err(loaded(x), model(x)) < 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("full", [True, False], ids=["all-optionals", "no-optionals"])
+def test_aoti_package_on_cpu(full, tmp_path):
+    model = _ssd_model(full)
+    path = torch._inductor.aoti_compile_and_package(_export(model), package_path=str(tmp_path / "model.pt2"))
+    loaded = torch._inductor.aoti_load_package(path)
+    for seqlen in (37, 130):
+        x = torch.randn(2, seqlen, 8)
+        with torch.no_grad():
+            assert rel_err(loaded(x), model(x)) < 1e-5
