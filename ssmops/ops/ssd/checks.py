@@ -29,8 +29,15 @@ def num_chunks(seqlen, chunk_size: int):
     return (seqlen + chunk_size - 1) // chunk_size
 
 
-def _check_float(name: str, t, shape, device, like: str = "x") -> None:
-    check_tensor(name, t, INPUT_DTYPES, shape, device, like=like)
+def _check_float(name: str, t, shape, device, sizes_from: str = "x") -> None:
+    """A floating argument whose expected shape comes from `sizes_from` (named on a mismatch, as
+    the wrong one may be either)."""
+    try:
+        check_tensor(name, t, INPUT_DTYPES, shape, device, like="x")
+    except ValueError as err:
+        if "must have shape" not in str(err):
+            raise
+        raise ValueError(f"{err} (its sizes follow {sizes_from})") from None
 
 
 def check_ssd_inputs(
@@ -72,15 +79,16 @@ def check_ssd_inputs(
     if dstate < 1:
         raise ValueError(f"B must have dstate >= 1, got shape {tuple(B.shape)}")
     _check_float("B", B, (batch, seqlen, ngroups, dstate), device)
-    _check_float("C", C, (batch, seqlen, ngroups, dstate), device)
+    _check_float("C", C, (batch, seqlen, ngroups, dstate), device, sizes_from="B")
     if D is not None:
-        _check_float("D", D, (nheads, headdim) if D.dim() == 2 else (nheads,), device)
+        _check_float("D", D, (nheads, headdim) if isinstance(D, Tensor) and D.dim() == 2 else (nheads,), device)
     if z is not None:
         _check_float("z", z, tuple(x.shape), device)
     if dt_bias is not None:
         _check_float("dt_bias", dt_bias, (nheads,), device)
     if initial_states is not None:
-        _check_float("initial_states", initial_states, (batch, nheads, headdim, dstate), device)
+        _check_float("initial_states", initial_states, (batch, nheads, headdim, dstate), device,
+                     sizes_from="x and B")
     if seq_idx is not None:
         check_tensor("seq_idx", seq_idx, (torch.int32,), (batch, seqlen), device, like="x")
     nseq = 0
