@@ -179,7 +179,9 @@ def run_python(code: str, env: dict | None = None, timeout: float = 600, cwd=REP
 try:  # hypothesis profiles: a short one for CI, `HYPOTHESIS_PROFILE=long` for local soaking
     from hypothesis import HealthCheck, settings
 
-    settings.register_profile("ci", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    # CI draws the same examples every run (a red CI is then a real regression); `long` draws anew
+    settings.register_profile("ci", max_examples=30, deadline=None, derandomize=True,
+                              suppress_health_check=[HealthCheck.too_slow])
     settings.register_profile("long", max_examples=2000, deadline=None, suppress_health_check=list(HealthCheck))
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 except ImportError:  # pragma: no cover - hypothesis is a test extra
