@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "../common/checks.h"
@@ -129,44 +130,70 @@ struct MultiheadArgs {
   float* y;
 };
 
+// sum_k a[k] * b[k] in kLanes independent partial sums (a fixed order, so the same bits on every
+// run and thread count), which the compiler vectorises where a single accumulator would not be.
+float dot(const float* a, const float* b, int64_t n) {
+  constexpr int kLanes = 16;
+  float lanes[kLanes] = {};
+  int64_t k = 0;
+  for (; k + kLanes <= n; k += kLanes)
+    for (int l = 0; l < kLanes; ++l) lanes[l] += a[k + l] * b[k + l];
+  for (; k < n; ++k) lanes[k % kLanes] += a[k] * b[k];
+  float sum = 0.0f;
+  for (int l = 0; l < kLanes; ++l) sum += lanes[l];
+  return sum;
+}
+
+// dt of (batch row, head) bh, channel i: plus dt_bias, through softplus
+float step_size(const MultiheadArgs& a, int64_t bh, int64_t h, int64_t i) {
+  const int64_t p = a.headdim;
+  float dt = a.dt[a.dt_tied ? bh : bh * p + i];
+  if (a.bias) dt += a.bias[a.bias_tied ? h : h * p + i];
+  return a.softplus ? softplus(dt) : dt;
+}
+
 template <class T>
 void multihead_step(const MultiheadArgs& a, T* state, const int64_t* st) {
   const int64_t p = a.headdim, n = a.dstate, per_group = a.nheads / a.ngroups;
   const int64_t grain = std::max<int64_t>(1, 32768 / (p * n));  // a thread takes >= ~32K states
   torch::stable::parallel_for(0, a.batch * a.nheads, grain, [&](int64_t begin, int64_t end) {
+    // one state row (dstate values) at a time in float32 scratch, so that every loop below runs
+    // over contiguous floats whatever the state's dtype and strides
+    std::vector<float> row(n), decay(a.A_tied ? 0 : n);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / a.nheads, h = bh % a.nheads;
       float* yrow = a.y + bh * p;
-      const int64_t row = a.rows[b];
-      if (row < 0) {  // padding: no state to advance
+      const int64_t cache_row = a.rows[b];
+      if (cache_row < 0) {  // padding: no state to advance
         for (int64_t i = 0; i < p; ++i) yrow[i] = 0.0f;
         continue;
       }
       const float* Bg = a.B + (b * a.ngroups + h / per_group) * n;
       const float* Cg = a.C + (b * a.ngroups + h / per_group) * n;
-      T* hs = state + row * st[0] + h * st[1];
+      T* hs = state + cache_row * st[0] + h * st[1];
+      // dt, and with A the decay, once per head where they are tied over headdim
+      const bool head_dt = a.dt_tied && (!a.bias || a.bias_tied);
+      const float dt_head = head_dt ? step_size(a, bh, h, 0) : 0.0f;
+      const float decay_head = head_dt && a.A_tied ? std::exp(dt_head * a.A[h]) : 0.0f;
       for (int64_t i = 0; i < p; ++i) {
-        float dt = a.dt[a.dt_tied ? bh : bh * p + i];
-        if (a.bias) dt += a.bias[a.bias_tied ? h : h * p + i];
-        if (a.softplus) dt = softplus(dt);
+        const float dt = head_dt ? dt_head : step_size(a, bh, h, i);
         const float xv = a.x[bh * p + i], dtx = dt * xv;
         T* hrow = hs + i * st[2];
-        float acc = 0.0f;
-        if (a.A_tied) {
-          const float decay = std::exp(dt * a.A[h]);
-          for (int64_t k = 0; k < n; ++k) {
-            const float v = static_cast<float>(hrow[k * st[3]]) * decay + dtx * Bg[k];
-            hrow[k * st[3]] = static_cast<T>(v);
-            acc += v * Cg[k];
-          }
+        // float32 contiguous rows are advanced in place; others through float32 scratch
+        float* h32 = std::is_same<T, float>::value && st[3] == 1 ? reinterpret_cast<float*>(hrow) : row.data();
+        if (h32 == row.data())
+          for (int64_t k = 0; k < n; ++k) row[k] = static_cast<float>(hrow[k * st[3]]);
+        if (a.A_tied) {  // one decay for the whole head
+          const float head_decay = head_dt ? decay_head : std::exp(dt * a.A[h]);
+          for (int64_t k = 0; k < n; ++k) h32[k] = h32[k] * head_decay + dtx * Bg[k];
         } else {
           const float* Arow = a.A + (h * p + i) * n;
-          for (int64_t k = 0; k < n; ++k) {
-            const float v = static_cast<float>(hrow[k * st[3]]) * std::exp(dt * Arow[k]) + dtx * Bg[k];
-            hrow[k * st[3]] = static_cast<T>(v);
-            acc += v * Cg[k];
-          }
+          for (int64_t k = 0; k < n; ++k) decay[k] = std::exp(dt * Arow[k]);
+          for (int64_t k = 0; k < n; ++k) h32[k] = h32[k] * decay[k] + dtx * Bg[k];
         }
+        if (h32 == row.data())
+          for (int64_t k = 0; k < n; ++k) hrow[k * st[3]] = static_cast<T>(row[k]);
+        float acc = dot(h32, Cg, n);
         if (a.D) acc += a.D[a.D_tied ? h : h * p + i] * xv;
         if (a.z) {
           const float zv = a.z[bh * p + i];
