@@ -329,3 +329,22 @@ def test_models_benchmark_runs():
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert "ratio" in out.stdout and "decode tok/s" in out.stdout
+
+
+@pytest.mark.parametrize("ssm_state_dtype", [None, torch.float32], ids=["weights-dtype", "float32"])
+def test_low_precision_model_decodes_with_its_cache_dtype(ssm_state_dtype):
+    """As mamba_ssm, a bfloat16 model keeps its ssm states in bfloat16; `ssm_state_dtype` keeps them
+    in float32. Either way the recurrent logits follow the full forward's, to bfloat16's precision."""
+    model = tiny_model(seed=3).to(torch.bfloat16)
+    prompt = torch.randint(0, 61, (2, 5), generator=torch.Generator().manual_seed(2))
+    params = InferenceParams(max_seqlen=12, max_batch_size=2, ssm_state_dtype=ssm_state_dtype)
+    with torch.no_grad():
+        model(prompt, inference_params=params)
+        for conv_state, ssm_state in params.key_value_memory_dict.values():
+            assert conv_state.dtype == torch.bfloat16
+            assert ssm_state.dtype == (ssm_state_dtype or torch.bfloat16)
+    out = model.generate(prompt, max_length=12, return_dict_in_generate=True, output_scores=True,
+                         ssm_state_dtype=ssm_state_dtype)
+    with torch.no_grad():
+        full = model(out.sequences[:, :-1]).logits[:, 4:]
+    assert_close(torch.stack(out.scores, 1).float(), full.float(), 5e-2, "decode logits")

@@ -17,7 +17,9 @@ from torch import Tensor
 class InferenceParams:
     """The decoding cache: `key_value_memory_dict[layer_idx] = (conv_state, ssm_state)`,
     allocated by each Mamba layer on first use; `seqlen_offset` is how many tokens the
-    states already hold (0: the next forward is the prompt)."""
+    states already hold (0: the next forward is the prompt). The ssm states take the
+    weights' dtype, as in mamba_ssm, unless `ssm_state_dtype` says otherwise (e.g. float32
+    states for a bfloat16 model)."""
 
     max_seqlen: int
     max_batch_size: int
@@ -25,6 +27,7 @@ class InferenceParams:
     batch_size_offset: int = 0
     key_value_memory_dict: dict = dataclasses.field(default_factory=dict)
     lengths_per_sample: Tensor | None = None
+    ssm_state_dtype: torch.dtype | None = None
 
     def reset(self, max_seqlen: int, max_batch_size: int) -> None:
         self.max_seqlen = max_seqlen
@@ -94,6 +97,7 @@ def decode(
     vocab_size: int | None = None,
     output_scores: bool = False,
     streamer=None,
+    ssm_state_dtype: torch.dtype | None = None,
 ) -> GenerationOutput:
     """Generates up to `max_length` tokens in all (prompt included).
 
@@ -102,14 +106,15 @@ def decode(
     logits (e.g. to drop the vocabulary padding); with `eos_token_id`, a sequence that
     produced it is padded with it and decoding stops once every sequence has.
     `streamer`, when given, gets `put(tokens)` for the prompt and each new token and
-    `end()` at the end (the transformers streamer protocol).
+    `end()` at the end (the transformers streamer protocol). The ssm states are kept in the
+    weights' dtype unless `ssm_state_dtype` is given (see InferenceParams).
     """
     batch, prompt_len = input_ids.shape
     if max_length <= prompt_len:
         return GenerationOutput(input_ids, () if output_scores else None)
     if streamer is not None:
         streamer.put(input_ids.cpu())
-    params = InferenceParams(max_seqlen=max_length, max_batch_size=batch)
+    params = InferenceParams(max_seqlen=max_length, max_batch_size=batch, ssm_state_dtype=ssm_state_dtype)
     tokens = [input_ids]
     scores = []
     finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)

@@ -144,7 +144,7 @@ class Mamba(nn.Module):
 
     def step(self, hidden_states: Tensor, conv_state: Tensor, ssm_state: Tensor):
         """One token: hidden_states (batch, 1, d_model); conv_state (batch, d_inner, d_conv) and
-        ssm_state (batch, d_inner, d_state) float32 are updated in place. Returns
+        ssm_state (batch, d_inner, d_state), in any float dtype, are updated in place. Returns
         (out (batch, 1, d_model), conv_state, ssm_state)."""
         if hidden_states.dim() != 3 or hidden_states.shape[1] != 1:
             raise ValueError(f"step takes one token, (batch, 1, d_model); got {tuple(hidden_states.shape)}")
@@ -166,14 +166,17 @@ class Mamba(nn.Module):
         )
         return self.out_proj(y).unsqueeze(1), conv_state, ssm_state
 
-    def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, **kwargs):
-        """Zeroed (conv_state (batch, d_inner, d_conv) in the conv's dtype or `dtype`,
-        ssm_state (batch, d_inner, d_state) float32). Unlike mamba_ssm, the ssm state is
-        float32 whatever `dtype` says: the recurrence accumulates in float32."""
+    def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, ssm_state_dtype=None,
+                                 **kwargs):
+        """Zeroed (conv_state (batch, d_inner, d_conv), ssm_state (batch, d_inner, d_state)), in the
+        weights' dtype or `dtype` as mamba_ssm allocates them; `ssm_state_dtype` overrides the ssm
+        state's (float32 keeps a low-precision model's recurrence state in float32). The decoding
+        step computes in float32 and writes the state back in its dtype."""
         device = self.out_proj.weight.device
         conv_dtype = self.conv1d.weight.dtype if dtype is None else dtype
         conv_state = torch.zeros(batch_size, self.d_inner, self.d_conv, device=device, dtype=conv_dtype)
-        ssm_state = torch.zeros(batch_size, self.d_inner, self.d_state, device=device, dtype=torch.float32)
+        ssm_dtype = ssm_state_dtype or (self.dt_proj.weight.dtype if dtype is None else dtype)
+        ssm_state = torch.zeros(batch_size, self.d_inner, self.d_state, device=device, dtype=ssm_dtype)
         return conv_state, ssm_state
 
     def _get_states_from_cache(self, inference_params, batch_size: int, initialize_states: bool = False):
@@ -181,7 +184,8 @@ class Mamba(nn.Module):
             raise ValueError("a Mamba block needs a layer_idx to use inference_params")
         cache = inference_params.key_value_memory_dict
         if self.layer_idx not in cache:
-            cache[self.layer_idx] = self.allocate_inference_cache(batch_size, inference_params.max_seqlen)
+            cache[self.layer_idx] = self.allocate_inference_cache(
+                batch_size, inference_params.max_seqlen, ssm_state_dtype=inference_params.ssm_state_dtype)
         conv_state, ssm_state = cache[self.layer_idx]
         if initialize_states:
             conv_state.zero_()
