@@ -189,3 +189,39 @@ def test_decode_step_package_runs_in_cpp(cpp_runner, tmp_path):
         y_ref, state_ref = step(*inputs)
     torch.testing.assert_close(y, y_ref)
     torch.testing.assert_close(state, state_ref)
+
+
+class _MultiheadDecodeStep(nn.Module):
+    """Mamba-2's decoding step on a bfloat16 cache, dt/A/dt_bias tied per head as Mamba2 passes
+    them, one batch row pointing at a cache row and one padding."""
+
+    def __init__(self, nheads=4, headdim=3, dstate=5):
+        super().__init__()
+        self.headdim, self.dstate = headdim, dstate
+        self.A_log = nn.Parameter(torch.rand(nheads))
+        self.D = nn.Parameter(torch.ones(nheads))
+        self.dt_bias = nn.Parameter(torch.rand(nheads))
+
+    def forward(self, cache, x, dt, B, C, indices):
+        cache = cache.clone()
+        h, p, n = x.shape[1], self.headdim, self.dstate
+        A = (-torch.exp(self.A_log))[:, None, None].expand(h, p, n)
+        y = ssmops.selective_state_update(cache, x, dt[..., None].expand(-1, h, p), A, B, C, self.D, None,
+                                          self.dt_bias[:, None].expand(h, p), True, indices)
+        return y, cache
+
+
+@pytest.mark.slow
+def test_multihead_decode_step_package_runs_in_cpp(cpp_runner, tmp_path):
+    torch.manual_seed(0)
+    step = _MultiheadDecodeStep().eval()
+    inputs = (torch.randn(3, 4, 3, 5).to(torch.bfloat16), torch.randn(2, 4, 3), torch.randn(2, 4),
+              torch.randn(2, 2, 5), torch.randn(2, 2, 5), torch.tensor([2, -1]))
+    package = sx.aoti_package(torch.export.export(step, inputs), tmp_path / "step.pt2")
+    y, cache = _run_cpp(cpp_runner, "--package", package, inputs, tmp_path)
+    with torch.no_grad():
+        y_ref, cache_ref = step(*inputs)
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(cache, cache_ref)
+    assert not torch.equal(cache[2], inputs[0][2]) and torch.equal(cache[:2], inputs[0][:2])
+
