@@ -24,7 +24,7 @@ demo: install
 # library unloaded, so that `default` is what the dispatcher registers for CPU.
 test: install
 	$(PYTEST) tests
-	SSMOPS_BACKEND=default $(PYTEST) tests/ops/test_selective_scan.py tests/test_compile_export.py -k "opcheck or compile or export or aoti"
+	SSMOPS_BACKEND=default $(PYTEST) tests/ops tests/test_compile_export.py -k "opcheck or compile or export or aoti"
 
 # The quick subset: everything but the checks marked slow.
 test-quick: install
