@@ -218,6 +218,7 @@ struct Arena {  // bump allocator over one malloc; every block 64-byte aligned
   float* get(int64_t n) {
     float* p = reinterpret_cast<float*>(base + used);
     used += static_cast<size_t>(rup(n * 4, 64));
+    if (used > cap) __builtin_trap();  // a sizing bug: stop rather than write past the block
     return p;
   }
 };
@@ -370,9 +371,9 @@ inline const float* xrow(const float* X, const Geo& g, int64_t b, int64_t t, int
 struct Decay {
   const SegScalars& sc;
   int64_t T, i0 = 0;
-  float* f;               // f[j] = exp(cs_i0 - cs_j), j < i0
-  vf gv[NR / W];          // exp(cs_i - cs_i0), 0 past T
-  vi iv[NR / W];          // the lanes' i
+  float* f;        // f[j] = exp(cs_i0 - cs_j), j < i0
+  vf gv[NR / W]{};  // exp(cs_i - cs_i0), 0 past T
+  vi iv[NR / W]{};  // the lanes' i
   Decay(const SegScalars& s, int64_t T_, Arena& ar) : sc(s), T(T_), f(ar.get(rup(T_, W) + W)) {}
   void panel(int64_t p0) {
     i0 = p0;
@@ -551,9 +552,336 @@ int ssd_fwd(const SsdArgs& a) {
   return err;
 }
 
+// --- one segment, backward ---------------------------------------------------------------
+// Given dh (the gradient of the segment's end state) and dout, it writes the segment's rows of
+// dx, ddtv, dz, its head's share of dC, dB (dCh, dBh: C rows, B rows) and of the C.B^T
+// gradient (dCB, rows of the chunk), adds to dA and dD, and turns dh into the gradient of
+// the segment's start state. With G = (B_j.C_i) exp(cs_i - cs_j), M = G dt_j, dP = dy_i.x_j:
+//   dx_j  = sum_i M_ij dy_i + w_j dh B_j + D dy_j                 (w_j = exp(cs_l - cs_j) dt_j)
+//   dCB   = dP exp(cs_i - cs_j) dt_j ;  ddt_j gets sum_i dP G and exp(cs_l - cs_j) x_j.dh B_j
+//   dcs   from every exp(.), then da = reverse cumsum of dcs, ddt += A da, dA += dt da
+//   dh_prev = exp(cs_l) dh + sum_i e_i dy_i C_i^T ;  dC_i += e_i h_prev^T dy_i ;  dB_j += w_j dh^T x_j
+struct HeadGrads {
+  float *dCB, *dCh, *dBh;  // this (batch, head)'s rows for the chunk: (Q, Qp), (Q, N), (Q, N)
+};
+
+__attribute__((noinline)) void seg_bwd(const SsdArgs& a, const Geo& g, const Seg& s, const SegScalars& sc,
+                                       const GroupChunk& gc, float* dh, const HeadGrads& hg, int64_t Tc,
+                                       Arena& ar) {
+  const int64_t T = s.T, P = g.P, N = g.N, tg = s.t0 + s.s0, Tp = rup(T, NR) + NR;
+  const float el = sc.e[T - 1], cl = sc.cs[T - 1], Ah = a.A[s.h];
+  float* dy = ar.get(T * P);
+  float* dxs = ar.get(T * P);
+  float* ddt = ar.get(Tp);
+  float* dcs = ar.get(Tp);
+  for (int64_t j = 0; j < Tp; ++j) ddt[j] = dcs[j] = 0.0f;
+  float dcl = 0.0f;
+
+  // dy = dout * silu(z); dz needs y before the gate, recomputed
+  if (a.z) {
+    const size_t mark = ar.used;
+    float* ypre = ar.get(T * P);
+    seg_y(a, g, s, sc, gc, ypre, P, ar);
+    for (int64_t i = 0; i < T; ++i) {
+      const float* x = xrow(a.x, g, s.b, tg + i, s.h);
+      const float* z = xrow(a.z, g, s.b, tg + i, s.h);
+      const float* go = xrow(a.dout, g, s.b, tg + i, s.h);
+      float* dz = a.dz + ((s.b * g.L + tg + i) * g.H + s.h) * P;
+      for (int64_t p = 0; p < P; ++p) {
+        float y = ypre[i * P + p];
+        if (a.D) y += (a.D_per_channel ? a.D[s.h * P + p] : a.D[s.h]) * x[p];
+        const float sg = vsigmoid(bc(z[p]))[0];
+        dz[p] = go[p] * y * sg * (1.0f + z[p] * (1.0f - sg));
+        dy[i * P + p] = go[p] * z[p] * sg;
+      }
+    }
+    ar.used = mark;
+  } else {
+    for (int64_t i = 0; i < T; ++i) std::memcpy(dy + i * P, xrow(a.dout, g, s.b, tg + i, s.h), P * 4);
+  }
+  for (int64_t i = 0; i < T; ++i) {
+    const float* x = xrow(a.x, g, s.b, tg + i, s.h);
+    for (int64_t p = 0; p < P; ++p) {
+      const float Dp = a.D ? (a.D_per_channel ? a.D[s.h * P + p] : a.D[s.h]) : 0.0f;
+      dxs[i * P + p] = Dp * dy[i * P + p];
+      if (a.dD_part) a.dD_part[(s.b * g.H + s.h) * P + p] += dy[i * P + p] * x[p];
+    }
+  }
+
+  // dPt[j][i] = x_j . dy_i (i >= j blocks only)
+  const int64_t ldP = rup(T, NR);
+  float* dPt = ar.get(rup(T, MR) * ldP);
+  {
+    const size_t mark = ar.used;
+    float* Ax = ar.get(rup(T, MR) * P);
+    float* Bd = ar.get(rup(T, NR) * P);
+    pack_gather<MR>(P, T, Ax, P * MR, [&](int64_t k, int64_t j) { return xrow(a.x, g, s.b, tg + j, s.h)[k]; });
+    pack_gather<NR>(P, T, Bd, P * NR, [&](int64_t k, int64_t i) { return dy[i * P + k]; });
+    gemm(T, T, Ax, P * MR, Bd, P * NR,
+         [&](int64_t j0, int64_t i0) { return j0 < i0 + NR ? all_k(P) : KRange{0, 0}; }, Store{dPt, ldP, false});
+    ar.used = mark;
+  }
+
+  // the quadratic part, one column panel at a time: dCB rows, ddt, dcs, and M^T packed as
+  // the A operand of dx (element (j, k=i) at Adx[(j/MR)*T*MR + i*MR + j%MR]).
+  float* Adx = ar.get(rup(T, MR) * T);
+  {
+    Decay dec(sc, T, ar);
+    for (int64_t j = 0; j < T; ++j) {  // zero the row's head: i in [j0, j) of its panel
+      float* d = hg.dCB + (s.s0 + j) * g.Qp;
+      const int64_t first = (j / NR) * NR;
+      for (int64_t i = 0; i < s.s0 + first; ++i) d[i] = 0.0f;
+      for (int64_t i = s.s0 + rup(T, NR); i < Tc; ++i) d[i] = 0.0f;
+      for (int64_t i = (j / MR) * MR; i < imin(first, T); ++i) Adx[(j / MR) * T * MR + i * MR + j % MR] = 0.0f;
+    }
+    float* accd = ar.get(rup(T, W));
+    float* accr = ar.get(rup(T, W));
+    for (int64_t j = 0; j < T; ++j) accd[j] = accr[j] = 0.0f;
+    for (int64_t i0 = 0; i0 < T; i0 += NR) {
+      dec.panel(i0);
+      for (int64_t j = 0; j < imin(T, i0 + NR); ++j) {
+        const float* cb = gc.CBt + (s.s0 + j) * g.Qp + s.s0 + i0;
+        const float* pr = dPt + j * ldP + i0;
+        float* dcb = hg.dCB + (s.s0 + j) * g.Qp + s.s0 + i0;
+        float* ad = Adx + (j / MR) * T * MR + j % MR;
+        const vf dtj = bc(sc.dt[j]);
+        vf sd = bc(0.0f), sr = bc(0.0f);
+        for (int v = 0; v < NR; v += W) {
+          const vf E = dec.at(j, v), G = ld(cb + v) * E, Pv = ld(pr + v);
+          st(dcb + v, Pv * E * dtj);
+          const vf PG = Pv * G, R = PG * dtj;
+          sd += PG;
+          sr += R;
+          st(dcs + i0 + v, ld(dcs + i0 + v) + R);
+          const vf Mv = G * dtj;
+          for (int l = 0; l < W; ++l)
+            if (i0 + v + l < T) ad[(i0 + v + l) * MR] = Mv[l];
+        }
+        accd[j] += hsum(sd);
+        accr[j] += hsum(sr);
+      }
+    }
+    for (int64_t j = 0; j < T; ++j) {
+      ddt[j] += accd[j];
+      dcs[j] -= accr[j];
+    }
+  }
+  // dx += M^T dy
+  {
+    const size_t mark = ar.used;
+    float* Bd = ar.get(rup(P, NR) * T);
+    pack_rows<NR>(T, P, Bd, T * NR, [&](int64_t i) { return dy + i * P; }, one);
+    gemm(T, P, Adx, T * MR, Bd, T * NR, [&](int64_t j0, int64_t) { return KRange{j0, T}; }, Store{dxs, P, true});
+    ar.used = mark;
+  }
+  // the end state's terms: u_j = dh B_j
+  float* w1 = ar.get(rup(T, W));  // exp(cs_l - cs_j)
+  float* w = ar.get(rup(T, W));   // times dt_j
+  for (int64_t j = 0; j < T; j += W) {
+    const vf e = vexp(bc(cl) - ld(sc.cs + j));
+    st(w1 + j, e);
+    st(w + j, e * ld(sc.dt + j));
+  }
+  {
+    const size_t mark = ar.used;
+    float* U = ar.get(T * P);
+    float* Au = ar.get(rup(T, MR) * N);
+    float* Bu = ar.get(rup(P, NR) * N);
+    pack_rows<MR>(N, T, Au, N * MR, [&](int64_t k) { return gc.Bt + k * g.Qp + s.s0; }, one);
+    pack_gather<NR>(N, P, Bu, N * NR, [&](int64_t k, int64_t p) { return dh[p * N + k]; });
+    gemm(T, P, Au, N * MR, Bu, N * NR, [&](int64_t, int64_t) { return all_k(N); }, Store{U, P, false});
+    for (int64_t j = 0; j < T; ++j) {
+      const float* x = xrow(a.x, g, s.b, tg + j, s.h);
+      float dw = 0.0f;
+      for (int64_t p = 0; p < P; ++p) {
+        dxs[j * P + p] += w[j] * U[j * P + p];
+        dw += x[p] * U[j * P + p];
+      }
+      ddt[j] += w1[j] * dw;
+      dcl += w[j] * dw;
+      dcs[j] -= w[j] * dw;
+    }
+    // dBh_j = w_j dh^T x_j
+    float* Aw = ar.get(rup(T, MR) * P);
+    float* Bh = ar.get(rup(N, NR) * P);
+    pack_gather<MR>(P, T, Aw, P * MR, [&](int64_t k, int64_t j) { return xrow(a.x, g, s.b, tg + j, s.h)[k] * w[j]; });
+    pack_rows<NR>(P, N, Bh, P * NR, [&](int64_t k) { return dh + k * N; }, one);
+    gemm(T, N, Aw, P * MR, Bh, P * NR, [&](int64_t, int64_t) { return all_k(P); },
+         Store{hg.dBh + s.s0 * N, N, false});
+    ar.used = mark;
+  }
+  // the start state's terms
+  if (s.h_prev) {
+    const size_t mark = ar.used;
+    float* V = ar.get(T * N);
+    float* Av = ar.get(rup(T, MR) * P);
+    float* Bv = ar.get(rup(N, NR) * P);
+    pack_gather<MR>(P, T, Av, P * MR, [&](int64_t k, int64_t i) { return dy[i * P + k]; });
+    pack_rows<NR>(P, N, Bv, P * NR, [&](int64_t k) { return s.h_prev + k * N; }, one);
+    gemm(T, N, Av, P * MR, Bv, P * NR, [&](int64_t, int64_t) { return all_k(P); }, Store{V, N, false});
+    for (int64_t i = 0; i < T; ++i) {
+      const float* Ci = row_of(a.C, g, s.b, tg + i, s.grp);
+      float* dc = hg.dCh + (s.s0 + i) * N;
+      float de = 0.0f;
+      for (int64_t n = 0; n < N; ++n) {
+        dc[n] = sc.e[i] * V[i * N + n];
+        de += Ci[n] * V[i * N + n];
+      }
+      dcs[i] += sc.e[i] * de;
+    }
+    float dot = 0.0f;
+    for (int64_t q = 0; q < P * N; ++q) dot += dh[q] * s.h_prev[q];
+    dcl += el * dot;
+    // dh <- exp(cs_l) dh + dy^T (e C)
+    float* Ad = ar.get(rup(P, MR) * T);
+    float* Bc = ar.get(rup(N, NR) * T);
+    pack_rows<MR>(T, P, Ad, T * MR, [&](int64_t i) { return dy + i * P; }, one);
+    pack_rows<NR>(T, N, Bc, T * NR, [&](int64_t i) { return row_of(a.C, g, s.b, tg + i, s.grp); },
+                  [&](int64_t i) { return sc.e[i]; });
+    for (int64_t q = 0; q < P * N; ++q) dh[q] *= el;
+    gemm(P, N, Ad, T * MR, Bc, T * NR, [&](int64_t, int64_t) { return all_k(T); }, Store{dh, N, true});
+    ar.used = mark;
+  } else {
+    for (int64_t i = 0; i < T; ++i)
+      for (int64_t n = 0; n < N; ++n) hg.dCh[(s.s0 + i) * N + n] = 0.0f;
+    for (int64_t q = 0; q < P * N; ++q) dh[q] = 0.0f;
+  }
+  // cs = cumsum(dt A): da = reverse cumsum of dcs
+  dcs[T - 1] += dcl;
+  float acc = 0.0f, dAh = 0.0f;
+  for (int64_t j = T - 1; j >= 0; --j) {
+    acc += dcs[j];
+    ddt[j] += Ah * acc;
+    dAh += sc.dt[j] * acc;
+  }
+  a.dA_part[s.b * g.H + s.h] += dAh;
+  for (int64_t j = 0; j < T; ++j) {
+    a.ddtv[(s.b * g.L + tg + j) * g.H + s.h] = ddt[j];
+    std::memcpy(a.dx + ((s.b * g.L + tg + j) * g.H + s.h) * P, dxs + j * P, P * 4);
+  }
+}
+
+size_t seg_bwd_scratch_bytes(const Geo& g) {
+  const int64_t Q = g.Q, P = g.P, N = g.N, Qn = rup(Q, NR) + NR, Qm = rup(Q, MR) + MR;
+  const int64_t persistent = 2 * Q * P + Qm * Qn + Qm * Q + 16 * Qn;  // + the segment's scalars
+  const int64_t ystage = Q * P + rup(P, MR) * (N + Q) + Qn * (N + Q) + 5 * Qn;
+  const int64_t stages = Qm * P + Qn * P + Qn + 2 * Qn + rup(P, NR) * Q + Q * P + Qm * N + rup(P, NR) * N +
+                         Qm * P + rup(N, NR) * P + Q * N + Qm * P + rup(N, NR) * P + rup(P, MR) * Q +
+                         rup(N, NR) * Q;
+  return static_cast<size_t>(persistent + ystage + stages + 64 * 40) * 4;
+}
+
+// Phase C for chunk c: item (b, grp, row panel) sums its heads' C.B^T gradient and adds
+//   dC_i = sum_h dCh_i + sum_{j<=i} dCB_ji B_j,   dB_j = sum_h dBh_j + sum_{i>=j} dCB_ji C_i.
+int phase_c(const SsdArgs& a, const Geo& g, const GroupBufs& gb, const float* dCB, const float* dCh,
+            const float* dBh, int64_t c) {
+  const int64_t t0 = c * g.Q, Tc = imin(g.Q, g.L - t0), np = cdiv(Tc, MR), N = g.N;
+  const size_t scratch = static_cast<size_t>(MR * Tc + MR * N + 64) * 4 + 256;
+  return run_items(a, g.b * g.G * np, scratch, [&](int64_t item, Arena& ar) {
+    const int64_t q = item % np, bg = item / np, b = bg / g.G, grp = bg % g.G;
+    const GroupChunk gc = gb.at(g, bg);
+    const int64_t i0 = q * MR, m = imin(MR, Tc - i0), h0 = grp * g.hpg;
+    float* Ap = ar.get(MR * Tc);
+    float* tile = ar.get(MR * N);
+    auto cb = [&](int64_t h, int64_t j, int64_t i) { return dCB[((b * g.H + h) * g.Q + j) * g.Qp + i]; };
+    for (int which = 0; which < 2; ++which) {
+      // dC: A(r, k=j) = dCB[j][i0+r], j < min(Tc, i0+MR);  dB: A(r, k=i-i0) = dCB[i0+r][i], i >= i0
+      const int64_t kb = which == 0 ? 0 : i0, ke = which == 0 ? imin(Tc, i0 + MR) : Tc;
+      for (int64_t k = kb; k < ke; ++k)
+        for (int r = 0; r < MR; ++r) {
+          float sum = 0.0f;
+          if (r < m)
+            for (int64_t h = h0; h < h0 + g.hpg; ++h) sum += which == 0 ? cb(h, k, i0 + r) : cb(h, i0 + r, k);
+          Ap[(k - kb) * MR + r] = sum;
+        }
+      const float* Bp = which == 0 ? gc.Bpack : gc.Cpack + i0 * NR;
+      gemm(m, N, Ap, (ke - kb) * MR, Bp, g.Q * NR, [&](int64_t, int64_t) { return all_k(ke - kb); },
+           Store{tile, N, false});
+      const float* part = which == 0 ? dCh : dBh;
+      float* dst = which == 0 ? a.dC : a.dB;
+      for (int64_t r = 0; r < m; ++r) {
+        float* o = dst + ((b * g.L + t0 + i0 + r) * g.G + grp) * N;
+        for (int64_t n = 0; n < N; ++n) {
+          float sum = tile[r * N + n];
+          for (int64_t h = h0; h < h0 + g.hpg; ++h) sum += part[((b * g.H + h) * g.Q + i0 + r) * N + n];
+          o[n] = sum;
+        }
+      }
+    }
+  });
+}
+
+// --- backward ------------------------------------------------------------------------------
+// Chunks in reverse, carrying dh (the gradient of the state before the chunk that follows);
+// the start states of a chunk's later segments are recomputed from its saved chunk state.
+int ssd_bwd(const SsdArgs& a) {
+  const Geo g(a);
+  const int64_t PN = g.P * g.N, BH = g.b * g.H;
+  int64_t max_segs = 1;
+  for (int64_t q = 0; q < g.b * g.nc; ++q) max_segs = imax(max_segs, a.seg_offset[q + 1] - a.seg_offset[q]);
+  GroupBufs gb;
+  gb.per = GroupBufs::size(g);
+  const size_t n_group = static_cast<size_t>(g.b * g.G * gb.per);
+  const size_t n_dcb = static_cast<size_t>(BH * g.Q * g.Qp), n_rows = static_cast<size_t>(BH * g.Q * g.N);
+  float* mem = static_cast<float*>(std::calloc(n_group + n_dcb + 2 * n_rows + BH * PN, 4));
+  if (!mem) return 1;
+  gb.mem = mem;
+  float* dCB = mem + n_group;
+  float* dCh = dCB + n_dcb;
+  float* dBh = dCh + n_rows;
+  float* dhs = dBh + n_rows;
+  for (int64_t q = 0; q < BH * PN; ++q) dhs[q] = a.dfinal_states ? a.dfinal_states[q] : 0.0f;
+  for (int64_t q = 0; q < BH; ++q) a.dA_part[q] = 0.0f;
+  if (a.dD_part)
+    for (int64_t q = 0; q < BH * g.P; ++q) a.dD_part[q] = 0.0f;
+  const size_t per_worker = seg_bwd_scratch_bytes(g) + static_cast<size_t>(max_segs * PN + 64) * 4;
+  int err = 0;
+  for (int64_t c = g.nc - 1; c >= 0 && !err; --c) {
+    err = phase_a(a, g, gb, c, true);
+    if (err) break;
+    const int64_t t0 = c * g.Q, Tc = imin(g.Q, g.L - t0);
+    err = run_items(a, BH, per_worker, [&](int64_t item, Arena& ar) {
+      const int64_t b = item / g.H, h = item % g.H, grp = h / g.hpg;
+      const GroupChunk gc = gb.at(g, b * g.G + grp);
+      const int64_t sb = a.seg_offset[b * g.nc + c], se = a.seg_offset[b * g.nc + c + 1], ns = se - sb;
+      float* hist = ar.get(imax(ns - 1, 1) * PN);  // end states of all segments but the last
+      const size_t mark = ar.used;
+      auto seg = [&](int64_t k) {
+        const int64_t s0 = a.seg_start[sb + k], s1 = k + 1 < ns ? a.seg_start[sb + k + 1] : Tc;
+        const float* hp = k == 0 ? a.chunk_states_in + ((b * g.nc + c) * g.H + h) * PN : hist + (k - 1) * PN;
+        return Seg{b, h, grp, t0, s0, s1 - s0, a.seg_reset[sb + k] ? nullptr : hp};
+      };
+      for (int64_t k = 0; k + 1 < ns; ++k) {
+        ar.used = mark;
+        const Seg s = seg(k);
+        const SegScalars sc = seg_scalars(a, g, s, ar);
+        seg_state(a, g, s, sc, gc, hist + k * PN, ar);
+      }
+      float* dh = dhs + item * PN;
+      const HeadGrads hg{dCB + item * g.Q * g.Qp, dCh + item * g.Q * g.N, dBh + item * g.Q * g.N};
+      for (int64_t k = ns - 1; k >= 0; --k) {
+        ar.used = mark;
+        const Seg s = seg(k);
+        if (a.dvarlen_states) {
+          int64_t lo, hi;
+          varlen_range(a, t0 + s.s0 + s.T - 1, lo, hi);
+          for (int64_t i = lo; i < hi; ++i)
+            for (int64_t q = 0; q < PN; ++q) dh[q] += a.dvarlen_states[(i * g.H + h) * PN + q];
+        }
+        const SegScalars sc = seg_scalars(a, g, s, ar);
+        seg_bwd(a, g, s, sc, gc, dh, hg, Tc, ar);
+      }
+      if (c == 0) std::memcpy(a.dinitial_states + item * PN, dh, PN * 4);
+    });
+    if (!err) err = phase_c(a, g, gb, dCB, dCh, dBh, c);
+  }
+  std::free(mem);
+  return err;
+}
+
 }  // namespace
 
 int SSD_CAT(ssd_fwd_, SSD_ISA)(const SsdArgs& a) { return ssd_fwd(a); }
-int SSD_CAT(ssd_bwd_, SSD_ISA)(const SsdArgs& a) { return 1; }
+int SSD_CAT(ssd_bwd_, SSD_ISA)(const SsdArgs& a) { return ssd_bwd(a); }
 
 }  // namespace ssmops_cpu
