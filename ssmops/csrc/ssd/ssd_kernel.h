@@ -50,6 +50,7 @@ inline vf ld(const float* p) {
   __builtin_memcpy(&v, p, sizeof v);
   return v;
 }
+inline vf ld_(const float* p) { return ld(p); }  // for lambdas that name a local `ld`
 inline void st(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
 inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -587,12 +588,22 @@ __attribute__((noinline)) void seg_bwd(const SsdArgs& a, const Geo& g, const Seg
       const float* z = xrow(a.z, g, s.b, tg + i, s.h);
       const float* go = xrow(a.dout, g, s.b, tg + i, s.h);
       float* dz = a.dz + ((s.b * g.L + tg + i) * g.H + s.h) * P;
-      for (int64_t p = 0; p < P; ++p) {
-        float y = ypre[i * P + p];
+      float* yp = ypre + i * P;
+      float* d = dy + i * P;
+      int64_t p = 0;
+      for (; p + W <= P; p += W) {  // dz = dout y silu'(z), dy = dout silu(z)
+        vf y = ld(yp + p);
+        if (a.D) y += (a.D_per_channel ? ld(a.D + s.h * P + p) : bc(a.D[s.h])) * ld(x + p);
+        const vf zv = ld(z + p), sg = vsigmoid(zv), gv = ld(go + p);
+        st(dz + p, gv * y * sg * (bc(1.0f) + zv * (bc(1.0f) - sg)));
+        st(d + p, gv * zv * sg);
+      }
+      for (; p < P; ++p) {
+        float y = yp[p];
         if (a.D) y += (a.D_per_channel ? a.D[s.h * P + p] : a.D[s.h]) * x[p];
         const float sg = vsigmoid(bc(z[p]))[0];
         dz[p] = go[p] * y * sg * (1.0f + z[p] * (1.0f - sg));
-        dy[i * P + p] = go[p] * z[p] * sg;
+        d[p] = go[p] * z[p] * sg;
       }
     }
     ar.used = mark;
@@ -627,10 +638,12 @@ __attribute__((noinline)) void seg_bwd(const SsdArgs& a, const Geo& g, const Seg
   float* Adx = ar.get(rup(T, MR) * T);
   {
     Decay dec(sc, T, ar);
-    for (int64_t j = 0; j < T; ++j) {  // zero the row's head: i in [j0, j) of its panel
+    // The panels below write row j of dCB from its diagonal panel to the segment's end; the
+    // readers (sum_heads, phase_c) read a row from its diagonal on, so only the columns of
+    // later segments need zeros. Adx's row panel j0 is read from k = j0: zero [j0, panel).
+    for (int64_t j = 0; j < T; ++j) {
       float* d = hg.dCB + (s.s0 + j) * g.Qp;
       const int64_t first = (j / NR) * NR;
-      for (int64_t i = 0; i < s.s0 + first; ++i) d[i] = 0.0f;
       for (int64_t i = s.s0 + rup(T, NR); i < Tc; ++i) d[i] = 0.0f;
       for (int64_t i = (j / MR) * MR; i < imin(first, T); ++i) Adx[(j / MR) * T * MR + i * MR + j % MR] = 0.0f;
     }
@@ -771,8 +784,32 @@ size_t seg_bwd_scratch_bytes(const Geo& g) {
   return static_cast<size_t>(persistent + ystage + stages + 64 * 40) * 4;
 }
 
-// Phase C for chunk c: item (b, grp, row panel) sums its heads' C.B^T gradient and adds
-//   dC_i = sum_h dCh_i + sum_{j<=i} dCB_ji B_j,   dB_j = sum_h dBh_j + sum_{i>=j} dCB_ji C_i.
+// Sums each group's heads into its first head's rows, in head order (a fixed order, whatever
+// the threads): dCB (the C.B^T gradient), dCh and dBh. Items are (batch, group, 16 rows).
+int sum_heads(const SsdArgs& a, const Geo& g, float* dCB, float* dCh, float* dBh, int64_t c) {
+  if (g.hpg == 1) return 0;
+  const int64_t Tc = imin(g.Q, g.L - c * g.Q), nb = cdiv(Tc, 16), N = g.N;
+  return run_items(a, g.b * g.G * nb, 64, [&](int64_t item, Arena&) {
+    const int64_t q = item % nb, bg = item / nb, b = bg / g.G, h0 = (bg % g.G) * g.hpg;
+    auto add_rows = [&](float* base, int64_t ld, int64_t width, bool upper) {
+      for (int64_t j = q * 16; j < imin(Tc, q * 16 + 16); ++j) {
+        float* dst = base + ((b * g.H + h0) * g.Q + j) * ld;
+        for (int64_t h = h0 + 1; h < h0 + g.hpg; ++h) {
+          const float* src = base + ((b * g.H + h) * g.Q + j) * ld;
+          int64_t i = upper ? j : 0;  // dCB: its rows from the diagonal on
+          for (; i + W <= width; i += W) st(dst + i, ld_(dst + i) + ld_(src + i));
+          for (; i < width; ++i) dst[i] += src[i];
+        }
+      }
+    };
+    add_rows(dCB, g.Qp, Tc, true);
+    add_rows(dCh, N, N, false);
+    add_rows(dBh, N, N, false);
+  });
+}
+
+// Phase C for chunk c: item (b, grp, row panel) turns the group's summed gradients into
+//   dC_i = dCh_i + sum_{j<=i} dCB_ji B_j,   dB_j = dBh_j + sum_{i>=j} dCB_ji C_i.
 int phase_c(const SsdArgs& a, const Geo& g, const GroupBufs& gb, const float* dCB, const float* dCh,
             const float* dBh, int64_t c) {
   const int64_t t0 = c * g.Q, Tc = imin(g.Q, g.L - t0), np = cdiv(Tc, MR), N = g.N;
@@ -780,32 +817,26 @@ int phase_c(const SsdArgs& a, const Geo& g, const GroupBufs& gb, const float* dC
   return run_items(a, g.b * g.G * np, scratch, [&](int64_t item, Arena& ar) {
     const int64_t q = item % np, bg = item / np, b = bg / g.G, grp = bg % g.G;
     const GroupChunk gc = gb.at(g, bg);
-    const int64_t i0 = q * MR, m = imin(MR, Tc - i0), h0 = grp * g.hpg;
+    const int64_t i0 = q * MR, m = imin(MR, Tc - i0), hb = b * g.H + grp * g.hpg;  // the group's first head
+    const float* cb = dCB + hb * g.Q * g.Qp;
     float* Ap = ar.get(MR * Tc);
     float* tile = ar.get(MR * N);
-    auto cb = [&](int64_t h, int64_t j, int64_t i) { return dCB[((b * g.H + h) * g.Q + j) * g.Qp + i]; };
     for (int which = 0; which < 2; ++which) {
       // dC: A(r, k=j) = dCB[j][i0+r], j < min(Tc, i0+MR);  dB: A(r, k=i-i0) = dCB[i0+r][i], i >= i0
       const int64_t kb = which == 0 ? 0 : i0, ke = which == 0 ? imin(Tc, i0 + MR) : Tc;
       for (int64_t k = kb; k < ke; ++k)
-        for (int r = 0; r < MR; ++r) {
-          float sum = 0.0f;
-          if (r < m)
-            for (int64_t h = h0; h < h0 + g.hpg; ++h) sum += which == 0 ? cb(h, k, i0 + r) : cb(h, i0 + r, k);
-          Ap[(k - kb) * MR + r] = sum;
-        }
+        for (int r = 0; r < MR; ++r)
+          Ap[(k - kb) * MR + r] = r >= m                ? 0.0f  // below the diagonal: zero (not stored)
+                                  : which == 0 ? (k <= i0 + r ? cb[k * g.Qp + i0 + r] : 0.0f)
+                                               : (k >= i0 + r ? cb[(i0 + r) * g.Qp + k] : 0.0f);
       const float* Bp = which == 0 ? gc.Bpack : gc.Cpack + i0 * NR;
       gemm(m, N, Ap, (ke - kb) * MR, Bp, g.Q * NR, [&](int64_t, int64_t) { return all_k(ke - kb); },
            Store{tile, N, false});
-      const float* part = which == 0 ? dCh : dBh;
+      const float* part = (which == 0 ? dCh : dBh) + (hb * g.Q + i0) * N;
       float* dst = which == 0 ? a.dC : a.dB;
       for (int64_t r = 0; r < m; ++r) {
         float* o = dst + ((b * g.L + t0 + i0 + r) * g.G + grp) * N;
-        for (int64_t n = 0; n < N; ++n) {
-          float sum = tile[r * N + n];
-          for (int64_t h = h0; h < h0 + g.hpg; ++h) sum += part[((b * g.H + h) * g.Q + i0 + r) * N + n];
-          o[n] = sum;
-        }
+        for (int64_t n = 0; n < N; ++n) o[n] = tile[r * N + n] + part[r * N + n];
       }
     }
   });
@@ -873,6 +904,7 @@ int ssd_bwd(const SsdArgs& a) {
       }
       if (c == 0) std::memcpy(a.dinitial_states + item * PN, dh, PN * 4);
     });
+    if (!err) err = sum_heads(a, g, dCB, dCh, dBh, c);
     if (!err) err = phase_c(a, g, gb, dCB, dCh, dBh, c);
   }
   std::free(mem);
