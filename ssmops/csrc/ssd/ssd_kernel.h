@@ -119,8 +119,9 @@ __attribute__((noinline)) void micro(int64_t K, const float* __restrict a, const
   }
 }
 
-// For every tile (i0, j0): the k-range kr(i0, j0) -> [kb, ke) (an empty one gives a zero tile:
-// the caller's zero blocks of a triangular operand), then out(i0, j0, rows, cols, tile).
+// For every tile (i0, j0): the k-range kr(i0, j0) -> [kb, ke) (kb == ke gives a zero tile: the
+// caller's zero blocks of a triangular operand; kb > ke: a tile nobody reads, left unwritten),
+// then out(i0, j0, rows, cols, tile).
 // The B panel stays in L1 across the row panels.
 struct KRange {
   int64_t kb, ke;
@@ -132,6 +133,7 @@ inline void gemm(int64_t M, int64_t N, const float* A, int64_t pa, const float* 
     const float* bp = B + (j0 / NR) * pb;
     for (int64_t i0 = 0; i0 < M; i0 += MR) {
       const KRange r = kr(i0, j0);
+      if (r.kb > r.ke) continue;
       if (r.ke > r.kb) {
         micro(r.ke - r.kb, A + (i0 / MR) * pa + r.kb * MR, bp + r.kb * NR, tile);
       } else {
@@ -225,28 +227,32 @@ struct Arena {  // bump allocator over one malloc; every block 64-byte aligned
 };
 
 // Runs fn(item) for items [0, n) over at most `workers` workers, each with its own scratch of
-// `per_worker` bytes (zeroed). Items go to workers in contiguous ranges; an item's result
-// never depends on which worker ran it.
+// `per_worker` bytes (zeroed). Workers claim items one at a time from a shared counter, so a
+// worker whose core is taken by another process holds up at most one item; an item's result
+// never depends on which worker ran it, so the bits stay the same.
 template <class F>
 int run_items(const SsdArgs& a, int64_t n, size_t per_worker, F fn) {
   struct Ctx {
-    int64_t n, workers;
+    int64_t n, next;
     size_t per_worker;
     char* mem;
     F* fn;
   };
+  per_worker = static_cast<size_t>(rup(static_cast<int64_t>(per_worker), 64));
   const int64_t workers = imax(1, imin(a.nthreads, n));
   char* mem = static_cast<char*>(std::calloc(static_cast<size_t>(workers) * per_worker + 64, 1));
   if (!mem) return 1;
   char* aligned = mem + ((64 - reinterpret_cast<uintptr_t>(mem) % 64) % 64);
-  Ctx ctx{n, workers, per_worker, aligned, &fn};
+  Ctx ctx{n, 0, per_worker, aligned, &fn};
   a.parallel_for(
       workers,
       [](void* p, int64_t wb, int64_t we) {
         Ctx& c = *static_cast<Ctx*>(p);
         for (int64_t w = wb; w < we; ++w) {
           Arena arena{c.mem + w * c.per_worker, 0, c.per_worker};
-          for (int64_t item = w * c.n / c.workers; item < (w + 1) * c.n / c.workers; ++item) {
+          for (;;) {
+            const int64_t item = __atomic_fetch_add(&c.next, 1, __ATOMIC_RELAXED);
+            if (item >= c.n) break;
             arena.used = 0;
             (*c.fn)(item, arena);
           }
@@ -610,12 +616,21 @@ __attribute__((noinline)) void seg_bwd(const SsdArgs& a, const Geo& g, const Seg
   } else {
     for (int64_t i = 0; i < T; ++i) std::memcpy(dy + i * P, xrow(a.dout, g, s.b, tg + i, s.h), P * 4);
   }
+  float* dDp = a.dD_part ? a.dD_part + (s.b * g.H + s.h) * P : nullptr;
   for (int64_t i = 0; i < T; ++i) {
     const float* x = xrow(a.x, g, s.b, tg + i, s.h);
-    for (int64_t p = 0; p < P; ++p) {
+    const float* d = dy + i * P;
+    float* o = dxs + i * P;
+    int64_t p = 0;
+    for (; p + W <= P; p += W) {
+      const vf Dv = a.D ? (a.D_per_channel ? ld(a.D + s.h * P + p) : bc(a.D[s.h])) : bc(0.0f);
+      st(o + p, Dv * ld(d + p));
+      if (dDp) st(dDp + p, ld(dDp + p) + ld(d + p) * ld(x + p));
+    }
+    for (; p < P; ++p) {
       const float Dp = a.D ? (a.D_per_channel ? a.D[s.h * P + p] : a.D[s.h]) : 0.0f;
-      dxs[i * P + p] = Dp * dy[i * P + p];
-      if (a.dD_part) a.dD_part[(s.b * g.H + s.h) * P + p] += dy[i * P + p] * x[p];
+      o[p] = Dp * d[p];
+      if (dDp) dDp[p] += d[p] * x[p];
     }
   }
 
@@ -629,7 +644,7 @@ __attribute__((noinline)) void seg_bwd(const SsdArgs& a, const Geo& g, const Seg
     pack_gather<MR>(P, T, Ax, P * MR, [&](int64_t k, int64_t j) { return xrow(a.x, g, s.b, tg + j, s.h)[k]; });
     pack_gather<NR>(P, T, Bd, P * NR, [&](int64_t k, int64_t i) { return dy[i * P + k]; });
     gemm(T, T, Ax, P * MR, Bd, P * NR,
-         [&](int64_t j0, int64_t i0) { return j0 < i0 + NR ? all_k(P) : KRange{0, 0}; }, Store{dPt, ldP, false});
+         [&](int64_t j0, int64_t i0) { return j0 < i0 + NR ? all_k(P) : KRange{1, 0}; }, Store{dPt, ldP, false});
     ar.used = mark;
   }
 
@@ -667,8 +682,13 @@ __attribute__((noinline)) void seg_bwd(const SsdArgs& a, const Geo& g, const Seg
           sr += R;
           st(dcs + i0 + v, ld(dcs + i0 + v) + R);
           const vf Mv = G * dtj;
-          for (int l = 0; l < W; ++l)
-            if (i0 + v + l < T) ad[(i0 + v + l) * MR] = Mv[l];
+          float* adv = ad + (i0 + v) * MR;
+          if (i0 + v + W <= T) {
+            for (int l = 0; l < W; ++l) adv[l * MR] = Mv[l];
+          } else {
+            for (int l = 0; l < W; ++l)
+              if (i0 + v + l < T) adv[l * MR] = Mv[l];
+          }
         }
         accd[j] += hsum(sd);
         accr[j] += hsum(sr);
@@ -705,10 +725,18 @@ __attribute__((noinline)) void seg_bwd(const SsdArgs& a, const Geo& g, const Seg
     gemm(T, P, Au, N * MR, Bu, N * NR, [&](int64_t, int64_t) { return all_k(N); }, Store{U, P, false});
     for (int64_t j = 0; j < T; ++j) {
       const float* x = xrow(a.x, g, s.b, tg + j, s.h);
-      float dw = 0.0f;
-      for (int64_t p = 0; p < P; ++p) {
-        dxs[j * P + p] += w[j] * U[j * P + p];
-        dw += x[p] * U[j * P + p];
+      const float* u = U + j * P;
+      float* o = dxs + j * P;
+      vf acc = bc(0.0f);
+      int64_t p = 0;
+      for (; p + W <= P; p += W) {
+        st(o + p, ld(o + p) + bc(w[j]) * ld(u + p));
+        acc += ld(x + p) * ld(u + p);
+      }
+      float dw = hsum(acc);
+      for (; p < P; ++p) {
+        o[p] += w[j] * u[p];
+        dw += x[p] * u[p];
       }
       ddt[j] += w1[j] * dw;
       dcl += w[j] * dw;
@@ -735,10 +763,17 @@ __attribute__((noinline)) void seg_bwd(const SsdArgs& a, const Geo& g, const Seg
     for (int64_t i = 0; i < T; ++i) {
       const float* Ci = row_of(a.C, g, s.b, tg + i, s.grp);
       float* dc = hg.dCh + (s.s0 + i) * N;
-      float de = 0.0f;
-      for (int64_t n = 0; n < N; ++n) {
-        dc[n] = sc.e[i] * V[i * N + n];
-        de += Ci[n] * V[i * N + n];
+      const float* vr = V + i * N;
+      vf acc = bc(0.0f);
+      int64_t n = 0;
+      for (; n + W <= N; n += W) {
+        st(dc + n, bc(sc.e[i]) * ld(vr + n));
+        acc += ld(Ci + n) * ld(vr + n);
+      }
+      float de = hsum(acc);
+      for (; n < N; ++n) {
+        dc[n] = sc.e[i] * vr[n];
+        de += Ci[n] * vr[n];
       }
       dcs[i] += sc.e[i] * de;
     }
