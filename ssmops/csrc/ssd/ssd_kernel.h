@@ -175,7 +175,12 @@ struct StoreT {  // C(i, j) at c[j*cs + i]: a transposed result
   void operator()(int64_t i0, int64_t j0, int64_t m, int64_t n, const float* tile) const {
     for (int64_t v = 0; v < n; ++v) {
       float* col = c + (j0 + v) * cs + i0;
-      for (int64_t r = 0; r < m; ++r) col[r] = add ? col[r] + tile[r * NR + v] : tile[r * NR + v];
+      if (add)
+        for (int64_t r = 0; r < m; ++r) col[r] += tile[r * NR + v];
+      else if (m == MR)
+        for (int r = 0; r < MR; ++r) col[r] = tile[r * NR + v];
+      else
+        for (int64_t r = 0; r < m; ++r) col[r] = tile[r * NR + v];
     }
   }
 };
@@ -191,7 +196,9 @@ inline void pack_rows(int64_t K, int64_t N, float* dst, int64_t ps, Src src, Sca
       float* d = dst + (q0 / R) * ps + k * R;
       const int64_t n = imin(R, N - q0);
       if (n == R && R % W == 0) {
-        for (int v = 0; v < R; v += W) st(d + v, ld(s + q0 + v) * f);
+        for (int v = 0; v < R; v += W) st(d + v, ld(s + q0 + v) * bc(f));
+      } else if (n == R) {
+        for (int v = 0; v < R; ++v) d[v] = s[q0 + v] * f;
       } else {
         for (int64_t v = 0; v < n; ++v) d[v] = s[q0 + v] * f;
         for (int64_t v = n; v < R; ++v) d[v] = 0.0f;
@@ -199,16 +206,18 @@ inline void pack_rows(int64_t K, int64_t N, float* dst, int64_t ps, Src src, Sca
     }
   }
 }
-// Packs by element: dst panel element (k, q) = f(k, q) for q < N (zero after).
+// Packs by element: dst panel element (k, q) = f(k, q) for q < N (zero after). k runs inner:
+// the callers' sources are rows of q with k contiguous (a transposing pack).
 template <int R, class F>
 inline void pack_gather(int64_t K, int64_t N, float* dst, int64_t ps, F f) {
   for (int64_t q0 = 0; q0 < N; q0 += R) {
     float* d = dst + (q0 / R) * ps;
     const int64_t n = imin(R, N - q0);
-    for (int64_t k = 0; k < K; ++k) {
-      for (int64_t v = 0; v < n; ++v) d[k * R + v] = f(k, q0 + v);
-      for (int64_t v = n; v < R; ++v) d[k * R + v] = 0.0f;
-    }
+    for (int64_t v = 0; v < R; ++v)
+      if (v < n)
+        for (int64_t k = 0; k < K; ++k) d[k * R + v] = f(k, q0 + v);
+      else
+        for (int64_t k = 0; k < K; ++k) d[k * R + v] = 0.0f;
   }
 }
 inline float one(int64_t) { return 1.0f; }
