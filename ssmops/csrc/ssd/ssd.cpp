@@ -8,6 +8,7 @@
 #include <torch/headeronly/core/ScalarType.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -46,9 +47,16 @@ SsdDims check_inputs(const char* op, const Tensor& x, const Tensor& dt, const Te
   STD_TORCH_CHECK(d.seqlen >= 1, op, ": x must have seqlen >= 1, got shape ", shape_of(x));
   STD_TORCH_CHECK(chunk_size >= 1, op, ": chunk_size must be an int >= 1, got ", chunk_size);
   const bool limit_ok = dt_limit.empty() || (dt_limit.size() == 2 && dt_limit[0] <= dt_limit[1]);
-  std::string lim = "(";
-  for (size_t i = 0; i < dt_limit.size(); ++i) lim += (i ? ", " : "") + std::to_string(dt_limit[i]);
-  STD_TORCH_CHECK(limit_ok, op, ": dt_limit must be (low, high) with low <= high, got ", lim, ")");
+  if (!limit_ok) {
+    std::string lim = "(";
+    for (size_t i = 0; i < dt_limit.size(); ++i) {
+      char buf[32];
+      std::snprintf(buf, sizeof buf, "%s%g", i ? ", " : "", dt_limit[i]);
+      lim += buf;
+    }
+    STD_TORCH_CHECK(false, op, ": dt_limit must be (low, high) with low <= high, got ", lim,
+                    dt_limit.size() == 1 ? ",)" : ")");
+  }
   d.nchunks = (d.seqlen + chunk_size - 1) / chunk_size;
   check_tensor_of(op, "dt", dt, kFloatDtypes, {d.batch, d.seqlen, d.nheads}, "x");
   check_tensor_of(op, "A", A, {ST::Float}, {d.nheads}, "x");
@@ -337,7 +345,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
   const float* dtp = dt32.const_data_ptr<float>();
   const float* bias = fptr(bias32);
   float* g = ddtv.mutable_data_ptr<float>();
-  std::vector<float> dbias(H, 0.0f);
+  std::vector<double> dbias(H, 0.0);  // a sum over batch * seqlen terms, in a fixed order
   for (int64_t i = 0; i < d.batch * d.seqlen * H; ++i) {
     const float v = dtp[i] + (bias ? bias[i % H] : 0.0f);
     float grad = g[i];
@@ -369,7 +377,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
     }
   }
   Tensor ddt_bias = empty_like_shape(x, dt_bias ? std::vector<int64_t>{H} : none, ST::Float);
-  if (dt_bias) std::memcpy(ddt_bias.mutable_data_ptr<float>(), dbias.data(), H * sizeof(float));
+  if (dt_bias)
+    for (int64_t h = 0; h < H; ++h) ddt_bias.mutable_data_ptr<float>()[h] = static_cast<float>(dbias[h]);
   auto like = [&](const Tensor& grad, const OptTensor& input) {
     return input ? in_dtype(grad, input->scalar_type()) : grad;
   };
