@@ -225,3 +225,18 @@ def test_multihead_decode_step_package_runs_in_cpp(cpp_runner, tmp_path):
     torch.testing.assert_close(cache, cache_ref)
     assert not torch.equal(cache[2], inputs[0][2]) and torch.equal(cache[:2], inputs[0][:2])
 
+
+
+@pytest.mark.slow
+def test_ssd_model_package_runs_in_cpp_like_eager(cpp_runner, tmp_path):
+    from models import TinySsdModel
+
+    torch.manual_seed(0)
+    model = TinySsdModel(full=True).eval()
+    ep = sx.export_program(model, (torch.randn(2, 37, 8),), seq_dim=1)
+    package = sx.aoti_package(ep, tmp_path / "ssd.pt2")
+    for shape in [(2, 37, 8), (3, 70, 8)]:  # another batch and seqlen than traced
+        x = torch.randn(shape)
+        (out,) = _run_cpp(cpp_runner, "--package", package, [x], tmp_path)
+        with torch.no_grad():
+            torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)

@@ -32,4 +32,15 @@ STABLE_TORCH_LIBRARY(ssmops, m) {
   m.def(
       "multihead_state_update(Tensor(a!) state, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, "
       "Tensor? D, Tensor? z, Tensor? dt_bias, Tensor? state_batch_indices, bool dt_softplus) -> Tensor");
+  m.def(
+      "ssd_scan_fwd(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? z, "
+      "Tensor? dt_bias, Tensor? initial_states, Tensor? seq_idx, Tensor? cu_seqlens, int "
+      "chunk_size, bool dt_softplus, float[] dt_limit) -> (Tensor out, Tensor final_states, "
+      "Tensor chunk_states, Tensor varlen_states)");
+  m.def(
+      "ssd_scan_bwd(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? z, "
+      "Tensor? dt_bias, Tensor? initial_states, Tensor? seq_idx, Tensor? cu_seqlens, int "
+      "chunk_size, bool dt_softplus, float[] dt_limit, Tensor dout, Tensor chunk_states, "
+      "Tensor? dfinal_states, Tensor? dvarlen_states) -> (Tensor dx, Tensor ddt, Tensor dA, "
+      "Tensor dB, Tensor dC, Tensor dD, Tensor dz, Tensor ddt_bias, Tensor dinitial_states)");
 }

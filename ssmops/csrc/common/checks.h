@@ -48,6 +48,10 @@ inline const char* dtype_name(ST t) {
       return "bfloat16";
     case ST::Double:
       return "float64";
+    case ST::Int:
+      return "int32";
+    case ST::Long:
+      return "int64";
     default:
       return "an unsupported dtype";
   }
@@ -70,6 +74,28 @@ inline void check_tensor(const char* name, const Tensor& t, const std::vector<in
                   ", got ", shape_of(t));
   STD_TORCH_CHECK(t.scalar_type() == dtype, "selective_scan: ", name, " must have dtype ",
                   dtype_name(dtype), ", got ", dtype_name(t.scalar_type()));
+}
+
+// The same checks for operators that name themselves (`op`: "ssd_scan_fwd", ...), in the order
+// and words of the Python checks (ssmops/ops/_checks.py): dtype, then shape, then device.
+inline std::string dtypes_str(const std::vector<ST>& dtypes) {
+  std::string s;
+  for (size_t i = 0; i < dtypes.size(); ++i) s += (i ? " or " : "") + std::string(dtype_name(dtypes[i]));
+  return s;
+}
+
+inline void check_dtype_of(const char* op, const char* name, const Tensor& t, const std::vector<ST>& dtypes) {
+  bool ok = false;
+  for (ST d : dtypes) ok = ok || t.scalar_type() == d;
+  STD_TORCH_CHECK(ok, op, ": ", name, " must have dtype ", dtypes_str(dtypes), ", got ", dtype_name(t.scalar_type()));
+}
+
+inline void check_tensor_of(const char* op, const char* name, const Tensor& t, const std::vector<ST>& dtypes,
+                            const std::vector<int64_t>& shape, const char* like) {
+  check_dtype_of(op, name, t, dtypes);
+  STD_TORCH_CHECK(same_shape(t, shape), op, ": ", name, " must have shape ", shape_str(shape), ", got ",
+                  shape_of(t), " (its sizes follow ", like, ")");
+  STD_TORCH_CHECK(t.is_cpu(), op, ": ", name, " must be on cpu like ", like, ", got another device");
 }
 
 inline Tensor contig(const Tensor& t) { return torch::stable::contiguous(t); }
