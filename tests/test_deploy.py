@@ -62,12 +62,18 @@ def _model(full):
 @pytest.mark.slow
 @pytest.mark.parametrize("full", [True, False], ids=["all-optionals", "no-optionals"])
 def test_aoti_package_runs_in_cpp_like_eager(full, cpp_runner, tmp_path):
-    model = _model(full)
-    ep = sx.export_program(model, (torch.randn(2, 8, 37),), seq_dim=2)
+    _check_package_in_cpp(_model(full), seq_dim=2, shapes=[(2, 8, 37), (3, 8, 2100)], runner=cpp_runner,
+                          tmp_path=tmp_path)
+
+
+def _check_package_in_cpp(model, seq_dim: int, shapes: list, runner, tmp_path) -> None:
+    """The model exported (seqlen dynamic) from shapes[0] and packaged with AOTInductor gives, in the
+    C++ runner, what it gives in eager mode for every shape (other batches and seqlens than traced)."""
+    ep = sx.export_program(model, (torch.randn(shapes[0]),), seq_dim=seq_dim)
     package = sx.aoti_package(ep, tmp_path / "model.pt2")
-    for shape in [(2, 8, 37), (3, 8, 2100)]:  # another batch and seqlen than traced
+    for shape in shapes:
         x = torch.randn(shape)
-        (out,) = _run_cpp(cpp_runner, "--package", package, [x], tmp_path)
+        (out,) = _run_cpp(runner, "--package", package, [x], tmp_path)
         with torch.no_grad():
             torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
 
@@ -226,17 +232,10 @@ def test_multihead_decode_step_package_runs_in_cpp(cpp_runner, tmp_path):
     assert not torch.equal(cache[2], inputs[0][2]) and torch.equal(cache[:2], inputs[0][:2])
 
 
-
 @pytest.mark.slow
 def test_ssd_model_package_runs_in_cpp_like_eager(cpp_runner, tmp_path):
     from models import TinySsdModel
 
     torch.manual_seed(0)
-    model = TinySsdModel(full=True).eval()
-    ep = sx.export_program(model, (torch.randn(2, 37, 8),), seq_dim=1)
-    package = sx.aoti_package(ep, tmp_path / "ssd.pt2")
-    for shape in [(2, 37, 8), (3, 70, 8)]:  # another batch and seqlen than traced
-        x = torch.randn(shape)
-        (out,) = _run_cpp(cpp_runner, "--package", package, [x], tmp_path)
-        with torch.no_grad():
-            torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+    _check_package_in_cpp(TinySsdModel(full=True).eval(), seq_dim=1, shapes=[(2, 37, 8), (3, 70, 8)],
+                          runner=cpp_runner, tmp_path=tmp_path)
