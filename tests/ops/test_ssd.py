@@ -254,7 +254,7 @@ def test_chunked_ref_gradients_match_oracle():
         assert rel_err(actual, expected) < 1e-10, name
 
 
-# --- the default backend against the oracle -----------------------------------------------------
+# --- every backend against the oracle -----------------------------------------------------------
 
 SEQ = (0, 16, 21, 40)  # boundaries inside chunks and one exactly at a chunk edge (16)
 DEFAULT_CASES = [
@@ -271,6 +271,7 @@ DEFAULT_CASES = [
     Case(seqlen=1, chunk=16),
     Case(seqlen=1, chunk=16, batch=1, seq=(0,), varlen=True),
     Case(seqlen=100, chunk=64, dstate=8, seq=(0, 64, 70)),
+    Case(seqlen=300, chunk=256, dstate=4, seq=(0, 100, 256)),
     Case(seqlen=50, chunk=16, row_block=4, seq=SEQ),
     Case(seqlen=70, chunk=32, row_block=8, batch=1, seq=(0, 5, 32, 45), varlen=True, ngroups=1),
     Case(dtypes="fp16", seq=SEQ),
