@@ -155,7 +155,8 @@ float step_size(const MultiheadArgs& a, int64_t bh, int64_t h, int64_t i) {
 template <class T>
 void multihead_step(const MultiheadArgs& a, T* state, const int64_t* st) {
   const int64_t p = a.headdim, n = a.dstate, per_group = a.nheads / a.ngroups;
-  const int64_t grain = std::max<int64_t>(1, 32768 / (p * n));  // a thread takes >= ~32K states
+  // a thread takes >= ~256K states: below that, waking a second thread costs more than it saves
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / (p * n));
   torch::stable::parallel_for(0, a.batch * a.nheads, grain, [&](int64_t begin, int64_t end) {
     // one state row (dstate values) at a time in float32 scratch, so that every loop below runs
     // over contiguous floats whatever the state's dtype and strides
