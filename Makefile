@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 
-.PHONY: install demo test test-quick bench sanitize gpu-check clean
+.PHONY: install demo test test-quick bench bench-ssd sanitize gpu-check clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(shell find ssmops/csrc -type f)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,12 @@ test-quick: install
 
 bench: install
 	$(PY) benchmarks/default.py
+
+# Mamba-2's SSD scan against mamba_ssm's own pure-PyTorch SSD, fetched at run time from its
+# published sdist (its code needs einops, installed here for that and nothing else).
+bench-ssd: install
+	$(PY) -m pip install -q einops
+	$(PY) benchmarks/ssd.py
 
 # On a GPU machine whose Python already has a CUDA (or ROCm) torch, Triton, pytest and
 # hypothesis: build against that torch, then run the GPU tests and the GPU benchmark.
