@@ -82,6 +82,7 @@ def autograd_for(bwd_op):
         ctx.delta_softplus = delta_softplus
         # The gradient flows through the final output (out_z when gated) and last_state only.
         ctx.mark_non_differentiable(scan_intermediates, out if z is not None else out_z)
+        ctx.set_materialize_grads(False)  # no zero-filled gradients for unused outputs (chunk states)
 
     def backward(ctx, dout, _dx, dout_z, dlast_state):
         u, delta, A, B, C, D, z, delta_bias, initial_state, scan_intermediates = ctx.saved_tensors

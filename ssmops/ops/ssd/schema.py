@@ -74,6 +74,7 @@ def autograd_for(bwd_op):
         ctx.save_for_backward(*tensors, chunk_states)
         ctx.options = (chunk_size, dt_softplus, dt_limit)
         ctx.mark_non_differentiable(chunk_states)
+        ctx.set_materialize_grads(False)  # no zero-filled gradients for unused outputs (chunk states)
 
     def backward(ctx, dout, dfinal_states, _dchunk_states, dvarlen_states):
         *tensors, chunk_states = ctx.saved_tensors
