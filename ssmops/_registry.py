@@ -177,7 +177,6 @@ for _op in _operators:
     _register(_op, _lib)
 
 
-
 def load_triton() -> str | None:
     """Registers the families' Triton kernels where Triton can run (once); returns why it cannot, or None."""
     if _unavailable.get("triton", "") is None:

@@ -8,6 +8,7 @@ from torch import Tensor
 from ._registry import triton_op_for
 from .ops._checks import INPUT_DTYPES
 from .ops.state_update.checks import check_multihead_inputs, check_state_batch_indices, check_state_update_inputs
+from .ops.state_update.schema import as_multihead
 
 
 def _tied(t: Tensor | None, tied_dims: int) -> Tensor | None:
@@ -25,11 +26,6 @@ def _tie(dt: Tensor, A: Tensor, dt_bias: Tensor | None) -> tuple[Tensor, Tensor,
     if dt_h.dim() == 2 and A_h.dim() == 1 and (bias_h is None or bias_h.dim() == 1):
         return dt_h, A_h, bias_h
     return dt, A, dt_bias
-
-
-def _as_one_channel_heads(t: Tensor | None) -> Tensor | None:
-    """Mamba-1's per-channel argument, (dim,) or (batch, dim), as Mamba-2's with headdim 1."""
-    return None if t is None else t.unsqueeze(-1)
 
 
 def _check_indices(state_batch_indices: Tensor | None, cache_size: int) -> None:
@@ -86,13 +82,8 @@ def selective_state_update(
         check_state_update_inputs(state, x, dt, A, B, C, D, z, dt_bias, state_dtypes=INPUT_DTYPES,
                                   cache_size=state.shape[0] if state_batch_indices is not None else None)
         _check_indices(state_batch_indices, state.shape[0])
-        y = torch.ops.ssmops.multihead_state_update(
-            state.unsqueeze(2), x.unsqueeze(-1), dt.unsqueeze(-1), A.unsqueeze(1),
-            B if B.dim() == 3 else B.unsqueeze(1), C if C.dim() == 3 else C.unsqueeze(1),
-            _as_one_channel_heads(D), _as_one_channel_heads(z), _as_one_channel_heads(dt_bias),
-            state_batch_indices, dt_softplus,
-        )
-        return y.squeeze(-1)
+        heads = as_multihead(state, x, dt, A, B, C, D, z, dt_bias)
+        return torch.ops.ssmops.multihead_state_update(*heads, state_batch_indices, dt_softplus).squeeze(-1)
     check_state_update_inputs(state, x, dt, A, B, C, D, z, dt_bias)
     step = triton_op_for("selective_state_update", x) or torch.ops.ssmops.selective_state_update
     return step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)

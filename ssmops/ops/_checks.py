@@ -18,13 +18,16 @@ def dtype_name(dtypes) -> str:
     return " or ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
-def check_tensor(name: str, x, dtypes, shape, device, like: str = "u") -> None:
+def check_tensor(name: str, x, dtypes, shape, device, like: str = "u", sizes_from: str | None = None) -> None:
+    """`sizes_from` names the argument(s) the expected shape comes from, in the message of a mismatch
+    (either may be the wrong one)."""
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a Tensor, got {type(x).__name__}")
     if x.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype {dtype_name(dtypes)}, got {x.dtype}")
     if tuple(x.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+        source = f" (its sizes follow {sizes_from})" if sizes_from else ""
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}{source}")
     if x.device != device:
         raise ValueError(f"{name} must be on {device} like {like}, got {x.device}")
 

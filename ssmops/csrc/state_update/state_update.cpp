@@ -14,6 +14,8 @@
 namespace ssmops_cpu {
 namespace {
 
+float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }  // torch's threshold
+
 // --- selective_state_update: one decoding step ------------------------------------------
 // Tiny work per call (batch * dim * dstate), so a plain loop over float32 copies of the
 // inputs; `state` is updated in place (through a contiguous copy when it is strided).
@@ -79,7 +81,7 @@ Tensor selective_state_update(Tensor state, Tensor x, Tensor dt, Tensor A, Tenso
       const float* Bg = Bp + (b * groups + c / per_group) * dstate;
       const float* Cg = Cp + (b * groups + c / per_group) * dstate;
       float delta = dtp[row] + (biasp ? biasp[c] : 0.0f);
-      if (dt_softplus) delta = delta > 20.0f ? delta : std::log1p(std::exp(delta));  // torch's threshold
+      if (dt_softplus) delta = softplus(delta);
       const float xv = xp[row];
       float acc = 0.0f;
       for (int64_t n = 0; n < dstate; ++n) {
@@ -101,24 +103,17 @@ Tensor selective_state_update(Tensor state, Tensor x, Tensor dt, Tensor A, Tenso
 // written in place in its own dtype through its strides, and a head whose dt, A and dt_bias are
 // tied over headdim takes one exp per head instead of one per (channel, state).
 
-float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }  // torch's threshold
+const std::vector<ST> kFloats = {ST::Float, ST::Half, ST::BFloat16};
 
 // dt, A, D and dt_bias: per (head, channel) when `per_channel` has its rank, else per head.
 void check_per_head(const char* name, const Tensor& t, const std::vector<int64_t>& per_channel,
-                    const std::vector<int64_t>& per_head, bool float32_only) {
-  check_cpu(name, t);
+                    const std::vector<int64_t>& per_head, const std::vector<ST>& dtypes) {
   const bool channels = t.dim() == static_cast<int64_t>(per_channel.size());
-  const std::vector<int64_t>& shape = channels ? per_channel : per_head;
-  STD_TORCH_CHECK(same_shape(t, shape), "multihead_state_update: ", name, " must have shape ",
-                  shape_str(per_channel), " or ", shape_str(per_head), " (tied over headdim), got ", shape_of(t));
-  const ST ty = t.scalar_type();
-  STD_TORCH_CHECK(ty == ST::Float || (!float32_only && (ty == ST::Half || ty == ST::BFloat16)),
-                  "multihead_state_update: ", name, " must have dtype ",
-                  float32_only ? "float32" : "float32, float16 or bfloat16", ", got ", dtype_name(ty));
+  check_tensor_of("multihead_state_update", name, t, dtypes, channels ? per_channel : per_head, "x");
 }
 
 void check_float(const char* name, const Tensor& t, const std::vector<int64_t>& shape) {
-  check_per_head(name, t, shape, shape, false);
+  check_tensor_of("multihead_state_update", name, t, kFloats, shape, "x");
 }
 
 struct MultiheadArgs {
@@ -219,8 +214,8 @@ Tensor multihead_state_update(Tensor state, Tensor x, Tensor dt, Tensor A, Tenso
                   "(nheads, headdim)=(", nheads, ", ", headdim, "), got ", shape_of(state));
   const int64_t cache = state.size(0), dstate = state.size(3);
   check_float("state", state, {cache, nheads, headdim, dstate});
-  check_per_head("dt", dt, {batch, nheads, headdim}, {batch, nheads}, false);
-  check_per_head("A", A, {nheads, headdim, dstate}, {nheads}, true);
+  check_per_head("dt", dt, {batch, nheads, headdim}, {batch, nheads}, kFloats);
+  check_per_head("A", A, {nheads, headdim, dstate}, {nheads}, {ST::Float});
   STD_TORCH_CHECK(B.dim() == 3 && B.size(0) == batch && B.size(2) == dstate,
                   "multihead_state_update: B must have shape (batch, ngroups, dstate) with (batch, dstate)=(",
                   batch, ", ", dstate, "), got ", shape_of(B));
@@ -229,8 +224,8 @@ Tensor multihead_state_update(Tensor state, Tensor x, Tensor dt, Tensor A, Tenso
                   ", which does not divide nheads=", nheads);
   check_float("B", B, {batch, ngroups, dstate});
   check_float("C", C, {batch, ngroups, dstate});
-  if (D) check_per_head("D", *D, {nheads, headdim}, {nheads}, false);
-  if (dt_bias) check_per_head("dt_bias", *dt_bias, {nheads, headdim}, {nheads}, false);
+  if (D) check_per_head("D", *D, {nheads, headdim}, {nheads}, kFloats);
+  if (dt_bias) check_per_head("dt_bias", *dt_bias, {nheads, headdim}, {nheads}, kFloats);
   if (z) check_float("z", *z, {batch, nheads, headdim});
 
   std::vector<int64_t> rows(batch);

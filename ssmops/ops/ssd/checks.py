@@ -30,14 +30,7 @@ def num_chunks(seqlen, chunk_size: int):
 
 
 def _check_float(name: str, t, shape, device, sizes_from: str = "x") -> None:
-    """A floating argument whose expected shape comes from `sizes_from` (named on a mismatch, as
-    the wrong one may be either)."""
-    try:
-        check_tensor(name, t, INPUT_DTYPES, shape, device, like="x")
-    except ValueError as err:
-        if "must have shape" not in str(err):
-            raise
-        raise ValueError(f"{err} (its sizes follow {sizes_from})") from None
+    check_tensor(name, t, INPUT_DTYPES, shape, device, like="x", sizes_from=sizes_from)
 
 
 def check_ssd_inputs(

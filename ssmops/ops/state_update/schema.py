@@ -34,3 +34,18 @@ MULTIHEAD_SCHEMA = (
 def multihead_fake(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, dt_softplus):
     check_multihead_inputs(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices)
     return x.new_empty(x.shape)
+
+
+def as_multihead(state, x, dt, A, B, C, D, z, dt_bias) -> tuple:
+    """Mamba-1's layout as `multihead_state_update`'s arguments (up to `state_batch_indices`): a
+    channel is a head of headdim 1, and B/C's groups are groups of those heads. Views only, so
+    the state is still updated in place."""
+
+    def channel_as_head(t):
+        return None if t is None else t.unsqueeze(-1)
+
+    return (
+        state.unsqueeze(2), x.unsqueeze(-1), dt.unsqueeze(-1), A.unsqueeze(1),
+        B if B.dim() == 3 else B.unsqueeze(1), C if C.dim() == 3 else C.unsqueeze(1),
+        channel_as_head(D), channel_as_head(z), channel_as_head(dt_bias),
+    )
