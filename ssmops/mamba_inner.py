@@ -6,22 +6,67 @@ an operator), compiles with `fullgraph=True` and exports.
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .selective_scan import selective_scan_fn
 
 
-def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str | None = None) -> Tensor:
+def causal_conv1d(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    activation: str | None = None,
+    seq_idx: Tensor | None = None,
+) -> Tensor:
     """Depthwise causal conv1d: x (batch, dim, seqlen), weight (dim, width) or (dim, 1, width);
-    output t sees inputs t-width+1..t. `activation` is None or "silu"."""
-    if activation not in (None, "silu", "swish"):
-        raise ValueError(f"activation must be None or 'silu', got {activation!r}")
+    output t sees inputs t-width+1..t. With `seq_idx` (batch, seqlen), output t sees only the
+    inputs of its own sequence (packed sequences do not leak into each other). `activation`
+    is None or "silu"."""
+    _check_activation(activation)
     if weight.dim() == 2:
         weight = weight.unsqueeze(1)
-    width = weight.shape[-1]
-    out = F.conv1d(x, weight, bias, padding=width - 1, groups=x.shape[1])[..., : x.shape[-1]]
+    width, seqlen = weight.shape[-1], x.shape[-1]
+    if seq_idx is None:
+        out = F.conv1d(x, weight, bias, padding=width - 1, groups=x.shape[1])[..., :seqlen]
+    else:
+        if seq_idx.shape != (x.shape[0], seqlen):
+            raise ValueError(f"seq_idx must have shape ({x.shape[0]}, {seqlen}) for x of shape "
+                             f"{tuple(x.shape)}, got {tuple(seq_idx.shape)}")
+        # tap k reads input t - (width - 1 - k), kept only when it is in t's sequence
+        padded = F.pad(x, (width - 1, 0))
+        padded_idx = F.pad(seq_idx, (width - 1, 0), value=-1)
+        out = sum(
+            torch.where((padded_idx[:, k:k + seqlen] == seq_idx).unsqueeze(1),
+                        padded[..., k:k + seqlen] * weight[:, :, k], 0.0)
+            for k in range(width)
+        )
+        if bias is not None:
+            out = out + bias.unsqueeze(-1)
     return F.silu(out) if activation is not None else out
+
+
+def causal_conv1d_update(
+    x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str | None = None
+) -> Tensor:
+    """One decoding step of `causal_conv1d`: x (batch, dim) enters the window conv_state
+    (batch, dim, width), which is UPDATED IN PLACE (shifted left by one, x appended); returns
+    the conv's output for x, (batch, dim) in x's dtype."""
+    _check_activation(activation)
+    if weight.dim() == 3:
+        weight = weight.squeeze(1)
+    conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))
+    conv_state[:, :, -1] = x
+    out = torch.sum(conv_state * weight, dim=-1)
+    if bias is not None:
+        out = out + bias
+    return (F.silu(out) if activation is not None else out).to(x.dtype)
+
+
+def _check_activation(activation: str | None) -> None:
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"activation must be None or 'silu', got {activation!r}")
 
 
 def mamba_inner_fn(

@@ -1,12 +1,16 @@
-"""`mamba_chunk_scan_combined`: mamba_ssm's Mamba-2 (SSD) scan of that name, on the ssmops operators."""
+"""mamba_ssm's Mamba-2 (SSD) entry points on the ssmops operators: the scan
+(`mamba_chunk_scan_combined`) and the mixer around it (`mamba_split_conv1d_scan_combined`)."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from .layernorm_gated import rmsnorm_fn
+from .mamba_inner import causal_conv1d
 from .ops.ssd.checks import check_sequence_values, check_ssd_inputs
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -73,3 +77,83 @@ def mamba_chunk_scan_combined(
     returned = (out,) + ((final_states,) if return_final_states else ()) + \
         ((varlen_states,) if return_varlen_states else ())
     return returned[0] if len(returned) == 1 else returned
+
+
+def mamba_split_conv1d_scan_combined(
+    zxbcdt: Tensor,
+    conv1d_weight: Tensor,
+    conv1d_bias: Tensor | None,
+    dt_bias: Tensor,
+    A: Tensor,
+    D: Tensor,
+    chunk_size: int,
+    initial_states: Tensor | None = None,
+    seq_idx: Tensor | None = None,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    return_final_states: bool = False,
+    activation: str | None = "silu",
+    rmsnorm_weight: Tensor | None = None,
+    rmsnorm_eps: float = 1e-6,
+    outproj_weight: Tensor | None = None,
+    outproj_bias: Tensor | None = None,
+    headdim: int | None = None,
+    ngroups: int = 1,
+    norm_before_gate: bool = True,
+    state_dtype: torch.dtype | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The whole Mamba-2 mixer from in_proj's output on; a drop-in for mamba_ssm's
+    `mamba_split_conv1d_scan_combined`, composed of ssmops operators (differentiable,
+    compiles with `fullgraph=True`, exports).
+
+    zxbcdt: (batch, seqlen, 2 * d_mlp + 2 * dim + 2 * ngroups * dstate + nheads), split as
+    [z0, x0, z, xBC, dt] with dim = nheads * headdim; conv1d_weight: (dim + 2 * ngroups *
+    dstate, width) or with a middle 1; D: (nheads, headdim), or (nheads,) with `headdim` given;
+    A, dt_bias: (nheads,); rmsnorm_weight: (dim,); outproj_weight: (out_dim, 2 * ...). Computes::
+
+        xBC = act(causal_conv1d(xBC))  (not across seq_idx boundaries);  x, B, C = split(xBC)
+        y   = mamba_chunk_scan_combined(x, dt, A, B, C, D, z if no rmsnorm, dt_bias, softplus)
+        y   = rmsnorm_fn(y, rmsnorm_weight, z, group_size=dim // ngroups, norm_before_gate)
+        out = out_proj(cat([silu(z0) * x0, y]))
+
+    Returns out, and the float32 final states (batch, nheads, headdim, dstate) when
+    `return_final_states`."""
+    if D.dim() == 1:
+        if headdim is None:
+            raise ValueError(f"headdim must be given when D is 1-D, got D of shape {tuple(D.shape)}")
+        nheads = D.shape[0]
+    else:
+        nheads, headdim = D.shape
+    dim = nheads * headdim
+    conv_dim = conv1d_weight.shape[0]
+    dstate = (conv_dim - dim) // (2 * ngroups)
+    if dstate <= 0 or conv_dim != dim + 2 * ngroups * dstate:
+        raise ValueError(f"conv1d_weight must have dim + 2 * ngroups * dstate rows (dim {dim}, ngroups "
+                         f"{ngroups}), got shape {tuple(conv1d_weight.shape)}")
+    if zxbcdt.dim() != 3:
+        raise ValueError(f"zxbcdt must be (batch, seqlen, features), got shape {tuple(zxbcdt.shape)}")
+    d_mlp2 = zxbcdt.shape[-1] - (dim + conv_dim + nheads)
+    if d_mlp2 < 0 or d_mlp2 % 2:
+        raise ValueError(f"zxbcdt's last dimension must be 2 * d_mlp + {dim + conv_dim + nheads} "
+                         f"(z, xBC, dt), got {zxbcdt.shape[-1]}")
+    zx0, z, xBC, dt = torch.split(zxbcdt, [d_mlp2, dim, conv_dim, nheads], dim=-1)
+    xBC = causal_conv1d(xBC.transpose(1, 2), conv1d_weight, conv1d_bias, activation=activation,
+                        seq_idx=seq_idx).transpose(1, 2)
+    x, B, C = torch.split(xBC, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
+    z = z.unflatten(-1, (nheads, headdim))
+    scanned = mamba_chunk_scan_combined(
+        x.unflatten(-1, (nheads, headdim)), dt, A, B.unflatten(-1, (ngroups, dstate)),
+        C.unflatten(-1, (ngroups, dstate)), chunk_size, D=D, z=z if rmsnorm_weight is None else None,
+        dt_bias=dt_bias, initial_states=initial_states, seq_idx=seq_idx, dt_softplus=True, dt_limit=dt_limit,
+        return_final_states=return_final_states, state_dtype=state_dtype,
+    )
+    y, final_states = scanned if return_final_states else (scanned, None)
+    y = y.flatten(-2)
+    if rmsnorm_weight is not None:
+        y = rmsnorm_fn(y, rmsnorm_weight, None, z=z.flatten(-2), eps=rmsnorm_eps, group_size=dim // ngroups,
+                       norm_before_gate=norm_before_gate)
+    if d_mlp2:
+        z0, x0 = zx0.chunk(2, dim=-1)
+        y = torch.cat([F.silu(z0) * x0, y], dim=-1)
+    if outproj_weight is not None:
+        y = F.linear(y, outproj_weight, outproj_bias)
+    return (y, final_states) if return_final_states else y

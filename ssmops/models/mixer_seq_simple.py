@@ -25,48 +25,58 @@ from torch import Tensor, nn
 
 from ..checkpoint import load_state_dict
 from ..modules.mamba import Mamba
+from ..modules.mamba2 import Mamba2
+from ..modules.mha import MHA
+from ..modules.mlp import GatedMLP
 from .generation import GenerationOutput, decode
+
+
+_MIXERS = ("Mamba1", "Mamba2")
 
 
 @dataclasses.dataclass
 class MambaConfig:
-    """mamba_ssm's config.json keys. `ssm_cfg` holds the Mamba block's arguments
-    (d_state, d_conv, expand, dt_rank, conv_bias, bias, ...). `fused_add_norm` is
-    accepted and ignored (the norm is plain PyTorch here). The vocabulary is padded up
-    to a multiple of `pad_vocab_size_multiple`."""
+    """mamba_ssm's config.json keys. `ssm_cfg` holds the Mamba block's arguments, with
+    `layer` "Mamba1" (default) or "Mamba2"; `d_intermediate` > 0 adds a gated MLP after each
+    mixer; the layers in `attn_layer_idx` are attention (`MHA` with `attn_cfg`) instead of
+    Mamba. `fused_add_norm` is accepted and ignored (the norm is plain PyTorch here). The
+    vocabulary is padded up to a multiple of `pad_vocab_size_multiple`."""
 
     d_model: int = 2560
+    d_intermediate: int = 0
     n_layer: int = 64
     vocab_size: int = 50277
     ssm_cfg: dict = dataclasses.field(default_factory=dict)
+    attn_layer_idx: list = dataclasses.field(default_factory=list)
+    attn_cfg: dict = dataclasses.field(default_factory=dict)
     rms_norm: bool = True
     residual_in_fp32: bool = True
     fused_add_norm: bool = True
     pad_vocab_size_multiple: int = 8
     tie_embeddings: bool = True
     norm_epsilon: float = 1e-5
-    # newer mamba_ssm keys, accepted only with the values of a pure Mamba-1 model
-    d_intermediate: int = 0
-    attn_layer_idx: list = dataclasses.field(default_factory=list)
-    attn_cfg: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        if self.d_intermediate:
-            raise ValueError(f"d_intermediate={self.d_intermediate}: MLP layers are not supported (only 0)")
-        if self.attn_layer_idx:
-            raise ValueError(f"attn_layer_idx={self.attn_layer_idx}: attention layers are not supported")
         layer = self.ssm_cfg.get("layer", "Mamba1")
-        if layer != "Mamba1":
-            raise ValueError(f"ssm_cfg layer={layer!r}: only Mamba1 blocks are supported")
+        if layer not in _MIXERS:
+            raise ValueError(f"ssm_cfg layer must be one of {_MIXERS}, got {layer!r}")
+        bad = [i for i in self.attn_layer_idx if not 0 <= i < self.n_layer]
+        if bad:
+            raise ValueError(f"attn_layer_idx {bad} out of range for n_layer={self.n_layer}")
 
     @property
     def padded_vocab_size(self) -> int:
         m = self.pad_vocab_size_multiple
         return self.vocab_size if self.vocab_size % m == 0 else self.vocab_size + m - self.vocab_size % m
 
-    def block_kwargs(self) -> dict:
-        """ssm_cfg as arguments of the Mamba block."""
-        return {k: v for k, v in self.ssm_cfg.items() if k != "layer"}
+    def mixer(self, layer_idx: int, device=None, dtype=None) -> nn.Module:
+        """Layer `layer_idx`'s mixer: MHA for the attention layers, else the ssm_cfg block."""
+        factory = {"device": device, "dtype": dtype}
+        if layer_idx in self.attn_layer_idx:
+            return MHA(self.d_model, layer_idx=layer_idx, **self.attn_cfg, **factory)
+        kwargs = {k: v for k, v in self.ssm_cfg.items() if k != "layer"}
+        mixer_cls = Mamba2 if self.ssm_cfg.get("layer", "Mamba1") == "Mamba2" else Mamba
+        return mixer_cls(self.d_model, layer_idx=layer_idx, **kwargs, **factory)
 
     @classmethod
     def from_dict(cls, d: dict) -> "MambaConfig":
@@ -95,23 +105,35 @@ class RMSNorm(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: residual += hidden; hidden = mixer(norm(residual)).
+    """Pre-norm residual block: residual += hidden; hidden = mixer(norm(residual)), then, with an
+    MLP, residual += hidden; hidden = mlp(norm2(residual)).
 
     Returns (hidden_states, residual) like mamba_ssm's Block; the residual stream is
     kept in float32 when `residual_in_fp32`."""
 
-    def __init__(self, dim: int, mixer: nn.Module, norm: nn.Module, residual_in_fp32: bool = False):
+    def __init__(self, dim: int, mixer: nn.Module, norm: nn.Module, residual_in_fp32: bool = False,
+                 mlp: nn.Module | None = None, norm2: nn.Module | None = None):
         super().__init__()
         self.residual_in_fp32 = residual_in_fp32
         self.mixer = mixer
         self.norm = norm
+        if mlp is not None:
+            self.norm2 = norm2
+        self.mlp = mlp
 
-    def forward(self, hidden_states: Tensor, residual: Tensor | None = None, inference_params=None):
+    def _add_norm(self, hidden_states: Tensor, residual: Tensor | None, norm: nn.Module) -> tuple[Tensor, Tensor]:
         residual = hidden_states + residual if residual is not None else hidden_states
-        hidden_states = self.norm(residual.to(self.norm.weight.dtype))
-        if self.residual_in_fp32:
-            residual = residual.float()
-        return self.mixer(hidden_states, inference_params=inference_params), residual
+        hidden_states = norm(residual.to(norm.weight.dtype))
+        return hidden_states, residual.float() if self.residual_in_fp32 else residual
+
+    def forward(self, hidden_states: Tensor, residual: Tensor | None = None, inference_params=None,
+                **mixer_kwargs):
+        hidden_states, residual = self._add_norm(hidden_states, residual, self.norm)
+        hidden_states = self.mixer(hidden_states, inference_params=inference_params, **mixer_kwargs)
+        if self.mlp is not None:
+            hidden_states, residual = self._add_norm(hidden_states, residual, self.norm2)
+            hidden_states = self.mlp(hidden_states)
+        return hidden_states, residual
 
     def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, **kwargs):
         return self.mixer.allocate_inference_cache(batch_size, max_seqlen, dtype=dtype, **kwargs)
@@ -132,19 +154,22 @@ class MixerModel(nn.Module):
         self.layers = nn.ModuleList(
             Block(
                 config.d_model,
-                Mamba(config.d_model, layer_idx=i, **config.block_kwargs(), **factory),
+                config.mixer(i, device, dtype),
                 _norm(config, device, dtype),
                 residual_in_fp32=config.residual_in_fp32,
+                mlp=GatedMLP(config.d_model, hidden_features=config.d_intermediate, out_features=config.d_model,
+                             **factory) if config.d_intermediate > 0 else None,
+                norm2=_norm(config, device, dtype) if config.d_intermediate > 0 else None,
             )
             for i in range(config.n_layer)
         )
         self.norm_f = _norm(config, device, dtype)
 
-    def forward(self, input_ids: Tensor, inference_params=None) -> Tensor:
+    def forward(self, input_ids: Tensor, inference_params=None, **mixer_kwargs) -> Tensor:
         hidden_states = self.embedding(input_ids)
         residual = None
         for layer in self.layers:
-            hidden_states, residual = layer(hidden_states, residual, inference_params=inference_params)
+            hidden_states, residual = layer(hidden_states, residual, inference_params=inference_params, **mixer_kwargs)
         residual = hidden_states + residual if residual is not None else hidden_states
         return self.norm_f(residual.to(self.norm_f.weight.dtype))
 
@@ -187,7 +212,8 @@ class MambaLMHeadModel(nn.Module):
         self.config = config
         self.backbone = MixerModel(config, device=device, dtype=dtype)
         self.lm_head = nn.Linear(config.d_model, config.padded_vocab_size, bias=False, device=device, dtype=dtype)
-        self.apply(partial(_init_weights, n_layer=config.n_layer, **(initializer_cfg or {})))
+        self.apply(partial(_init_weights, n_layer=config.n_layer, **(initializer_cfg or {}),
+                           n_residuals_per_layer=1 if config.d_intermediate == 0 else 2))
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -199,8 +225,10 @@ class MambaLMHeadModel(nn.Module):
 
     def forward(self, input_ids: Tensor, position_ids=None, inference_params=None, num_last_tokens: int = 0,
                 **mixer_kwargs) -> CausalLMOutput:
-        """`num_last_tokens > 0` computes logits for the last that many positions only."""
-        hidden_states = self.backbone(input_ids, inference_params=inference_params)
+        """`num_last_tokens > 0` computes logits for the last that many positions only.
+        `mixer_kwargs` go to every mixer: `seq_idx` (batch, seqlen) int32 for packed sequences
+        (Mamba2 and attention layers)."""
+        hidden_states = self.backbone(input_ids, inference_params=inference_params, **mixer_kwargs)
         if num_last_tokens > 0:
             hidden_states = hidden_states[:, -num_last_tokens:]
         return CausalLMOutput(logits=self.lm_head(hidden_states))

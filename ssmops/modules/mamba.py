@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..mamba_inner import causal_conv1d, mamba_inner_fn
+from ..mamba_inner import causal_conv1d, causal_conv1d_update, mamba_inner_fn
 from ..selective_scan import selective_scan_fn
 from ..state_update import selective_state_update
 
@@ -148,16 +148,9 @@ class Mamba(nn.Module):
         (out (batch, 1, d_model), conv_state, ssm_state)."""
         if hidden_states.dim() != 3 or hidden_states.shape[1] != 1:
             raise ValueError(f"step takes one token, (batch, 1, d_model); got {tuple(hidden_states.shape)}")
-        dtype = hidden_states.dtype
         xz = self.in_proj(hidden_states.squeeze(1))  # (batch, 2 * d_inner)
         x, z = xz.chunk(2, dim=-1)
-        # conv: shift the window left by one and append x
-        conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))
-        conv_state[:, :, -1] = x
-        x = torch.sum(conv_state * self.conv1d.weight.squeeze(1), dim=-1)
-        if self.conv1d.bias is not None:
-            x = x + self.conv1d.bias
-        x = self.act(x).to(dtype)
+        x = causal_conv1d_update(x, conv_state, self.conv1d.weight, self.conv1d.bias, activation="silu")
         dt, B, C = torch.split(self.x_proj(x), [self.dt_rank, self.d_state, self.d_state], dim=-1)
         dt = F.linear(dt, self.dt_proj.weight)
         A = -torch.exp(self.A_log.float())
@@ -180,14 +173,19 @@ class Mamba(nn.Module):
         return conv_state, ssm_state
 
     def _get_states_from_cache(self, inference_params, batch_size: int, initialize_states: bool = False):
-        if self.layer_idx is None:
-            raise ValueError("a Mamba block needs a layer_idx to use inference_params")
-        cache = inference_params.key_value_memory_dict
-        if self.layer_idx not in cache:
-            cache[self.layer_idx] = self.allocate_inference_cache(
-                batch_size, inference_params.max_seqlen, ssm_state_dtype=inference_params.ssm_state_dtype)
-        conv_state, ssm_state = cache[self.layer_idx]
-        if initialize_states:
-            conv_state.zero_()
-            ssm_state.zero_()
-        return conv_state, ssm_state
+        return states_from_cache(self, inference_params, batch_size, initialize_states)
+
+
+def states_from_cache(mixer: nn.Module, inference_params, batch_size: int, initialize_states: bool = False):
+    """The mixer's decoding states in `inference_params`, allocated (zeroed) on first use."""
+    if mixer.layer_idx is None:
+        raise ValueError(f"a {type(mixer).__name__} block needs a layer_idx to use inference_params")
+    cache = inference_params.key_value_memory_dict
+    if mixer.layer_idx not in cache:
+        cache[mixer.layer_idx] = mixer.allocate_inference_cache(
+            batch_size, inference_params.max_seqlen, ssm_state_dtype=inference_params.ssm_state_dtype)
+    states = cache[mixer.layer_idx]
+    if initialize_states:
+        for state in states:
+            state.zero_()
+    return states
