@@ -12,7 +12,7 @@ from ._native import library_path
 from .mamba_inner import mamba_inner_fn
 from .ops.selective_scan.reference import selective_scan_ref
 from .selective_scan import selective_scan_fn
-from .ssd_combined import mamba_chunk_scan_combined
+from .ssd_combined import mamba_chunk_scan_combined, mamba_split_conv1d_scan_combined
 from .state_update import selective_state_update
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "library_path",
     "mamba_chunk_scan_combined",
     "mamba_inner_fn",
+    "mamba_split_conv1d_scan_combined",
     "selective_scan_fn",
     "selective_scan_ref",
     "selective_state_update",

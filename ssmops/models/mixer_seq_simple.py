@@ -13,7 +13,6 @@ never imported).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from collections import namedtuple
@@ -24,70 +23,10 @@ import torch
 from torch import Tensor, nn
 
 from ..checkpoint import load_state_dict
-from ..modules.mamba import Mamba
-from ..modules.mamba2 import Mamba2
-from ..modules.mha import MHA
 from ..modules.mlp import GatedMLP
+from .config_mamba import MambaConfig
+from .convert_hf import convert_hf_config, convert_hf_state_dict, is_hf_config
 from .generation import GenerationOutput, decode
-
-
-_MIXERS = ("Mamba1", "Mamba2")
-
-
-@dataclasses.dataclass
-class MambaConfig:
-    """mamba_ssm's config.json keys. `ssm_cfg` holds the Mamba block's arguments, with
-    `layer` "Mamba1" (default) or "Mamba2"; `d_intermediate` > 0 adds a gated MLP after each
-    mixer; the layers in `attn_layer_idx` are attention (`MHA` with `attn_cfg`) instead of
-    Mamba. `fused_add_norm` is accepted and ignored (the norm is plain PyTorch here). The
-    vocabulary is padded up to a multiple of `pad_vocab_size_multiple`."""
-
-    d_model: int = 2560
-    d_intermediate: int = 0
-    n_layer: int = 64
-    vocab_size: int = 50277
-    ssm_cfg: dict = dataclasses.field(default_factory=dict)
-    attn_layer_idx: list = dataclasses.field(default_factory=list)
-    attn_cfg: dict = dataclasses.field(default_factory=dict)
-    rms_norm: bool = True
-    residual_in_fp32: bool = True
-    fused_add_norm: bool = True
-    pad_vocab_size_multiple: int = 8
-    tie_embeddings: bool = True
-    norm_epsilon: float = 1e-5
-
-    def __post_init__(self):
-        layer = self.ssm_cfg.get("layer", "Mamba1")
-        if layer not in _MIXERS:
-            raise ValueError(f"ssm_cfg layer must be one of {_MIXERS}, got {layer!r}")
-        bad = [i for i in self.attn_layer_idx if not 0 <= i < self.n_layer]
-        if bad:
-            raise ValueError(f"attn_layer_idx {bad} out of range for n_layer={self.n_layer}")
-
-    @property
-    def padded_vocab_size(self) -> int:
-        m = self.pad_vocab_size_multiple
-        return self.vocab_size if self.vocab_size % m == 0 else self.vocab_size + m - self.vocab_size % m
-
-    def mixer(self, layer_idx: int, device=None, dtype=None) -> nn.Module:
-        """Layer `layer_idx`'s mixer: MHA for the attention layers, else the ssm_cfg block."""
-        factory = {"device": device, "dtype": dtype}
-        if layer_idx in self.attn_layer_idx:
-            return MHA(self.d_model, layer_idx=layer_idx, **self.attn_cfg, **factory)
-        kwargs = {k: v for k, v in self.ssm_cfg.items() if k != "layer"}
-        mixer_cls = Mamba2 if self.ssm_cfg.get("layer", "Mamba1") == "Mamba2" else Mamba
-        return mixer_cls(self.d_model, layer_idx=layer_idx, **kwargs, **factory)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "MambaConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown mamba_ssm config keys {unknown}; known: {sorted(names)}")
-        return cls(**d)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 class RMSNorm(nn.Module):
@@ -283,7 +222,7 @@ class MambaLMHeadModel(nn.Module):
         path = Path(path)
         config = json.loads((path / "config.json").read_text())
         state_dict = _load_checkpoint_dir(path)
-        if _is_hf_config(config):
+        if is_hf_config(config):
             config, state_dict = convert_hf_config(config), convert_hf_state_dict(state_dict)
         return cls.from_state_dict(config, state_dict, device=device, dtype=dtype)
 
@@ -318,48 +257,3 @@ def _load_checkpoint_dir(path: Path) -> dict:
         if (path / name).exists():
             return load_state_dict(path / name)
     raise FileNotFoundError(f"no weights in {path}: expected one of {', '.join(_WEIGHT_FILES)} or a shard index")
-
-
-# --- Hugging Face transformers MambaForCausalLM ---------------------------------------
-
-
-def _is_hf_config(config: dict) -> bool:
-    return config.get("model_type") == "mamba" or "hidden_size" in config
-
-
-def convert_hf_config(hf_config) -> MambaConfig:
-    """transformers' MambaConfig (an object or its dict) -> MambaConfig."""
-    c = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
-    if c.get("hidden_act", "silu") not in ("silu", "swish"):
-        raise ValueError(f"hidden_act={c['hidden_act']!r}: Mamba blocks use silu")
-    rank = c.get("time_step_rank", "auto")
-    return MambaConfig(
-        d_model=c["hidden_size"],
-        n_layer=c["num_hidden_layers"],
-        vocab_size=c["vocab_size"],
-        ssm_cfg={
-            "d_state": c.get("state_size", 16),
-            "d_conv": c.get("conv_kernel", 4),
-            "expand": c.get("expand", 2),
-            "dt_rank": rank,
-            "conv_bias": c.get("use_conv_bias", True),
-            "bias": c.get("use_bias", False),
-        },
-        rms_norm=True,
-        residual_in_fp32=c.get("residual_in_fp32", True),
-        fused_add_norm=False,
-        pad_vocab_size_multiple=1,  # transformers' vocab_size is the embedding's row count
-        tie_embeddings=c.get("tie_word_embeddings", True),
-        norm_epsilon=c.get("layer_norm_epsilon", 1e-5),
-    )
-
-
-def convert_hf_state_dict(state_dict: dict) -> dict:
-    """transformers MambaForCausalLM keys -> mamba_ssm's: `backbone.embeddings.weight` becomes
-    `backbone.embedding.weight`; every other key is already the same."""
-    out = {}
-    for key, value in state_dict.items():
-        if key == "backbone.embeddings.weight":
-            key = "backbone.embedding.weight"
-        out[key] = value
-    return out

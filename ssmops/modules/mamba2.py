@@ -33,7 +33,8 @@ class Mamba2(nn.Module):
 
     `use_mem_eff_path` selects `mamba_split_conv1d_scan_combined` (one function from
     in_proj's output to out_proj) over the unrolled path; both run the same operators here.
-    `process_group` / `sequence_parallel` are not supported (tensor parallelism).
+    `process_group` / `sequence_parallel` are not supported (tensor parallelism). `rmsnorm_eps`
+    (not in mamba_ssm, which fixes 1e-5) is the gated norm's epsilon, for transformers' layouts.
     """
 
     def __init__(
@@ -50,6 +51,7 @@ class Mamba2(nn.Module):
         D_has_hdim: bool = False,
         rmsnorm: bool = True,
         norm_before_gate: bool = False,
+        rmsnorm_eps: float = 1e-5,
         dt_min: float = 0.001,
         dt_max: float = 0.1,
         dt_init_floor: float = 1e-4,
@@ -117,7 +119,7 @@ class Mamba2(nn.Module):
         self.D._no_weight_decay = True
 
         if rmsnorm:
-            self.norm = RMSNormGated(self.d_ssm, eps=1e-5, norm_before_gate=norm_before_gate,
+            self.norm = RMSNormGated(self.d_ssm, eps=rmsnorm_eps, norm_before_gate=norm_before_gate,
                                      group_size=self.d_ssm // ngroups, **factory)
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias, **factory)
 
