@@ -130,8 +130,8 @@ _CONFIGS = {"mamba": _mamba1_config, "mamba2": _mamba2_config, "bamba": _bamba_c
 
 # Bamba's per-layer names -> mamba_ssm's Block names
 _BAMBA_RENAMES = {
-    "input_layernorm.": "norm.", "pre_ff_layernorm.": "norm2.", "mamba.": "mixer.", "self_attn.o_proj.": "mixer.out_proj.",
-    "feed_forward.down_proj.": "mlp.fc2.",
+    "input_layernorm.": "norm.", "pre_ff_layernorm.": "norm2.", "mamba.": "mixer.",
+    "self_attn.o_proj.": "mixer.out_proj.", "feed_forward.down_proj.": "mlp.fc2.",
 }
 
 
