@@ -114,3 +114,75 @@ def dynamic_dims(ep: torch.export.ExportedProgram) -> list[list[str]]:
         for node in ep.graph.nodes
         if node.op == "placeholder" and node.name in user_inputs and isinstance(node.meta.get("val"), torch.Tensor)
     ]
+
+
+class LMPrefill(nn.Module):
+    """An LM's prompt pass as a function, for export: `input_ids (batch, seqlen) -> (logits of the
+    last token (batch, vocab), *caches)`, the caches being what `LMDecodingStep` takes."""
+
+    def __init__(self, model: nn.Module, max_seqlen: int):
+        super().__init__()
+        self.model, self.max_seqlen = model, max_seqlen
+
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        from .models.generation import InferenceParams
+
+        params = InferenceParams(max_seqlen=self.max_seqlen, max_batch_size=input_ids.shape[0])
+        logits = self.model(input_ids, inference_params=params, num_last_tokens=1).logits[:, -1]
+        return (logits, *_flat_caches(params.key_value_memory_dict))
+
+
+class LMDecodingStep(nn.Module):
+    """One decoding token of an LM as a function, for export:
+    `(input_ids (batch, 1), positions (batch,) int64, *caches) -> (logits (batch, vocab), *caches)`.
+
+    `positions` is each sample's number of tokens already in the caches. The caches are, layer
+    by layer, the tensors of the model's `allocate_inference_cache` (Mamba: conv and ssm states;
+    attention: the KV cache of `max_seqlen` positions, then its conv state when it has one);
+    the updated ones are returned, the inputs are left as they were."""
+
+    def __init__(self, model: nn.Module, batch_size: int, max_seqlen: int):
+        super().__init__()
+        self.model, self.max_seqlen = model, max_seqlen
+        caches = model.allocate_inference_cache(batch_size, max_seqlen)
+        self.layout = [(layer, tuple(s is not None for s in states)) for layer, states in caches.items()]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *caches: torch.Tensor):
+        from .models.generation import InferenceParams
+
+        updated = iter([c.clone() for c in caches])  # the step writes in place: into copies
+        memory = {layer: tuple(next(updated) if present else None for present in presence)
+                  for layer, presence in self.layout}
+        params = InferenceParams(max_seqlen=self.max_seqlen, max_batch_size=input_ids.shape[0], seqlen_offset=1,
+                                 key_value_memory_dict=memory, lengths_per_sample=positions)
+        logits = self.model(input_ids, inference_params=params).logits[:, -1]
+        return (logits, *_flat_caches(memory))
+
+
+def _flat_caches(memory: dict) -> list[torch.Tensor]:
+    """The caches in layer order, contiguous: a package reads its inputs with the strides it was
+    traced with (contiguous), so what one step returns must be what the next one can take."""
+    return [s.contiguous() for layer in sorted(memory) for s in memory[layer] if s is not None]
+
+
+def lm_packages(model: nn.Module, out_dir: str | Path, *, batch_size: int = 1, max_seqlen: int = 2048,
+                example_prompt_len: int = 16) -> dict[str, Path]:
+    """AOTInductor packages of a language model's prefill (prompt length dynamic, 2 ..
+    max_seqlen - 1) and one-token decoding step, for the device the model is on:
+    {"prefill": out_dir/prefill.pt2, "decode": out_dir/decode.pt2}. A C++ program runs the
+    prefill, then feeds the step its last token, positions and the caches it returned."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = next(model.parameters()).device
+    model = model.eval()
+    prompt = torch.zeros(batch_size, example_prompt_len, dtype=torch.long, device=device)
+    seqlen = torch.export.Dim("seqlen", min=2, max=max_seqlen - 1)  # leaves room to decode a token
+    prefill = export_program(LMPrefill(model, max_seqlen), (prompt,), dynamic_shapes=({1: seqlen},))
+    step = LMDecodingStep(model, batch_size, max_seqlen)
+    caches = _flat_caches(model.allocate_inference_cache(batch_size, max_seqlen))
+    positions = torch.full((batch_size,), example_prompt_len, dtype=torch.long, device=device)
+    token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # contiguous, as callers pass it
+    decode = export_program(step, (token, positions, *caches),
+                            dynamic_shapes=(None, None, (None,) * len(caches)))  # all static
+    return {"prefill": aoti_package(prefill, out_dir / "prefill.pt2"),
+            "decode": aoti_package(decode, out_dir / "decode.pt2")}

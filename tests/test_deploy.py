@@ -239,3 +239,28 @@ def test_ssd_model_package_runs_in_cpp_like_eager(cpp_runner, tmp_path):
     torch.manual_seed(0)
     _check_package_in_cpp(TinySsdModel(full=True).eval(), seq_dim=1, shapes=[(2, 37, 8), (3, 70, 8)],
                           runner=cpp_runner, tmp_path=tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mamba2", "hybrid"])
+def test_lm_prefill_and_decode_packages_run_in_cpp_like_eager(name, cpp_runner, tmp_path):
+    """A Mamba-2 LM and a hybrid (attention with KV cache) as two AOTInductor packages: the prefill
+    (prompt length dynamic) and the one-token step. In C++, the prefill's logits and caches are
+    eager's, and the step on them gives the logits of the model over prompt + token."""
+    from test_models_mamba2 import tiny_model
+
+    model = tiny_model(name)
+    packages = sx.lm_packages(model, tmp_path / "packages", batch_size=2, max_seqlen=32)
+    prompt = torch.randint(0, 61, (2, 11), generator=torch.Generator().manual_seed(0))
+    logits, *caches = _run_cpp(cpp_runner, "--package", packages["prefill"], [prompt], tmp_path)
+    with torch.no_grad():
+        logits_ref, *caches_ref = sx.LMPrefill(model, 32)(prompt)
+    torch.testing.assert_close(logits, logits_ref, rtol=1e-5, atol=1e-5)
+    for cache, cache_ref in zip(caches, caches_ref, strict=True):
+        torch.testing.assert_close(cache, cache_ref, rtol=1e-5, atol=1e-5)
+    token = logits.argmax(-1, keepdim=True)
+    positions = torch.full((2,), 11)
+    step_logits, *_ = _run_cpp(cpp_runner, "--package", packages["decode"], [token, positions, *caches], tmp_path)
+    with torch.no_grad():
+        expected = model(torch.cat([prompt, token], dim=1)).logits[:, -1]
+    torch.testing.assert_close(step_logits, expected, rtol=1e-5, atol=1e-5)
