@@ -1,17 +1,26 @@
-"""The Mamba language model on ssmops against transformers' MambaForCausalLM, same weights.
+"""Mamba language models on ssmops against transformers' PyTorch path, same weights.
 
-    python benchmarks/models.py [--threads 2] [--quick]
+    python benchmarks/models.py [--family mamba1|mamba2|all] [--threads 2] [--quick] [--profile]
 
-A 130M-shaped model (d_model 768, 24 layers, vocab 50280, random weights; --quick: d_model
-256, 4 layers) is built with transformers and converted with
-`MambaLMHeadModel.from_hf`. fp32, batch 1, inference mode. Measured:
+Two 130M-shaped models with random weights, built with transformers and converted with
+`MambaLMHeadModel.from_hf` (--quick: d_model 256, 4 layers):
+
+* Mamba-1, mamba-130m's shape: MambaForCausalLM, d_model 768, 24 layers, d_state 16,
+  vocab 50280, 256-token prompt;
+* Mamba-2, mamba2-130m's shape: Mamba2ForCausalLM, d_model 768, 24 layers, d_state 128,
+  headdim 64, expand 2, 1 group, chunk 256, vocab 50280, 512-token prompt.
+
+fp32, batch 1, inference mode. Measured:
 
 * prefill tokens/s: one forward over the prompt that also fills the decoding cache
   (ours: the scan operator with its last state; transformers: its own path, which on
-  CPU without mamba_ssm kernels is its sequential scan);
+  CPU without mamba_ssm kernels is its pure-PyTorch scan);
 * decode tokens/s: greedy generation of N new tokens after that prompt, timed as
   (time for N tokens - time for 1 token) / (N - 1), so prefill is excluded;
   ours is one `selective_state_update` per layer per token.
+
+`--profile` adds, for each model, where one ssmops decoding token's time goes (torch.profiler,
+the operators with the most self time over 8 tokens).
 
 Needs transformers (a test-only dependency of ssmops). Speeds are printed as measured,
 with ratios ours / transformers.
@@ -33,38 +42,71 @@ from _common import time_call  # noqa: E402
 from ssmops.models import InferenceParams, MambaLMHeadModel  # noqa: E402
 
 
-def build(quick: bool):
+def build(family: str, quick: bool):
+    """(transformers model, ssmops model, prompt length) for one family, same weights."""
     import transformers
 
     shape = dict(hidden_size=256, num_hidden_layers=4) if quick else dict(hidden_size=768, num_hidden_layers=24)
-    config = transformers.MambaConfig(vocab_size=50280, state_size=16, expand=2, conv_kernel=4, **shape)
     torch.manual_seed(0)
-    hf = transformers.MambaForCausalLM(config).eval()
-    ours = MambaLMHeadModel.from_hf(hf).eval()
-    return hf, ours
+    if family == "mamba1":
+        config = transformers.MambaConfig(vocab_size=50280, state_size=16, expand=2, conv_kernel=4, **shape)
+        hf, prompt_len = transformers.MambaForCausalLM(config), 256
+    else:
+        config = transformers.Mamba2Config(
+            vocab_size=50280, state_size=128, expand=2, head_dim=64, num_heads=2 * shape["hidden_size"] // 64,
+            n_groups=1, chunk_size=256, conv_kernel=4, tie_word_embeddings=True, **shape)
+        hf, prompt_len = transformers.Mamba2ForCausalLM(config), 512
+    hf.eval().generation_config.eos_token_id = None  # decode the full length, as ours does
+    return hf, MambaLMHeadModel.from_hf(hf).eval(), prompt_len // 2 if quick else prompt_len
+
+
+def profile_decode(model, prompt, tokens: int = 8, top: int = 8) -> None:
+    """Where a decoding token's time goes: the operators with the most self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = InferenceParams(max_seqlen=prompt.shape[1] + tokens + 1, max_batch_size=1)
+    model(prompt, inference_params=params, num_last_tokens=1)
+    params.seqlen_offset = prompt.shape[1]
+    token = prompt[:, -1:]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(tokens):
+            model(token, inference_params=params)
+            params.seqlen_offset += 1
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events)
+    print(f"  one decoding token: {total / tokens / 1e3:.2f} ms of operator self time; the largest shares:")
+    for e in events[:top]:
+        ms, share = e.self_cpu_time_total / tokens / 1e3, 100 * e.self_cpu_time_total / total
+        print(f"    {e.key:40s} {ms:7.2f} ms  {share:5.1f}%  ({e.count // tokens} calls)")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=["mamba1", "mamba2", "all"], default="all")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="a smaller model and shorter prompts")
+    parser.add_argument("--quick", action="store_true", help="smaller models and shorter prompts")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs after a warm-up (median)")
+    parser.add_argument("--profile", action="store_true", help="profile ssmops' decoding token")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     try:
-        hf, ours = build(args.quick)
+        import transformers
     except ImportError:
         sys.exit("benchmarks/models.py compares with transformers: pip install transformers")
-    import transformers
-
-    n_params = sum(p.numel() for p in ours.parameters())
-    prompt_len = 128 if args.quick else 256
-    new_tokens = 16 if args.quick else 32
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads, "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; ssmops backends: "
           f"{', '.join(k for k, v in ssmops.available_backends().items() if v == 'available')}")
-    print(f"model: d_model {ours.config.d_model}, {ours.config.n_layer} layers, vocab {ours.config.vocab_size}, "
-          f"{n_params / 1e6:.0f}M parameters, fp32, batch 1")
+    for family in ("mamba1", "mamba2") if args.family == "all" else (args.family,):
+        compare(family, args)
+
+
+def compare(family: str, args) -> None:
+    hf, ours, prompt_len = build(family, args.quick)
+    n_params = sum(p.numel() for p in ours.parameters())
+    new_tokens = 16 if args.quick else 32
+    mixer = ours.config.ssm_cfg.get("layer", "Mamba1")
+    print(f"\n== {mixer}: d_model {ours.config.d_model}, {ours.config.n_layer} layers, vocab "
+          f"{ours.config.vocab_size}, {n_params / 1e6:.0f}M parameters, fp32, batch 1")
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 50280, (1, prompt_len), generator=gen)
 
@@ -100,14 +142,16 @@ def main():
         t_many = time_call(lambda: ours_generate(short, new_tokens), args.repeats)
         ours_short_decode = (new_tokens - 1) / max(t_many - t_one, 1e-9)
 
-    print(f"\nprefill: {prompt_len}-token prompt; decode: {new_tokens} new tokens after it (greedy)")
-    print(f"  {'':14s} {'prefill tok/s':>14s} {'decode tok/s':>13s}")
-    for name, (pre, dec) in rows.items():
-        print(f"  {name:14s} {pre:14.1f} {dec:13.1f}")
-    (op, od), (hp, hd) = rows["ssmops"], rows["transformers"]
-    print(f"  {'ratio':14s} {op / hp:13.2f}x {od / hd:12.2f}x   (ssmops / transformers)")
-    print(f"\nssmops decode after a 16-token prompt: {ours_short_decode:.1f} tok/s (after {prompt_len}: {od:.1f}); "
-          "the decode step does not read the prompt, so a gap here is timing noise (see the load average)")
+        print(f"prefill: {prompt_len}-token prompt; decode: {new_tokens} new tokens after it (greedy)")
+        print(f"  {'':14s} {'prefill tok/s':>14s} {'decode tok/s':>13s}")
+        for name, (pre, dec) in rows.items():
+            print(f"  {name:14s} {pre:14.1f} {dec:13.1f}")
+        (op, od), (hp, hd) = rows["ssmops"], rows["transformers"]
+        print(f"  {'ratio':14s} {op / hp:13.2f}x {od / hd:12.2f}x   (ssmops / transformers)")
+        print(f"ssmops decode after a 16-token prompt: {ours_short_decode:.1f} tok/s (after {prompt_len}: {od:.1f}); "
+              "the decode step does not read the prompt, so a gap here is timing noise (see the load average)")
+        if args.profile:
+            profile_decode(ours, prompt)
 
 
 if __name__ == "__main__":

@@ -329,6 +329,7 @@ def test_models_benchmark_runs():
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert "ratio" in out.stdout and "decode tok/s" in out.stdout
+    assert "== Mamba1" in out.stdout and "== Mamba2" in out.stdout
 
 
 @pytest.mark.parametrize("ssm_state_dtype", [None, torch.float32], ids=["weights-dtype", "float32"])
