@@ -1,4 +1,4 @@
-"""The gated RMSNorm of Mamba-2 (mamba_ssm's `ops.triton.layernorm_gated`), in plain PyTorch.
+"""The gated norms of Mamba-2 (mamba_ssm's `ops.triton.layernorm_gated`), in plain PyTorch.
 
 Plain tensor code: differentiable, compiles into the surrounding graph and exports; the
 arithmetic runs in float32 whatever the input dtype.
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
-def rmsnorm_fn(
+def layernorm_fn(
     x: Tensor,
     weight: Tensor,
     bias: Tensor | None = None,
@@ -19,13 +19,14 @@ def rmsnorm_fn(
     eps: float = 1e-6,
     group_size: int | None = None,
     norm_before_gate: bool = True,
+    is_rms_norm: bool = False,
 ) -> Tensor:
-    """RMSNorm of x over groups of `group_size` features (None: all of the last dimension),
-    scaled by `weight` (+ `bias`), gated by silu(z) after the norm when `norm_before_gate`,
-    before it otherwise::
+    """LayerNorm (or RMSNorm when `is_rms_norm`) of x over groups of `group_size` features
+    (None: all of the last dimension), scaled by `weight` (+ `bias`), gated by silu(z) after
+    the norm when `norm_before_gate`, before it otherwise::
 
-        norm_before_gate: out = rmsnorm(x) * silu(z)
-        else:             out = rmsnorm(x * silu(z))
+        norm_before_gate: out = norm(x) * silu(z)
+        else:             out = norm(x * silu(z))
 
     x, z: (..., hidden); weight, bias: (hidden,). Returns x's dtype."""
     hidden = x.shape[-1]
@@ -42,6 +43,8 @@ def rmsnorm_fn(
     if gate is not None and not norm_before_gate:
         out = out * gate
     groups = out.unflatten(-1, (hidden // group_size, group_size))
+    if not is_rms_norm:
+        groups = groups - groups.mean(-1, keepdim=True)
     out = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2)
     out = out * weight.float()
     if bias is not None:
@@ -49,6 +52,19 @@ def rmsnorm_fn(
     if gate is not None and norm_before_gate:
         out = out * gate
     return out.to(x.dtype)
+
+
+def rmsnorm_fn(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    z: Tensor | None = None,
+    eps: float = 1e-6,
+    group_size: int | None = None,
+    norm_before_gate: bool = True,
+) -> Tensor:
+    """`layernorm_fn` with is_rms_norm=True: x / sqrt(mean(x^2) + eps) per group, gated."""
+    return layernorm_fn(x, weight, bias, z, eps, group_size, norm_before_gate, is_rms_norm=True)
 
 
 class RMSNorm(nn.Module):

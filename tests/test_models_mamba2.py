@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import ssmops
-from ssmops.layernorm_gated import rmsnorm_fn
+from ssmops.layernorm_gated import layernorm_fn, rmsnorm_fn
 from ssmops.models import InferenceParams, MambaConfig, MambaLMHeadModel
 from ssmops.modules import Mamba2
 
@@ -24,12 +24,15 @@ from test_models import _greedy_by_recomputing
 # --- the references ------------------------------------------------------------------------------
 
 
-def gated_rmsnorm_formula(x, weight, z, eps, group_size, norm_before_gate):
-    """out = norm(x) * silu(z) or norm(x * silu(z)), norm over groups of group_size features."""
+def gated_rmsnorm_formula(x, weight, z, eps, group_size, norm_before_gate, rms=True):
+    """out = norm(x) * silu(z) or norm(x * silu(z)), norm over groups of group_size features
+    (RMSNorm, or LayerNorm without a bias when not `rms`)."""
     x = x.double()
     if z is not None and not norm_before_gate:
         x = x * F.silu(z.double())
     groups = x.reshape(*x.shape[:-1], -1, group_size)
+    if not rms:
+        groups = groups - groups.mean(-1, keepdim=True)
     normed = groups / torch.sqrt((groups**2).mean(-1, keepdim=True) + eps)
     out = normed.reshape(x.shape) * weight.double()
     if z is not None and norm_before_gate:
@@ -77,13 +80,16 @@ def mamba2_block_reference(block: Mamba2, u: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("norm_before_gate", [True, False])
 @pytest.mark.parametrize("group_size", [None, 4])
-def test_rmsnorm_fn_matches_the_formula(norm_before_gate, group_size):
+def test_gated_norms_match_the_formula(norm_before_gate, group_size):
     torch.manual_seed(0)
     x, z, w = torch.randn(3, 5, 12), torch.randn(3, 5, 12), torch.rand(12) + 0.5
     out = rmsnorm_fn(x, w, z=z, eps=1e-5, group_size=group_size, norm_before_gate=norm_before_gate)
     ref = gated_rmsnorm_formula(x, w, z, 1e-5, group_size or 12, norm_before_gate)
     assert_close(out, ref, 1e-6, "out")
     assert_close(rmsnorm_fn(x, w, eps=1e-5), gated_rmsnorm_formula(x, w, None, 1e-5, 12, True), 1e-6, "no gate")
+    layer_norm = layernorm_fn(x, w, z=z, eps=1e-5, group_size=group_size, norm_before_gate=norm_before_gate)
+    assert_close(layer_norm, gated_rmsnorm_formula(x, w, z, 1e-5, group_size or 12, norm_before_gate, rms=False),
+                 1e-6, "layer norm")
     with pytest.raises(ValueError, match="group_size must divide"):
         rmsnorm_fn(x, w, group_size=5)
 
