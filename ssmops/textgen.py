@@ -78,8 +78,8 @@ class TextStreamer:
     that a character split over several tokens (a multi-byte UTF-8 character in bytes) is printed
     once it is complete."""
 
-    def __init__(self, tokenizer: Tokenizer, out: TextIO = sys.stdout):
-        self.tokenizer, self.out = tokenizer, out
+    def __init__(self, tokenizer: Tokenizer, out: TextIO | None = None):
+        self.tokenizer, self.out = tokenizer, out or sys.stdout
         self.ids: list[int] = []
         self.printed = ""
         self.started: float | None = None
@@ -139,8 +139,9 @@ def load_checkpoint(checkpoint_dir: str | Path):
         raise GenerateError(f"cannot load {path}: {type(err).__name__}: {first}") from err
 
 
-def generate_command(args: argparse.Namespace, out: TextIO = sys.stdout, log: TextIO = sys.stderr) -> int:
-    """`ssmops generate`: streams the continuation to `out`, notes and tokens/s to `log`."""
+def generate_command(args: argparse.Namespace, out: TextIO | None = None, log: TextIO | None = None) -> int:
+    """`ssmops generate`: streams the continuation to `out` (stdout), notes and tokens/s to `log` (stderr)."""
+    out, log = out or sys.stdout, log or sys.stderr
     model = load_checkpoint(args.checkpoint_dir)
     tokenizer, note = load_tokenizer(args.checkpoint_dir)
     print(note, file=log)
