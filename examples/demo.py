@@ -121,6 +121,11 @@ def train(
 # --- what the demo prints ------------------------------------------------------------------------
 
 
+# On a terminal the bars and timers redraw one line; in a log, a bar prints a line every fifth of
+# the way and a timer only its total.
+LIVE = sys.stdout.isatty()
+
+
 def bar(done: int, total: int, width: int = 24) -> str:
     filled = width * done // total
     return "[" + "#" * filled + "." * (width - filled) + "]"
@@ -136,19 +141,24 @@ class Ticker:
 
     def _tick(self) -> None:
         while not self.done.wait(1.0):
-            print(f"\r  {self.what} ... {time.perf_counter() - self.t0:4.0f} s", end="", flush=True)
+            print(f"\r  {self.what} ... {time.perf_counter() - self.t0:.0f} s", end="", flush=True)
 
     def __enter__(self) -> "Ticker":
         self.t0 = time.perf_counter()
         print(f"  {self.what} ...", end="", flush=True)
-        self.thread.start()
+        if LIVE:
+            self.thread.start()
         return self
 
     def stop(self) -> None:
         if not self.done.is_set():
             self.done.set()
-            self.thread.join()
-            print(f"\r  {self.what} ... {time.perf_counter() - self.t0:4.0f} s", flush=True)
+            elapsed = f"{time.perf_counter() - self.t0:.0f} s"
+            if LIVE:
+                self.thread.join()
+                print(f"\r  {self.what} ... {elapsed}", flush=True)
+            else:
+                print(f" {elapsed}", flush=True)
 
     def __exit__(self, *exc) -> None:
         self.stop()
@@ -206,13 +216,17 @@ def demo_train(args, model: MambaLMHeadModel, train_data: torch.Tensor, held_out
             compiling.stop()
             first_step_done = now
             return
+        if not LIVE and (step + 1) % max(1, args.steps // 5) and step + 1 != args.steps:
+            return
         rate = step * tokens_per_step / (now - first_step_done)
-        print(f"\r  {bar(step + 1, args.steps)} step {step + 1}/{args.steps}  loss {loss:.3f}  "
-              f"{rate:6.0f} tokens/s  elapsed {now - t0:5.1f} s", end="", flush=True)
+        line = (f"  {bar(step + 1, args.steps)} step {step + 1}/{args.steps}  loss {loss:.3f}  "
+                f"{rate:6.0f} tokens/s  elapsed {now - t0:5.1f} s")
+        print("\r" + line if LIVE else line, end="" if LIVE else "\n", flush=True)
 
     with Ticker("torch.compile(fullgraph=True) of forward+backward, and step 1") as compiling:
         train(model, train_data, args.steps, batch=args.batch, on_step=on_step)
-    print()
+    if LIVE:
+        print()
     after = held_out_loss(model, held_out)
     print(f"  held-out loss after: {after:.2f} nats/byte ({after / math.log(2):.2f} bits/byte; before "
           f"{before:.2f})")
@@ -317,7 +331,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=100, help="training steps")
     parser.add_argument("--batch", type=int, default=16, help=f"sequences of {SEQLEN} bytes per step")
     parser.add_argument("--prompt", default="The for statement")
-    parser.add_argument("--new-tokens", type=int, default=300)
+    parser.add_argument("--new-tokens", type=int, default=200)
     parser.add_argument("--top-k", type=int, default=10)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--seed", type=int, default=0)
