@@ -106,11 +106,6 @@ class TextStreamer:
         self.out.flush()
         self.printed = text
 
-    @property
-    def text(self) -> str:
-        """The continuation so far."""
-        return self.tokenizer.decode(self.ids)
-
     def rates(self) -> tuple[float, float]:
         """(tokens/s over the whole call, prompt included; tokens/s of the recurrent steps alone)."""
         if self.finished_at is None or not self.ids:
