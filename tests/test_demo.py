@@ -7,12 +7,14 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
 
 from conftest import REPO
 from ssmops.__main__ import main
+from ssmops.export import quiet_torch_deprecations
 from ssmops.models import MambaConfig, MambaLMHeadModel
 
 sys.path.insert(0, str(REPO / "examples"))
@@ -184,3 +186,21 @@ def test_python_m_ssmops_generate(tmp_path):
                          capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines()[-1] == f"error: checkpoint_dir {str(tmp_path / 'nope')!r} is not a directory"
+
+
+def test_quiet_torch_deprecations_hides_only_torchs_own():
+    def warn_all():
+        warnings.warn_explicit("internal", FutureWarning, "_trace.py", 1, module="torch.export._trace")
+        warnings.warn_explicit("internal", DeprecationWarning, "_pytree.py", 1, module="torch.utils._pytree")
+        warnings.warn_explicit("`isinstance(treespec, LeafSpec)` is deprecated", FutureWarning, "copyreg.py", 1,
+                               module="copyreg")
+        warnings.warn_explicit("yours", FutureWarning, "model.py", 1, module="my_models")
+        warnings.warn_explicit("torch's", UserWarning, "_trace.py", 1, module="torch.export._trace")
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with quiet_torch_deprecations():
+            warn_all()
+        assert [str(w.message) for w in seen] == ["yours", "torch's"]
+        warn_all()  # and only within the block
+        assert len(seen) == 2 + 5
