@@ -167,6 +167,8 @@ class Ticker:
 def start_cpp_build() -> tuple[subprocess.Popen | None, str]:
     """Configures and builds examples/cpp in build/cpp in the background (one job, so that it takes
     a core from the compile that runs meanwhile, not both), or says why it cannot."""
+    if ssmops.available_backends()["cpu"] != "available":
+        return None, f"not run: it loads the operator library, which is not here ({ssmops.available_backends()['cpu']})"
     missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
     if missing:
         return None, f"not run: {' and '.join(missing)} not found on PATH (the package is still checked in Python)"
@@ -292,7 +294,7 @@ def time_best(fn: Callable[[], object], repeats: int = 3) -> float:
     return best
 
 
-def demo_backends(args, model: MambaLMHeadModel) -> None:
+def demo_backends(model: MambaLMHeadModel) -> None:
     mixer = model.backbone.layers[0].mixer
     dim, dstate = mixer.d_inner, mixer.d_state
     b, L = 4, SEQLEN  # a quarter of a training batch: enough to time, short for `default`'s many passes
@@ -352,7 +354,7 @@ def main() -> int:
     model.save_pretrained(args.out)
     demo_generate(args, model)
     demo_export(args, model, args.out, cpp, runner)
-    demo_backends(args, model)
+    demo_backends(model)
     print(f"\ndone in {time.perf_counter() - t_start:.0f} s. In {args.out}: the trained weights (config.json, "
           "pytorch_model.bin) and the AOTInductor package (lm_aoti.pt2). Try:")
     print(f"  ssmops generate {args.out} --prompt 'The if statement' --top-k 10 --temperature 0.7")
