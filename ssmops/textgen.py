@@ -22,7 +22,9 @@ TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 
 
 class Tokenizer(Protocol):
-    """What generation needs of a tokenizer (transformers' tokenizers have it too)."""
+    """What generation needs of a tokenizer; `eos_token_id` (or None) ends generation."""
+
+    eos_token_id: int | None
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -44,6 +46,22 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
+
+
+class _Transformers:
+    """A transformers tokenizer as a Tokenizer; special tokens (an end of text) are not printed."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.eos_token_id = tokenizer, tokenizer.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def __len__(self) -> int:
+        return len(self.tokenizer)
 
 
 class GenerateError(ValueError):
@@ -69,7 +87,7 @@ def load_tokenizer(checkpoint_dir: str | Path) -> tuple[Tokenizer, str]:
     except Exception as err:  # noqa: BLE001 - transformers and its Rust tokenizers raise many kinds
         first = (str(err).strip().splitlines() or [""])[0]
         raise GenerateError(f"cannot read the tokenizer in {path}: {type(err).__name__}: {first}") from err
-    return tokenizer, f"tokenizer: {type(tokenizer).__name__} from {path / found[0]}"
+    return _Transformers(tokenizer), f"tokenizer: transformers' {type(tokenizer).__name__} from {path / found[0]}"
 
 
 class TextStreamer:
@@ -161,7 +179,7 @@ def generate_command(args: argparse.Namespace, out: TextIO | None = None, log: T
     ids = torch.tensor([prompt], dtype=torch.long)
     model.generate(
         ids, max_length=len(prompt) + args.max_new_tokens, top_k=args.top_k, top_p=args.top_p,
-        temperature=args.temperature, streamer=streamer, eos_token_id=getattr(tokenizer, "eos_token_id", None),
+        temperature=args.temperature, streamer=streamer, eos_token_id=tokenizer.eos_token_id,
         # logits cut to what the tokenizer can decode (bytes: 256) and to the unpadded vocabulary
         vocab_size=min(vocab, len(tokenizer)),
     )
