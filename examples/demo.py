@@ -165,8 +165,8 @@ class Ticker:
 
 
 def start_cpp_build() -> tuple[subprocess.Popen | None, str]:
-    """Configures and builds examples/cpp in build/cpp in the background (one job, so that it takes
-    a core from the compile that runs meanwhile, not both), or says why it cannot."""
+    """Configures and builds examples/cpp in build/cpp in the background (one job by default, so that
+    it takes one core from the compile that runs meanwhile, not both), or says why it cannot."""
     if ssmops.available_backends()["cpu"] != "available":
         return None, f"not run: it loads the operator library, which is not here ({ssmops.available_backends()['cpu']})"
     missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
@@ -176,7 +176,7 @@ def start_cpp_build() -> tuple[subprocess.Popen | None, str]:
     configure = ["cmake", "-S", str(REPO / "examples" / "cpp"), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
                  f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"]
     script = f"{subprocess.list2cmdline(configure)} && cmake --build {subprocess.list2cmdline([str(build)])}"
-    env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": "1"}
+    env = {"CMAKE_BUILD_PARALLEL_LEVEL": "1", **os.environ}  # one job unless the caller says otherwise
     build.mkdir(parents=True, exist_ok=True)
     with open(build / "demo-build.log", "w") as log:  # a file, not a pipe that could fill and stall the build
         proc = subprocess.Popen(["sh", "-c", script], stdout=log, stderr=subprocess.STDOUT, env=env)
