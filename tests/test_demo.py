@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 
+import ssmops
 from conftest import REPO
 from ssmops.__main__ import main
 from ssmops.export import quiet_torch_deprecations
@@ -52,6 +53,13 @@ def test_demo_runs(tmp_path):
         assert expected in out.stdout, out.stdout
     assert "FutureWarning" not in out.stderr, out.stderr[-3000:]
     assert (tmp_path / "lm_aoti.pt2").is_file() and (tmp_path / "pytorch_model.bin").is_file()
+
+
+@pytest.mark.skipif(ssmops.available_backends()["cpu"] != "available", reason="needs the native operator library")
+def test_demo_says_why_the_cpp_runner_is_skipped(monkeypatch):
+    monkeypatch.setattr(demo.shutil, "which", lambda tool: None if tool == "cmake" else "/usr/bin/" + tool)
+    process, reason = demo.start_cpp_build()
+    assert process is None and reason.startswith("not run: cmake not found on PATH")
 
 
 def test_demo_training_rejects_bad_arguments():
