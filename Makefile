@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 
-.PHONY: install demo test test-quick bench bench-ssd sanitize gpu-check clean
+.PHONY: install demo test test-quick bench-deps bench bench-cpu bench-ssd sanitize gpu-check clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(shell find ssmops/csrc -type f)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,13 +30,21 @@ test: install
 test-quick: install
 	$(PYTEST) -m "not slow" tests
 
-bench: install
+# The benchmarks time their peers as published, fetched at run time into build/peers
+# (benchmarks/peers.py): mamba_ssm's sdist, whose code needs einops (installed here for that and
+# nothing else), and mambapy, installed there with --no-deps (it needs only torch).
+bench-deps: install
+	$(PY) -m pip install -q einops
+
+# The scan's `default` and native `cpu` backends against mamba_ssm's selective_scan_ref and mambapy's pscan.
+bench: bench-deps
 	$(PY) benchmarks/default.py
 
-# Mamba-2's SSD scan against mamba_ssm's own pure-PyTorch SSD, fetched at run time from its
-# published sdist (its code needs einops, installed here for that and nothing else).
-bench-ssd: install
-	$(PY) -m pip install -q einops
+bench-cpu: bench-deps
+	$(PY) benchmarks/cpu.py
+
+# Mamba-2's SSD scan against mamba_ssm's own pure-PyTorch SSD.
+bench-ssd: bench-deps
 	$(PY) benchmarks/ssd.py
 
 # On a GPU machine whose Python already has a CUDA (or ROCm) torch, Triton, pytest and

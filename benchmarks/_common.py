@@ -15,7 +15,12 @@ BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR.parent))
 
 import ssmops  # noqa: E402
-from baselines import mambapy_scan, pscan_scan, ref_loop_scan  # noqa: E402
+from baselines import mamba_ssm_ref, mambapy_pscan  # noqa: E402
+from peers import MAMBA_SSM_VERSION, MAMBAPY_VERSION  # noqa: E402
+
+# the peers as published (benchmarks/baselines.py), in every table under these names
+REF = "(a) mamba_ssm ref"
+PSCAN = "(b) mambapy pscan"
 
 
 def scan_inputs(batch, dim, seqlen, dstate, requires_grad=False, seed=0):
@@ -47,11 +52,9 @@ def backend_scan(name):
 
 
 def contenders(backends):
-    """The given ssmops backends, then the baselines (and mambapy where installed)."""
+    """The given ssmops backends, then the peers (fetched on first use)."""
     named = {name: backend_scan(name) for name in backends}
-    named.update({"(a) ref-loop": ref_loop_scan, "(b) pscan": pscan_scan})
-    if mambapy_scan() is not None:
-        named["mambapy"] = mambapy_scan()
+    named.update({REF: mamba_ssm_ref(), PSCAN: mambapy_pscan()})
     return named
 
 
@@ -89,10 +92,10 @@ def table(title, shape, backward, named, against, repeats=3) -> dict[str, float]
     batch, dim, seqlen, dstate = shape
     work = batch * dim * seqlen * dstate
     print(f"\n{title}: batch {batch}, dim {dim}, seqlen {seqlen}, dstate {dstate}, fp32")
-    print(f"  {'':14s} {'time':>10s} {'G elem/s':>9s} {against + ' speed-up':>18s}")
+    print(f"  {'':18s} {'time':>10s} {'G elem/s':>9s} {against + ' speed-up':>18s}")
     times = {name: time_scan(scan, shape, backward, repeats) for name, scan in named.items()}
     for name, t in times.items():
-        print(f"  {name:14s} {t * 1e3:8.1f} ms {work / t / 1e9:9.3f} {t / times[against]:17.1f}x")
+        print(f"  {name:18s} {t * 1e3:8.1f} ms {work / t / 1e9:9.3f} {t / times[against]:17.1f}x")
     return times
 
 
@@ -134,4 +137,4 @@ def peak_memory(name: str, shape, threads: int) -> dict:
 def header(threads: int) -> None:
     torch.set_num_threads(threads)
     print(f"torch {torch.__version__}, {threads} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}")
-    print("mambapy:", "installed" if mambapy_scan() is not None else "not installed")
+    print(f"peers as published: {REF} (mamba-ssm {MAMBA_SSM_VERSION}'s sdist), {PSCAN} (mambapy {MAMBAPY_VERSION})")

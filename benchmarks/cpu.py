@@ -2,8 +2,8 @@
 
     python benchmarks/cpu.py [--threads 2] [--quick] [--plot FILE.png]
 
-Baselines as in benchmarks/default.py: (a) mamba_ssm selective_scan_ref style,
-(b) mambapy pscan style, mambapy itself where installed. Rates are in
+Peers as in benchmarks/default.py, as published: (a) mamba_ssm's selective_scan_ref,
+(b) mambapy's pscan (benchmarks/baselines.py; fetched on first run). Rates are in
 G (batch * dim * seqlen * dstate) / s. Goals (2 threads, fp32): forward at
 1x2048x2048x16 >= 1.5 G/s, ~50x (a) and ~14x (b); forward+backward at 1x512x512x16
 >= 4x (b); peak memory growth of forward+backward at seqlen 65536 (dim 256) within 2x
@@ -19,7 +19,7 @@ import os
 import sys
 
 import ssmops
-from _common import contenders, header, peak_memory, table, time_scan
+from _common import PSCAN, REF, contenders, header, peak_memory, table, time_scan
 
 
 def native_isa() -> str:
@@ -77,9 +77,8 @@ def main():
           f"{mem['outputs_and_grads'] / 2**20:.1f} MiB")
     print("\ngoals:")
     print(f"  forward rate {fwd_shape[1] * fwd_shape[2] * fwd_shape[3] / fwd['cpu'] / 1e9:.2f} G/s (goal >= 1.5)")
-    print(f"  forward {fwd['(a) ref-loop'] / fwd['cpu']:.1f}x (a) (goal ~50), "
-          f"{fwd['(b) pscan'] / fwd['cpu']:.1f}x (b) (goal ~14)")
-    print(f"  forward+backward {both['(b) pscan'] / both['cpu']:.1f}x (b) (goal >= 4)")
+    print(f"  forward {fwd[REF] / fwd['cpu']:.1f}x (a) (goal ~50), {fwd[PSCAN] / fwd['cpu']:.1f}x (b) (goal ~14)")
+    print(f"  forward+backward {both[PSCAN] / both['cpu']:.1f}x (b) (goal >= 4)")
     print(f"  peak memory growth / (inputs + outputs + gradients) = {mem['growth'] / own:.2f} (goal <= 2)")
     if args.plot:
         plot(args.plot, named, [256, 1024, 4096] if args.quick else [256, 1024, 4096, 16384])

@@ -2,20 +2,20 @@
 
     python benchmarks/default.py [--threads 2] [--quick]
 
-Baselines (benchmarks/baselines.py, our own code): (a) mamba_ssm's selective_scan_ref
-style, a Python step per timestep over materialised (batch, dim, seqlen, dstate)
-tensors; (b) mambapy's pscan style, a Blelloch scan over (batch, seqlen, dim, dstate)
-tensors; plus mambapy itself where it is installed. fp32, variable B/C, D,
-delta_bias, softplus. Goals (2 threads): forward at 1x2048x2048x16 >= 3x (b) and
->= 8x (a); forward+backward at 1x512x512x16 >= 1.5x (b); peak extra memory of
-forward+backward at seqlen 16384 (dim 256) under a quarter of (b)'s.
+Peers, as published (benchmarks/baselines.py; fetched from the package registry on first run):
+(a) mamba_ssm's selective_scan_ref, a Python step per timestep over materialised
+(batch, dim, seqlen, dstate) tensors; (b) mambapy's pscan, a Blelloch scan over
+(batch, seqlen, dim, dstate) tensors. fp32, variable B/C, D, delta_bias, softplus.
+Goals (2 threads): forward at 1x2048x2048x16 >= 3x (b) and >= 8x (a); forward+backward at
+1x512x512x16 >= 1.5x (b); peak extra memory of forward+backward at seqlen 16384 (dim 256) under
+a quarter of (b)'s.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from _common import contenders, header, peak_memory, table
+from _common import PSCAN, REF, contenders, header, peak_memory, table
 
 
 def main():
@@ -30,15 +30,15 @@ def main():
     both = table("forward+backward", (1, 512 // scale, 512 // scale, 16), True, named, "default")
     mem_shape = (1, 256, 16384 // scale, 16)
     print(f"\npeak RSS growth of forward+backward at {mem_shape} (fresh process, inputs allocated):")
-    mem = {name: peak_memory(name, mem_shape, args.threads) for name in ("default", "(b) pscan")}
+    mem = {name: peak_memory(name, mem_shape, args.threads) for name in ("default", PSCAN)}
     for name, m in mem.items():
         print(f"  {name:10s} {m['growth'] / 2**20:8.1f} MiB (its outputs and gradients: "
               f"{m['outputs_and_grads'] / 2**20:.1f} MiB)")
-    ratio = mem["default"]["growth"] / mem["(b) pscan"]["growth"]
+    ratio = mem["default"]["growth"] / mem[PSCAN]["growth"]
     print("\ngoals:")
-    print(f"  forward: {fwd['(b) pscan'] / fwd['default']:.1f}x (b) (goal >= 3), "
-          f"{fwd['(a) ref-loop'] / fwd['default']:.1f}x (a) (goal >= 8)")
-    print(f"  forward+backward: {both['(b) pscan'] / both['default']:.1f}x (b) (goal >= 1.5)")
+    print(f"  forward: {fwd[PSCAN] / fwd['default']:.1f}x (b) (goal >= 3), "
+          f"{fwd[REF] / fwd['default']:.1f}x (a) (goal >= 8)")
+    print(f"  forward+backward: {both[PSCAN] / both['default']:.1f}x (b) (goal >= 1.5)")
     print(f"  peak memory: {ratio:.3f} of (b)'s (goal < 0.25)")
 
 

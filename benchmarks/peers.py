@@ -2,11 +2,13 @@
 
 Nothing here is committed code of theirs: `mamba_ssm_module` downloads mamba-ssm's source
 distribution with pip (the CUDA build skipped: only its Python files are read) into
-build/peers/ and loads one of its modules by path.
+build/peers/ and loads one of its modules by path; `mambapy` installs mambapy (pure PyTorch)
+with `pip install --no-deps --target build/peers/...` and imports it from there.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import subprocess
@@ -17,6 +19,7 @@ from pathlib import Path
 
 PEERS_DIR = Path(__file__).resolve().parents[1] / "build" / "peers"
 MAMBA_SSM_VERSION = "2.3.2.post1"  # the published sdist (2.3.2 itself is not on the index)
+MAMBAPY_VERSION = "1.2.0"
 
 
 def mamba_ssm_source(version: str = MAMBA_SSM_VERSION) -> Path:
@@ -34,18 +37,33 @@ def mamba_ssm_source(version: str = MAMBA_SSM_VERSION) -> Path:
     return root
 
 
-def mamba_ssm_module(relative_path: str, stubs: dict[str, tuple[str, ...]]) -> types.ModuleType:
+def _with_parents(name: str) -> None:
+    """Empty stand-ins for `name`'s packages (and itself) where none is imported: mamba_ssm's
+    package __init__ imports its CUDA kernels, so it is never run."""
+    parts = name.split(".")
+    for i in range(1, len(parts) + 1):
+        sys.modules.setdefault(".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+
+
+def mamba_ssm_module(relative_path: str, stubs: dict[str, tuple[str, ...]],
+                     published: tuple[str, ...] = ()) -> types.ModuleType:
     """One module of mamba-ssm's sdist loaded by path; `stubs` maps the modules it imports that need
-    a GPU (Triton kernels) to the names it takes from them, given as None stand-ins. Needs einops
-    (`pip install einops`)."""
+    a GPU (CUDA extensions, Triton kernels) to the names it takes from them, given as None stand-ins;
+    `published` names the modules it imports that run on CPU, loaded from the sdist as they are.
+    Needs einops (`pip install einops`)."""
     for name, attributes in stubs.items():
-        parts = name.split(".")
-        for i in range(1, len(parts) + 1):
-            sys.modules.setdefault(".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+        _with_parents(name)
         for attribute in attributes:
             setattr(sys.modules[name], attribute, None)
-    path = mamba_ssm_source() / relative_path
-    spec = importlib.util.spec_from_file_location(f"peer_{path.stem}", path)
+    for name in published:
+        if name not in sys.modules:
+            _with_parents(name)  # its packages; its own stand-in is replaced at once
+            sys.modules[name] = _load(mamba_ssm_source() / (name.replace(".", "/") + ".py"), name)
+    return _load(mamba_ssm_source() / relative_path, f"peer_{Path(relative_path).stem}")
+
+
+def _load(path: Path, name: str) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
@@ -62,3 +80,31 @@ def ssd_minimal_discrete():
     stubs = {"mamba_ssm.ops.triton.ssd_combined": ("mamba_chunk_scan_combined",)}
     module = mamba_ssm_module("mamba_ssm/modules/ssd_minimal.py", stubs)
     return module.ssd_minimal_discrete
+
+
+def selective_scan_ref():
+    """mamba_ssm's `selective_scan_ref` (mamba_ssm/ops/selective_scan_interface.py): a Python step per
+    timestep over materialised (batch, dim, seqlen, dstate) tensors, autograd as its backward. The
+    CUDA extension and the Triton layer norm its module imports (for the fused paths) are stubbed;
+    its autocast decorators (mamba_ssm/utils/torch.py) are loaded as published."""
+    stubs = {"selective_scan_cuda": (), "mamba_ssm.ops.triton.layer_norm": ("_layer_norm_fwd",)}
+    module = mamba_ssm_module("mamba_ssm/ops/selective_scan_interface.py", stubs, published=("mamba_ssm.utils.torch",))
+    return module.selective_scan_ref
+
+
+def mambapy(version: str = MAMBAPY_VERSION) -> types.ModuleType:
+    """mambapy's `mamba` module: the installed package if it is `version` (the bench extra installs it),
+    else `version` installed once without dependencies (it needs only torch) into
+    build/peers/mambapy-VERSION and imported from there."""
+    try:
+        if importlib.metadata.version("mambapy") == version:
+            return importlib.import_module("mambapy.mamba")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    target = PEERS_DIR / f"mambapy-{version}"
+    if not (target / "mambapy").exists():
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+                        f"mambapy=={version}"], check=True)
+    if str(target) not in sys.path:
+        sys.path.insert(0, str(target))
+    return importlib.import_module("mambapy.mamba")

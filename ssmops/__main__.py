@@ -2,9 +2,11 @@
 
     ssmops export my_models:build_model --checkpoint model.safetensors \\
         --input 1x64:int64 --format aoti --format torchscript --out exported/
+    ssmops generate CHECKPOINT_DIR --prompt "The for statement" --max-new-tokens 200 --top-k 10
 
 `module:factory` names a function that returns the nn.Module (called with no
-arguments); the checkpoint's state_dict is loaded into it strictly.
+arguments); the checkpoint's state_dict is loaded into it strictly. `generate` reads a
+Mamba LM checkpoint directory (mamba_ssm's or transformers' layout) and streams text.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from .textgen import GenerateError, add_generate_parser, generate_command
 
 FORMATS = ("pt2", "aoti", "torchscript")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64,
@@ -137,12 +141,16 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--device", default="cpu", help="device to export and compile for (cpu, cuda)")
     exp.add_argument("--seq-dim", type=int, default=1, help="the inputs' seqlen dimension (kept dynamic)")
     exp.add_argument("--batch-dim", type=int, default=0, help="the inputs' batch dimension (dynamic where possible)")
+    add_generate_parser(sub)
     args = parser.parse_args(argv)
-    from .export import ExportError
+    from .export import ExportError, quiet_torch_deprecations
 
     try:
-        return export_command(args)
-    except ExportError as err:
+        if args.command == "generate":
+            return generate_command(args)
+        with quiet_torch_deprecations():
+            return export_command(args)
+    except (ExportError, GenerateError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
 

@@ -14,7 +14,9 @@ say otherwise with `seq_dim` / `batch_dim`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -25,6 +27,20 @@ from .checkpoint import load_state_dict  # noqa: F401  (part of this module's AP
 
 class ExportError(RuntimeError):
     """A model could not be exported; the message names the failing submodule and why."""
+
+
+@contextmanager
+def quiet_torch_deprecations() -> Iterator[None]:
+    """Within the block, hides the FutureWarning/DeprecationWarning that torch's own export and
+    AOTInductor code raise about torch's internals (torch 2.13's pytree says "`isinstance(treespec,
+    LeafSpec)` is deprecated" at every export): they tell a user of ssmops' CLI or demo nothing
+    they can act on. Only those categories, only from torch's modules (and that pytree message,
+    which typing_extensions attributes to copyreg); every other warning still shows."""
+    with warnings.catch_warnings():
+        for category in (FutureWarning, DeprecationWarning):
+            warnings.filterwarnings("ignore", category=category, module=r"torch(\.|$)")
+        warnings.filterwarnings("ignore", category=FutureWarning, message=r"`isinstance\(treespec, LeafSpec\)`")
+        yield
 
 
 def _failing_module(model: nn.Module, err: BaseException) -> str | None:

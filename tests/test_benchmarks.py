@@ -1,4 +1,6 @@
-"""The benchmarks' baselines compute the same scan as the reference, and the scripts run."""
+"""The benchmarks' peers, behind the benchmarks' signature, compute the same scan as the reference,
+and the scripts run. The peers are fetched from the package registry on first use (benchmarks/peers.py);
+where that cannot be done here (no network, no einops for mamba_ssm's code), their checks are skipped."""
 
 from __future__ import annotations
 
@@ -13,12 +15,27 @@ from conftest import REPO, assert_close
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from _common import scan_inputs  # noqa: E402
-from baselines import pscan_scan, ref_loop_scan  # noqa: E402
+from baselines import mamba_ssm_ref, mambapy_pscan  # noqa: E402
 
 
-@pytest.mark.parametrize("baseline", [ref_loop_scan, pscan_scan], ids=["ref-loop", "pscan"])
+@pytest.fixture
+def no_stand_ins_left():
+    """Loading mamba_ssm's code puts empty stand-ins for its GPU modules (and packages) in sys.modules;
+    later tests must not take them for an installed mamba_ssm."""
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        if name.split(".")[0] in ("mamba_ssm", "selective_scan_cuda"):
+            del sys.modules[name]
+
+
+@pytest.mark.parametrize("peer", [mamba_ssm_ref, mambapy_pscan], ids=["mamba_ssm-ref", "mambapy-pscan"])
 @pytest.mark.parametrize("seqlen", [1, 37, 64])
-def test_baseline_matches_reference(baseline, seqlen):
+def test_peer_matches_reference(peer, seqlen, no_stand_ins_left):
+    try:
+        baseline = peer()
+    except (subprocess.CalledProcessError, SystemExit) as err:  # pip could not fetch it; einops missing
+        pytest.skip(f"the peer is not available here: {err}")
     kw = scan_inputs(2, 8, seqlen, 4, requires_grad=True)
     y = baseline(**kw)
     y_ref = ssmops.selective_scan_ref(**kw, delta_softplus=True)
@@ -32,16 +49,8 @@ def test_baseline_matches_reference(baseline, seqlen):
 
 @pytest.mark.slow
 def test_default_benchmark_runs():
+    pytest.importorskip("einops", reason="the benchmark's mamba_ssm peer needs einops (make bench-deps installs it)")
     out = subprocess.run([sys.executable, "benchmarks/default.py", "--quick"], cwd=REPO, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert "goals:" in out.stdout and "peak memory" in out.stdout
-
-
-@pytest.mark.slow
-def test_demo_runs():
-    args = ["--seqlen", "64", "--d-model", "32", "--n-layer", "2", "--new-tokens", "4", "--bench-len", "32"]
-    out = subprocess.run([sys.executable, "examples/demo.py", *args], cwd=REPO, capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "AOTInductor package" in out.stdout and "4 tokens in" in out.stdout
