@@ -230,21 +230,30 @@ def test_lm_trains_under_compile_fullgraph():
     torch.manual_seed(0)
     vocab, half_len = 8, 6
     model = MambaLMHeadModel(tiny_config(vocab_size=vocab, ssm_cfg={"d_state": 8}))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     compiled = torch.compile(model, fullgraph=True)
     gen = torch.Generator().manual_seed(0)
-    losses = []
-    for _ in range(40):
+
+    def loss_of_batch():
         half = torch.randint(1, vocab, (8, half_len), generator=gen)
         ids = torch.cat([half, half], dim=1)
         logits = compiled(ids[:, :-1]).logits[:, half_len:]
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, half_len + 1 :].reshape(-1))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, half_len + 1 :].reshape(-1))
+
+    first, last = train(model, loss_of_batch, steps=40)
+    assert last < 0.75 * first, f"loss went from {first:.3f} to {last:.3f}"
+
+
+def train(model, loss_of_batch, steps: int, lr: float = 1e-2) -> tuple[float, float]:
+    """Adam on `loss_of_batch()` for `steps` steps; the mean loss of the first five and of the last five."""
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = loss_of_batch()
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
-    assert last < 0.75 * first, f"loss went from {first:.3f} to {last:.3f}"
+    return sum(losses[:5]) / 5, sum(losses[-5:]) / 5
 
 
 def test_lm_exports_with_dynamic_seqlen():

@@ -19,7 +19,7 @@ from ssmops.models import InferenceParams, MambaConfig, MambaLMHeadModel
 from ssmops.modules import Mamba2
 
 from conftest import assert_close
-from test_models import _greedy_by_recomputing
+from test_models import _greedy_by_recomputing, train
 
 # --- the references ------------------------------------------------------------------------------
 
@@ -268,22 +268,18 @@ def test_lm_trains_on_packed_sequences_under_compile_fullgraph(name):
     torch.manual_seed(0)
     vocab, half = 8, 5
     model = MambaLMHeadModel(mamba2_config(**{**MODELS[name], "vocab_size": vocab}))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     compiled = torch.compile(model, fullgraph=True)
     gen = torch.Generator().manual_seed(0)
     seq_idx = torch.arange(2, dtype=torch.int32).repeat_interleave(2 * half)[None].expand(4, -1).contiguous()
     copied = torch.cat([torch.arange(half, 2 * half - 1), torch.arange(3 * half, 4 * half - 1)])
-    losses = []
-    for _ in range(60):
+
+    def loss_of_batch():
         firsts = torch.randint(1, vocab, (4, 2, half), generator=gen)
         ids = torch.cat([firsts, firsts], dim=2).flatten(1)  # two sequences, each its half twice
         logits = compiled(ids, seq_idx=seq_idx).logits
-        loss = F.cross_entropy(logits[:, copied].reshape(-1, vocab), ids[:, copied + 1].reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+        return F.cross_entropy(logits[:, copied].reshape(-1, vocab), ids[:, copied + 1].reshape(-1))
+
+    first, last = train(model, loss_of_batch, steps=60)
     assert last < 0.75 * first, f"loss went from {first:.3f} to {last:.3f}"
 
 
