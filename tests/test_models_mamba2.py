@@ -8,12 +8,14 @@ Everything is checked against the per-timestep Mamba-2 and the formulas written 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import ssmops
+import ssmops.modules
 from ssmops.layernorm_gated import layernorm_fn, rmsnorm_fn
 from ssmops.models import InferenceParams, MambaConfig, MambaLMHeadModel
 from ssmops.modules import Mamba2
@@ -353,3 +355,79 @@ def test_unmappable_transformers_configs_are_refused_by_name():
     bamba = _hf_bamba().config.to_dict()
     with pytest.raises(ValueError, match="intermediate_size 100 is not a multiple of 128"):
         convert_hf_config({**bamba, "intermediate_size": 100})
+
+
+# --- against mamba_ssm's own module code -------------------------------------------------------------
+
+
+def _mamba_ssm_modules():
+    """mamba_ssm 2.3.2.post1's Mamba2 and MHA modules from its published sdist (benchmarks/peers.py),
+    with ssmops' functions in place of the GPU kernels they import; needs einops and the registry."""
+    pytest.importorskip("einops", reason="mamba_ssm's code needs einops (make bench-deps installs it)")
+    import subprocess
+
+    from conftest import REPO
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import peers
+
+    gpu_only = {
+        "causal_conv1d": ("causal_conv1d_fn", "causal_conv1d_update"),
+        "causal_conv1d.causal_conv1d_varlen": ("causal_conv1d_varlen_states",),
+        "mamba_ssm.ops.triton.selective_state_update": ("selective_state_update",),
+        "mamba_ssm.ops.triton.ssd_combined": ("mamba_chunk_scan_combined", "mamba_split_conv1d_scan_combined"),
+        "mamba_ssm.ops.triton.layernorm_gated": ("RMSNorm",),
+        "mamba_ssm.distributed.tensor_parallel": ("ColumnParallelLinear", "RowParallelLinear"),
+        "mamba_ssm.distributed.distributed_utils": ("all_reduce", "reduce_scatter"),
+        "flash_attn": ("flash_attn_with_kvcache",),
+        "flash_attn.layers.rotary": ("RotaryEmbedding",),
+    }
+    try:
+        mamba2 = peers.mamba_ssm_module("mamba_ssm/modules/mamba2.py", gpu_only)
+        mha = peers.mamba_ssm_module("mamba_ssm/modules/mha.py", gpu_only)
+    except (subprocess.CalledProcessError, ImportError) as err:
+        pytest.skip(f"mamba_ssm's sdist is not available here: {err}")
+    mamba2.mamba_chunk_scan_combined = ssmops.mamba_chunk_scan_combined
+    mamba2.mamba_split_conv1d_scan_combined = ssmops.mamba_split_conv1d_scan_combined
+    mamba2.selective_state_update = ssmops.selective_state_update
+    mamba2.RMSNormGated = ssmops.modules.RMSNormGated
+    return mamba2, mha
+
+
+@pytest.fixture
+def no_stand_ins_left():
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        if name.split(".")[0] in ("mamba_ssm", "causal_conv1d", "flash_attn", "peers"):
+            del sys.modules[name]
+
+
+@pytest.mark.slow
+def test_mamba_ssm_module_code_gives_the_same_outputs(no_stand_ins_left):
+    """mamba_ssm's Mamba2 (unrolled path, decoding step) and MHA, as published, with their GPU kernels
+    replaced by ssmops' functions: same state_dict, strict loading, the same outputs as ssmops' modules."""
+    from ssmops.modules.mha import MHA
+
+    theirs_mamba2, theirs_mha = _mamba_ssm_modules()
+    for kw in [{}, {"ngroups": 2}, {"d_ssm": 32, "norm_before_gate": True}, {"rmsnorm": False}]:
+        torch.manual_seed(0)
+        theirs = theirs_mamba2.Mamba2(48, d_state=8, headdim=8, chunk_size=4, layer_idx=0, use_mem_eff_path=False,
+                                      **kw)
+        ours = Mamba2(48, d_state=8, headdim=8, chunk_size=4, layer_idx=0, **kw)
+        ours.load_state_dict(theirs.state_dict(), strict=True)
+        u = torch.randn(2, 13, 48)
+        with torch.no_grad():
+            assert_close(ours(u), theirs(u), 1e-6, f"Mamba2 {kw}")
+            params = [InferenceParams(max_seqlen=16, max_batch_size=2) for _ in range(2)]
+            for module, p in zip((theirs, ours), params):
+                module(u[:, :9], inference_params=p)
+                p.seqlen_offset = 9
+            assert_close(ours(u[:, 9:10], inference_params=params[1]),
+                         theirs(u[:, 9:10], inference_params=params[0]), 1e-6, f"Mamba2 step {kw}")
+    theirs = theirs_mha.MHA(32, 4, num_heads_kv=2, causal=True, layer_idx=0, d_conv=4, mlp_dim=64)
+    ours = MHA(32, 4, num_heads_kv=2, causal=True, layer_idx=0, d_conv=4, mlp_dim=64)
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    x = torch.randn(2, 11, 32)
+    with torch.no_grad():
+        assert_close(ours(x), theirs(x), 1e-6, "MHA")
