@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .textgen import GenerateError, add_generate_parser, generate_command
+from .textgen import GenerateError, add_generate_parser, generate_command, load_checkpoint
 
 FORMATS = ("pt2", "aoti", "torchscript")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64,
@@ -118,6 +118,24 @@ def export_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def export_lm_command(args: argparse.Namespace) -> int:
+    """`ssmops export-lm`: a checkpoint directory's LM as the prefill and decoding-step packages."""
+    from . import export as sx
+
+    progress = _Progress(total=2)
+    with progress.step(f"loading {args.checkpoint_dir}"):
+        model = load_checkpoint(args.checkpoint_dir).to(args.device)
+    with progress.step(f"exporting and packaging the prefill and the decoding step for {args.device}"):
+        written = sx.lm_packages(model, args.out, batch_size=args.batch_size, max_seqlen=args.max_seqlen)
+    print("\nwrote:")
+    for what, path in written.items():
+        print(f"  {path}  ({path.stat().st_size / 2**20:.1f} MiB): the {what}")
+    print(f"  prefill: input_ids ({args.batch_size}, 2..{args.max_seqlen - 1}) int64 -> last logits, caches; "
+          f"decode: token ({args.batch_size}, 1), positions ({args.batch_size},), caches -> logits, caches")
+    print(f"  operator library for C++: {_library_or_reason()}")
+    return 0
+
+
 def _library_or_reason() -> str:
     from . import library_path
 
@@ -141,6 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--device", default="cpu", help="device to export and compile for (cpu, cuda)")
     exp.add_argument("--seq-dim", type=int, default=1, help="the inputs' seqlen dimension (kept dynamic)")
     exp.add_argument("--batch-dim", type=int, default=0, help="the inputs' batch dimension (dynamic where possible)")
+    lm = sub.add_parser("export-lm", help="a language model checkpoint as AOTInductor prefill and decoding-step "
+                        "packages")
+    lm.add_argument("checkpoint_dir", help="any layout MambaLMHeadModel.from_pretrained reads")
+    lm.add_argument("--out", default="exported", help="output folder")
+    lm.add_argument("--batch-size", type=int, default=1, help="the packages' batch size")
+    lm.add_argument("--max-seqlen", type=int, default=2048, help="the KV caches' length (prompt + generated)")
+    lm.add_argument("--device", default="cpu", help="device to export and compile for (cpu, cuda)")
     add_generate_parser(sub)
     args = parser.parse_args(argv)
     from .export import ExportError, quiet_torch_deprecations
@@ -149,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return generate_command(args)
         with quiet_torch_deprecations():
-            return export_command(args)
+            return export_lm_command(args) if args.command == "export-lm" else export_command(args)
     except (ExportError, GenerateError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -250,7 +250,15 @@ def test_lm_prefill_and_decode_packages_run_in_cpp_like_eager(name, cpp_runner, 
     from test_models_mamba2 import tiny_model
 
     model = tiny_model(name)
-    packages = sx.lm_packages(model, tmp_path / "packages", batch_size=2, max_seqlen=32)
+    if name == "mamba2":
+        packages = sx.lm_packages(model, tmp_path / "packages", batch_size=2, max_seqlen=32)
+    else:  # the same through the command line, from a checkpoint directory
+        from ssmops.__main__ import main
+
+        model.save_pretrained(tmp_path / "checkpoint")
+        assert main(["export-lm", str(tmp_path / "checkpoint"), "--out", str(tmp_path / "packages"),
+                     "--batch-size", "2", "--max-seqlen", "32"]) == 0
+        packages = {what: tmp_path / "packages" / f"{what}.pt2" for what in ("prefill", "decode")}
     prompt = torch.randint(0, 61, (2, 11), generator=torch.Generator().manual_seed(0))
     logits, *caches = _run_cpp(cpp_runner, "--package", packages["prefill"], [prompt], tmp_path)
     with torch.no_grad():
