@@ -25,25 +25,27 @@ def causal_conv1d(
     inputs of its own sequence (packed sequences do not leak into each other). `activation`
     is None or "silu"."""
     _check_activation(activation)
-    if weight.dim() == 2:
-        weight = weight.unsqueeze(1)
+    if weight.dim() == 3:
+        weight = weight.squeeze(1)
     width, seqlen = weight.shape[-1], x.shape[-1]
-    if seq_idx is None:
-        out = F.conv1d(x, weight, bias, padding=width - 1, groups=x.shape[1])[..., :seqlen]
-    else:
-        if seq_idx.shape != (x.shape[0], seqlen):
-            raise ValueError(f"seq_idx must have shape ({x.shape[0]}, {seqlen}) for x of shape "
-                             f"{tuple(x.shape)}, got {tuple(seq_idx.shape)}")
-        # tap k reads input t - (width - 1 - k), kept only when it is in t's sequence
-        padded = F.pad(x, (width - 1, 0))
+    if seq_idx is not None and seq_idx.shape != (x.shape[0], seqlen):
+        raise ValueError(f"seq_idx must have shape ({x.shape[0]}, {seqlen}) for x of shape "
+                         f"{tuple(x.shape)}, got {tuple(seq_idx.shape)}")
+    # Shift and add over a time-major view: the mixers pass x as the transpose of in_proj's
+    # (batch, seqlen, dim) output, where this reads contiguous rows (faster than F.conv1d's
+    # depthwise path on that layout, and no transposing copies). Tap k reads input
+    # t - (width - 1 - k); with seq_idx, only when that input is in t's sequence.
+    padded = F.pad(x.transpose(1, 2), (0, 0, width - 1, 0))  # (batch, width - 1 + seqlen, dim)
+    if seq_idx is not None:
         padded_idx = F.pad(seq_idx, (width - 1, 0), value=-1)
-        out = sum(
-            torch.where((padded_idx[:, k:k + seqlen] == seq_idx).unsqueeze(1),
-                        padded[..., k:k + seqlen] * weight[:, :, k], 0.0)
-            for k in range(width)
-        )
-        if bias is not None:
-            out = out + bias.unsqueeze(-1)
+    taps = weight.t().contiguous()  # (width, dim): each tap's weights contiguous, like the rows
+    out = bias if bias is not None else x.new_zeros(())
+    for k in range(width):
+        window = padded[:, k:k + seqlen]
+        if seq_idx is not None:
+            window = window * (padded_idx[:, k:k + seqlen] == seq_idx).unsqueeze(-1)
+        out = torch.addcmul(out, window, taps[k])
+    out = out.transpose(1, 2)
     return F.silu(out) if activation is not None else out
 
 
