@@ -27,7 +27,8 @@ from . import _triton
 from .selective_scan import triton as scan_triton
 
 TARGETS = {"sm90": ("cuda", 90, 32), "sm80": ("cuda", 80, 32), "gfx942": ("hip", "gfx942", 64)}
-_POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
+_POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int32: "*i32",
+                  torch.int64: "*i64"}
 
 
 @contextlib.contextmanager
@@ -66,6 +67,8 @@ def compile_launch(kernel, args: tuple, meta: dict, target: str):
     for i, (name, arg) in enumerate(zip(kernel.arg_names, args)):
         if isinstance(arg, torch.Tensor):
             signature[name], aligned = _POINTER_TYPES[arg.dtype], arg.data_ptr() % 16 == 0
+        elif isinstance(arg, float):
+            signature[name], aligned = "fp32", False
         elif arg == 1:
             signature[name], constants[name], aligned = "constexpr", 1, False
         else:

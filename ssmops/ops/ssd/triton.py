@@ -20,9 +20,15 @@ from torch.library import triton_op
 from .. import _triton
 from .checks import check_sequence_values, check_ssd_grad_inputs, check_ssd_inputs, num_chunks
 from .triton_kernels import (
-    ssd_chunk_bwd_kernel, ssd_chunk_scan_kernel, ssd_state_grads_kernel, ssd_states_fwd_kernel,
-    ssd_varlen_states_kernel,
+    ssd_bwd_dC_kernel, ssd_bwd_ddt_kernel, ssd_bwd_dx_kernel, ssd_chunk_scan_kernel, ssd_state_grads_kernel,
+    ssd_states_fwd_kernel, ssd_varlen_states_kernel,
 )
+
+# The backward's dC and dx kernels take token blocks of 32 over 8 warps: with headdim and dstate whole
+# (dB sums over headdim, dx over dstate) blocks of 64 spill registers at Mamba-2's sizes (see
+# tests/test_triton.py, which compiles the launches for GPUs).
+BWD_BLOCK_T = 32
+BWD_WARPS = 8
 
 
 def _config(chunk_size: int, headdim: int, dstate: int) -> dict:
@@ -174,23 +180,34 @@ def ssd_bwd(
     ), dict(HAS_Z=z is not None, HAS_DFINAL=dfinal is not None, HAS_DVARLEN=dvarlen is not None,
             HAS_INIT=initial_states is not None, **run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles, num_warps=4))
 
-    # every chunk's gradients; B and C's per head, then summed over each group's heads in a fixed order
+    # every chunk's gradients, by blocks of tokens; B and C's per head, then summed over each group's heads
+    # in a fixed order
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     ddt = torch.empty(dt.shape, dtype=dt.dtype, device=x.device)
     dB_heads = torch.empty((batch, seqlen, nheads, dstate), **f32)
     dC_heads = torch.empty_like(dB_heads)
+    cfg = dict(run.cfg, BLOCK_T=min(run.cfg["BLOCK_T"], BWD_BLOCK_T), BLOCK_P=max(16, triton.next_power_of_2(headdim)))
+    blocks = triton.cdiv(chunk_size, cfg["BLOCK_T"])
     parts = batch * nchunks * nheads
     dA_part, dbias_part = torch.empty(parts, **f32), torch.empty(parts, **f32)
-    dD_part = torch.empty((parts, headdim), **f32)
-    scratch = torch.empty((2, batch * nheads, seqlen), **f32)  # dL and x . dX per token
-    cfg = dict(run.cfg, BLOCK_P=max(16, triton.next_power_of_2(headdim)))  # headdim whole: dB sums over it
-    _triton.launch(ssd_chunk_bwd_kernel, (nchunks, batch * nheads), (
-        *(run.ptr(n) for n in ("x", "dt", "A", "B", "C", "D", "z", "bias", "seq")), states, dends, dout,
-        *varlen_args, dx, ddt, dB_heads, dC_heads, dA_part, dD_part, dbias_part, scratch[0], scratch[1],
-        *run.sizes, *run.token_strides("x", "dt", "B", "C", "z"), *dout.stride(), *run.token_strides("seq"),
-        D.stride(0) if D is not None else 0,
+    dD_part = torch.empty((parts * blocks, headdim), **f32)
+    dlC, dlB, R, xdx = torch.empty((4, batch * nheads * seqlen), **f32)  # per token: the kernels' scratch rows
+    grid = (nchunks * blocks, batch * nheads)
+    strides = (*run.token_strides("x", "dt", "B", "C", "z"), *dout.stride(), *run.token_strides("seq"))
+    _triton.launch(ssd_bwd_dC_kernel, grid, (
+        *(run.ptr(n) for n in ("x", "dt", "A", "B", "C", "z", "bias", "seq")), states, dout, dC_heads, dlC,
+        *run.sizes, blocks, *strides,
+    ), dict(HAS_Z=z is not None, **run.flags, **cfg, num_warps=BWD_WARPS))
+    _triton.launch(ssd_bwd_dx_kernel, grid, (
+        *(run.ptr(n) for n in ("x", "dt", "A", "B", "C", "D", "z", "bias", "seq")), dends, dout, *varlen_args,
+        dx, dB_heads, dD_part, dlB, R, xdx, *run.sizes, blocks, *strides, D.stride(0) if D is not None else 0,
     ), dict(**run.d_flags, HAS_Z=z is not None, HAS_DVARLEN=dvarlen is not None, **run.flags, **cfg,
-            num_warps=8))
+            num_warps=BWD_WARPS))
+    _triton.launch(ssd_bwd_ddt_kernel, (nchunks, batch * nheads), (
+        *(run.ptr(n) for n in ("x", "dt", "A", "B", "bias", "seq")), states, dends, *varlen_args, dlC, dlB, R, xdx,
+        ddt, dA_part, dbias_part, *run.sizes, *run.token_strides("x", "dt", "B", "seq"),
+    ), dict(HAS_DVARLEN=dvarlen is not None, **run.flags, BLOCK_T=cfg["BLOCK_T"],
+            BLOCK_P=cfg["BLOCK_P"], BLOCK_N=cfg["BLOCK_N"], num_warps=4))
 
     def per_group(grad: Tensor, like: Tensor) -> Tensor:
         return grad.view(batch, seqlen, ngroups, nheads // ngroups, dstate).sum(3).to(like.dtype)

@@ -79,8 +79,8 @@ def _block(t0, j, Q, seqlen, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr):
-    """(raw = dt + dt_bias, before the clamp, dt, a = dt * A), float32; dt and a are 0 where not valid."""
+def _dt_steps(dt_row, t, valid, s_dtt, bias, lo, hi, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr):
+    """(raw = dt + dt_bias, after softplus, after the clamp: dt), float32; dt is 0 where not valid."""
     raw = tl.load(dt_row + t * s_dtt, mask=valid, other=0.0).to(tl.float32) + bias
     pre = raw
     if SOFTPLUS:
@@ -88,8 +88,14 @@ def _dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS: tl.constexpr, HAS_LI
     dt = pre
     if HAS_LIMIT:
         dt = tl.minimum(tl.maximum(dt, lo), hi)
-    dt = tl.where(valid, dt, 0.0)
-    return raw, pre, dt, dt * A
+    return raw, pre, tl.where(valid, dt, 0.0)
+
+
+@triton.jit
+def _dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr):
+    """(dt, a = dt * A) of tokens t, float32, 0 where not valid."""
+    dt = _dt_steps(dt_row, t, valid, s_dtt, bias, lo, hi, SOFTPLUS, HAS_LIMIT)[2]
+    return dt, dt * A
 
 
 @triton.jit
@@ -156,7 +162,7 @@ def _log_decay_through(t0, e, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi,
     L = 0.0
     for j in range(0, tl.cdiv(e - t0 + 1, BLOCK_T)):
         t, valid = _block(t0, j, Q, seqlen, BLOCK_T)
-        _, _, _, a = _dt(dt_row, t, valid & (t <= e), s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
+        a = _dt(dt_row, t, valid & (t <= e), s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1]
         L += tl.sum(a, axis=0)
     return L
 
@@ -176,7 +182,7 @@ def _state_at(state, t0, e, seq_before, Q, seqlen, x_row, dt_row, B_row, seq_row
     for jj in range(0, nblocks):
         t, valid = _block(t0, nblocks - 1 - jj, Q, seqlen, BLOCK_T)
         valid = valid & (t <= e)
-        _, _, dt, a = _dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
+        dt, a = _dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
         to_e = after + tl.cumsum(a, axis=0, reverse=True) - a
         after += tl.sum(a, axis=0)
         keep = valid & (_seq(seq_row, t, valid, s_seqt, HAS_SEQ) == seq_e)
@@ -285,9 +291,9 @@ def ssd_chunk_scan_kernel(
     run = 0.0
     for j in range(0, i):  # the log decay from the chunk start to this block
         t, valid = _block(t0, j, Q, seqlen, BLOCK_T)
-        run += tl.sum(_dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[3], axis=0)
+        run += tl.sum(_dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1], axis=0)
     t_l, valid_l = _block(t0, i, Q, seqlen, BLOCK_T)
-    _, _, _, a_l = _dt(dt_row, t_l, valid_l, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
+    a_l = _dt(dt_row, t_l, valid_l, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1]
     L_l = tl.cumsum(a_l, axis=0)  # from the block start
     seq_l = _seq(seq_row, t_l, valid_l, s_seqt, HAS_SEQ)
     C_l = _operand(_tile(C_row, t_l, valid_l, s_Ct, nn, dstate, s_Cn), x_ptr, DOT_F32)
@@ -300,7 +306,7 @@ def ssd_chunk_scan_kernel(
     between = 0.0
     for jj in range(0, i + 1):
         t_s, valid_s = _block(t0, i - jj, Q, seqlen, BLOCK_T)
-        _, _, dt_s, a_s = _dt(dt_row, t_s, valid_s, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
+        dt_s, a_s = _dt(dt_row, t_s, valid_s, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
         between += tl.where(jj > 0, tl.sum(a_s, axis=0), 0.0)
         L_s = tl.cumsum(a_s, axis=0) - between  # relative to the row block's start
         B_s = _operand(_tile(B_row, t_s, valid_s, s_Bt, nn, dstate, s_Bn), x_ptr, DOT_F32)
@@ -363,7 +369,7 @@ def ssd_state_grads_kernel(
         run = 0.0
         for j in range(0, tl.cdiv(tl.minimum(Q, seqlen - t0), BLOCK_T)):
             t, valid = _block(t0, j, Q, seqlen, BLOCK_T)
-            _, _, _, a = _dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
+            a = _dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1]
             L = run + tl.cumsum(a, axis=0)
             run += tl.sum(a, axis=0)
             w = tl.where(valid & (_seq(seq_row, t, valid, s_seqt, HAS_SEQ) == seq_before), tl.exp(L), 0.0)
@@ -397,167 +403,223 @@ def _store_rows(ptr, row0, t, valid, cols, ncols, value):
 
 
 @triton.jit
-def ssd_chunk_bwd_kernel(
-    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, seq_ptr, states_ptr, dends_ptr, dout_ptr,
-    dvarlen_ptr, cu_ptr, first_ptr,
-    dx_ptr, ddt_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, dbias_ptr, dl_ptr, xdx_ptr,
-    seqlen, nheads, headdim, dstate, Q, nchunks, heads_per_group, lo, hi,
+def _chunk_program(pid_bh, c, nheads, heads_per_group, Q, seqlen, nchunks, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr,
+                   bias_ptr, seq_ptr, z_ptr, dout_ptr, s_xb, s_xh, s_dtb, s_dth, s_Bb, s_Bg, s_Cb, s_Cg, s_seqb, s_seqt,
+                   s_zb, s_zh, s_gb, s_gh, HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr):
+    """What the backward's chunk kernels share: _head's, z's and dout's rows, the chunk's start, the
+    sequence before it and at its end, its state row and scratch row, and its token-0 output row."""
+    b, h, x_row, dt_row, B_row, C_row, seq_row, bias, A = _head(
+        pid_bh, nheads, heads_per_group, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, bias_ptr, seq_ptr,
+        s_xb, s_xh, s_dtb, s_dth, s_Bb, s_Bg, s_Cb, s_Cg, s_seqb, HAS_BIAS)
+    t0 = c * Q
+    return (b, h, x_row, dt_row, B_row, C_row, seq_row, bias, A, z_ptr + b * s_zb + h * s_zh,
+            dout_ptr + b * s_gb + h * s_gh, t0, _seq_at(seq_row, t0 - 1, s_seqt, HAS_SEQ),
+            _seq_at(seq_row, tl.minimum(t0 + Q, seqlen) - 1, s_seqt, HAS_SEQ), (b * nchunks + c) * nheads + h,
+            (b * nheads + h) * seqlen, b * seqlen * nheads + h)
+
+
+@triton.jit
+def ssd_bwd_dC_kernel(
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, z_ptr, bias_ptr, seq_ptr, states_ptr, dout_ptr, dC_ptr, dlC_ptr,
+    seqlen, nheads, headdim, dstate, Q, nchunks, heads_per_group, lo, hi, blocks_per_chunk,
+    s_xb, s_xt, s_xh, s_xp, s_dtb, s_dtt, s_dth, s_Bb, s_Bt, s_Bg, s_Bn, s_Cb, s_Ct, s_Cg, s_Cn,
+    s_zb, s_zt, s_zh, s_zp, s_gb, s_gt, s_gh, s_gp, s_seqb, s_seqt,
+    HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Grid (nchunks * blocks_per_chunk, batch * nheads): a block of rows l of one chunk.
+    dC_l = w_l dy_l S + sum_{s <= l} (dy_l . dt_s x_s) exp(L_l - L_s) B_s, into the per-head float32
+    dC (batch, seqlen, nheads, dstate), and its part C_l . dC_l of dL_l into the scratch row dlC."""
+    c = tl.program_id(0) // blocks_per_chunk
+    i = tl.program_id(0) % blocks_per_chunk
+    b, h, x_row, dt_row, B_row, C_row, seq_row, bias, A, z_row, dout_row, t0, seq_before, seq_end, state_row, \
+        scratch_row, out_row = _chunk_program(
+            tl.program_id(1), c, nheads, heads_per_group, Q, seqlen, nchunks, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr,
+            bias_ptr, seq_ptr, z_ptr, dout_ptr, s_xb, s_xh, s_dtb, s_dth, s_Bb, s_Bg, s_Cb, s_Cg, s_seqb, s_seqt,
+            s_zb, s_zh, s_gb, s_gh, HAS_BIAS, HAS_SEQ)
+    pp = tl.arange(0, BLOCK_P)
+    nn = tl.arange(0, BLOCK_N)
+    run = 0.0
+    for j in range(0, i):  # the log decay from the chunk start to this block
+        t, valid = _block(t0, j, Q, seqlen, BLOCK_T)
+        run += tl.sum(_dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1], axis=0)
+    t_l, valid_l = _block(t0, i, Q, seqlen, BLOCK_T)
+    a_l = _dt(dt_row, t_l, valid_l, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1]
+    L_l = tl.cumsum(a_l, axis=0)  # from the block start (exponents as in ssd_chunk_scan_kernel)
+    seq_l = _seq(seq_row, t_l, valid_l, s_seqt, HAS_SEQ)
+    dy_l = _dy(dout_row, z_row, t_l, valid_l, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z)
+    w_l = tl.where(valid_l & (seq_l == seq_before), tl.exp(run + L_l), 0.0)
+    state = _operand(_state_tile(states_ptr, state_row, pp, nn, headdim, dstate), x_ptr, DOT_F32)
+    dC = _dot(_operand(dy_l * w_l[:, None], x_ptr, DOT_F32), state, DOT_F32)
+    dy_l = _operand(dy_l, x_ptr, DOT_F32)
+    between = 0.0
+    for jj in range(0, i + 1):
+        t_s, valid_s = _block(t0, i - jj, Q, seqlen, BLOCK_T)
+        dt_s, a_s = _dt(dt_row, t_s, valid_s, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
+        between += tl.where(jj > 0, tl.sum(a_s, axis=0), 0.0)
+        L_s = tl.cumsum(a_s, axis=0) - between
+        X_s = _operand(_tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp) * dt_s[:, None], x_ptr, DOT_F32)
+        dM = _dot(dy_l, tl.trans(X_s), DOT_F32) * _decay_matrix(
+            L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l, _seq(seq_row, t_s, valid_s, s_seqt, HAS_SEQ))
+        B_s = _tile(B_row, t_s, valid_s, s_Bt, nn, dstate, s_Bn)
+        dC += _dot(_operand(dM, x_ptr, DOT_F32), _operand(B_s, x_ptr, DOT_F32), DOT_F32)
+    _store_rows(dC_ptr, out_row, t_l * nheads, valid_l, nn, dstate, dC)
+    C_l = _tile(C_row, t_l, valid_l, s_Ct, nn, dstate, s_Cn)
+    tl.store(dlC_ptr + scratch_row + t_l, tl.sum(C_l * dC, axis=1), mask=valid_l)
+
+
+@triton.jit
+def ssd_bwd_dx_kernel(
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, seq_ptr, dends_ptr, dout_ptr,
+    dvarlen_ptr, cu_ptr, first_ptr, dx_ptr, dB_ptr, dD_ptr, dlB_ptr, R_ptr, xdx_ptr,
+    seqlen, nheads, headdim, dstate, Q, nchunks, heads_per_group, lo, hi, blocks_per_chunk,
     s_xb, s_xt, s_xh, s_xp, s_dtb, s_dtt, s_dth, s_Bb, s_Bt, s_Bg, s_Bn, s_Cb, s_Ct, s_Cg, s_Cn,
     s_zb, s_zt, s_zh, s_zp, s_gb, s_gt, s_gh, s_gp, s_seqb, s_seqt, s_Dh,
     HAS_D: tl.constexpr, D_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_DVARLEN: tl.constexpr,
     DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Grid (nchunks, batch * nheads). Writes dx, ddt (inputs' layouts, contiguous); per head, the
-    float32 dB, dC (batch, seqlen, nheads, dstate); per (batch, chunk, head) the float32 partials of
-    dA, dt_bias (batch * nchunks * nheads,) and D (... , headdim). dl and xdx are this program's
-    float32 scratch rows (batch * nheads, seqlen): the gradient of the log decays L and x . dX."""
-    c = tl.program_id(0)
-    b, h, x_row, dt_row, B_row, C_row, seq_row, bias, A = _head(
-        tl.program_id(1), nheads, heads_per_group, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, bias_ptr, seq_ptr,
-        s_xb, s_xh, s_dtb, s_dth, s_Bb, s_Bg, s_Cb, s_Cg, s_seqb, HAS_BIAS)
-    z_row = z_ptr + b * s_zb + h * s_zh
-    dout_row = dout_ptr + b * s_gb + h * s_gh
+    """Grid (nchunks * blocks_per_chunk, batch * nheads): a block of columns s of one chunk.
+    dX_s = sum_{l >= s} M_ls dy_l + the state outputs' parts, dB_s likewise; writes dx (x's layout,
+    contiguous), the per-head float32 dB (batch, seqlen, nheads, dstate), the partial dD (batch,
+    nchunks, blocks_per_chunk, nheads, headdim), and into scratch rows: B_s . dB_s without the end
+    state's part (dlB), that part's R_s = v_s X_s . (dE B_s) (see ssd_bwd_ddt_kernel) and x_s . dX_s."""
+    c = tl.program_id(0) // blocks_per_chunk
+    j = tl.program_id(0) % blocks_per_chunk
+    b, h, x_row, dt_row, B_row, C_row, seq_row, bias, A, z_row, dout_row, t0, seq_before, seq_end, state_row, \
+        scratch_row, out_row = _chunk_program(
+            tl.program_id(1), c, nheads, heads_per_group, Q, seqlen, nchunks, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr,
+            bias_ptr, seq_ptr, z_ptr, dout_ptr, s_xb, s_xh, s_dtb, s_dth, s_Bb, s_Bg, s_Cb, s_Cg, s_seqb, s_seqt,
+            s_zb, s_zh, s_gb, s_gh, HAS_BIAS, HAS_SEQ)
     pp = tl.arange(0, BLOCK_P)
     nn = tl.arange(0, BLOCK_N)
-    t0 = c * Q
     nblocks = tl.cdiv(tl.minimum(Q, seqlen - t0), BLOCK_T)
-    seq_before = _seq_at(seq_row, t0 - 1, s_seqt, HAS_SEQ)
-    t_end = tl.minimum(t0 + Q, seqlen) - 1
-    seq_end = _seq_at(seq_row, t_end, s_seqt, HAS_SEQ)
-    state_row = (b * nchunks + c) * nheads + h
-    bh_row = b * nheads + h
-    dl_row = dl_ptr + bh_row * seqlen
-    xdx_row = xdx_ptr + bh_row * seqlen
-    gh_row = (b * seqlen) * nheads + h  # row of token 0 in the (batch, seqlen, nheads, ...) outputs, times nheads
-
-    # dC_l = w_l dy_l S + sum_{s <= l} (dy_l . dt_s x_s) exp(L_l - L_s) B_s, and its part C_l . dC_l of dL_l
-    state = _operand(_state_tile(states_ptr, state_row, pp, nn, headdim, dstate), x_ptr, DOT_F32)
-    run_l = 0.0
-    for i in range(0, nblocks):
+    t_s, valid_s = _block(t0, j, Q, seqlen, BLOCK_T)
+    dt_s, a_s = _dt(dt_row, t_s, valid_s, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
+    L_s = tl.cumsum(a_s, axis=0)  # from the block start
+    seq_s = _seq(seq_row, t_s, valid_s, s_seqt, HAS_SEQ)
+    X_op = _operand(_tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp) * dt_s[:, None], x_ptr, DOT_F32)
+    B_op = _operand(_tile(B_row, t_s, valid_s, s_Bt, nn, dstate, s_Bn), x_ptr, DOT_F32)
+    # The state after the chunk, H_end = w_end S + sum_s v_s X_s B_s^T, v_s = exp(L_end - L_s): its parts
+    # of dX now and of dB after the loop (the (headdim, dstate) tile is dead during the loop: registers are
+    # this kernel's limit, and tiles used once are read again rather than kept for the same reason).
+    to_end = 0.0  # L_end less L at this block's start, summed forward so that it rounds as the sum it is
+    for i in range(j, nblocks):
+        t, valid = _block(t0, i, Q, seqlen, BLOCK_T)
+        to_end += tl.sum(_dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1], axis=0)
+    v = tl.where(valid_s & (seq_s == seq_end), tl.exp(to_end - L_s), 0.0)
+    dends = _operand(_state_tile(dends_ptr, state_row, pp, nn, headdim, dstate), x_ptr, DOT_F32)
+    dX = _dot(B_op, tl.trans(dends), DOT_F32) * v[:, None]
+    R = tl.sum(_tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp) * dX, axis=1) * dt_s
+    tl.store(R_ptr + scratch_row + t_s, R, mask=valid_s)
+    dB = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    if HAS_DVARLEN:  # the varlen states ending in this chunk, as the end state below
+        before = 0.0
+        for k in range(0, j):
+            t, valid = _block(t0, k, Q, seqlen, BLOCK_T)
+            before += tl.sum(_dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1], axis=0)
+        for k in range(tl.load(first_ptr + c), tl.load(first_ptr + c + 1)):
+            e = tl.load(cu_ptr + k + 1).to(tl.int32) - 1
+            L_e = _log_decay_through(t0, e, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT, BLOCK_T)
+            v_e = tl.where(valid_s & (t_s <= e) & (seq_s == _seq_at(seq_row, e, s_seqt, HAS_SEQ)),
+                           tl.exp(L_e - before - L_s), 0.0)
+            dV = _operand(_state_tile(dvarlen_ptr, k * nheads + h, pp, nn, headdim, dstate), x_ptr, DOT_F32)
+            dX += _dot(B_op, tl.trans(dV), DOT_F32) * v_e[:, None]
+            dB += _dot(X_op, dV, DOT_F32) * v_e[:, None]
+    between = 0.0  # the sum of a from this block's start to the row block's
+    for i in range(j, nblocks):
         t_l, valid_l = _block(t0, i, Q, seqlen, BLOCK_T)
-        _, _, _, a_l = _dt(dt_row, t_l, valid_l, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
-        L_l = tl.cumsum(a_l, axis=0)  # from the block start (exponents as in ssd_chunk_scan_kernel)
-        seq_l = _seq(seq_row, t_l, valid_l, s_seqt, HAS_SEQ)
-        dy_l = _dy(dout_row, z_row, t_l, valid_l, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z)
-        w_l = tl.where(valid_l & (seq_l == seq_before), tl.exp(run_l + L_l), 0.0)
-        run_l += tl.sum(a_l, axis=0)
-        dC = _dot(_operand(dy_l * w_l[:, None], x_ptr, DOT_F32), state, DOT_F32)
-        dy_l = _operand(dy_l, x_ptr, DOT_F32)
-        between = 0.0
-        for jj in range(0, i + 1):
-            t_s, valid_s = _block(t0, i - jj, Q, seqlen, BLOCK_T)
-            _, _, dt_s, a_s = _dt(dt_row, t_s, valid_s, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
-            between += tl.where(jj > 0, tl.sum(a_s, axis=0), 0.0)
-            L_s = tl.cumsum(a_s, axis=0) - between
-            X_s = _operand(_tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp) * dt_s[:, None], x_ptr, DOT_F32)
-            dM = _dot(dy_l, tl.trans(X_s), DOT_F32) * _decay_matrix(
-                L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l, _seq(seq_row, t_s, valid_s, s_seqt, HAS_SEQ))
-            B_s = _tile(B_row, t_s, valid_s, s_Bt, nn, dstate, s_Bn)
-            dC += _dot(_operand(dM, x_ptr, DOT_F32), _operand(B_s, x_ptr, DOT_F32), DOT_F32)
-        _store_rows(dC_ptr, gh_row, t_l * nheads, valid_l, nn, dstate, dC)
-        C_l = _tile(C_row, t_l, valid_l, s_Ct, nn, dstate, s_Cn)
-        tl.store(dl_row + t_l, tl.sum(C_l * dC, axis=1), mask=valid_l)
-    L_end = run_l
+        a_l = _dt(dt_row, t_l, valid_l, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1]
+        E = _decay_matrix(between + tl.cumsum(a_l, axis=0), L_s, t_l, t_s, valid_l, valid_s,
+                          _seq(seq_row, t_l, valid_l, s_seqt, HAS_SEQ), seq_s)
+        between += tl.sum(a_l, axis=0)
+        dy_l = _operand(_dy(dout_row, z_row, t_l, valid_l, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z), x_ptr,
+                        DOT_F32)
+        dM = _dot(dy_l, tl.trans(X_op), DOT_F32) * E
+        C_l = _operand(_tile(C_row, t_l, valid_l, s_Ct, nn, dstate, s_Cn), x_ptr, DOT_F32)
+        dB += _dot(tl.trans(_operand(dM, x_ptr, DOT_F32)), C_l, DOT_F32)
+        M = _dot(C_l, tl.trans(B_op), DOT_F32) * E
+        dX += _dot(tl.trans(_operand(M, x_ptr, DOT_F32)), dy_l, DOT_F32)
+    x_s = _tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp)
+    tl.store(xdx_ptr + scratch_row + t_s, tl.sum(x_s * dX, axis=1), mask=valid_s)
+    dy_s = _dy(dout_row, z_row, t_s, valid_s, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z)
+    dx = dX * dt_s[:, None]
+    if HAS_D:
+        if D_CHANNEL:
+            dx += tl.load(D_ptr + h * s_Dh + pp, mask=pp < headdim, other=0.0).to(tl.float32)[None, :] * dy_s
+        else:
+            dx += tl.load(D_ptr + h).to(tl.float32) * dy_s
+        part = ((b * nchunks + c) * blocks_per_chunk + j) * nheads + h
+        tl.store(dD_ptr + part * headdim + pp, tl.sum(dy_s * x_s, axis=0), mask=pp < headdim)
+    _store_rows(dx_ptr, out_row, t_s * nheads, valid_s, pp, headdim, dx)
+    # dL_s's part -B_s . dB_s, without the end state's (ssd_bwd_ddt_kernel takes that as R)
+    B_s = _tile(B_row, t_s, valid_s, s_Bt, nn, dstate, s_Bn)
+    tl.store(dlB_ptr + scratch_row + t_s, tl.sum(B_s * dB, axis=1), mask=valid_s)
+    dends = _operand(_state_tile(dends_ptr, state_row, pp, nn, headdim, dstate), x_ptr, DOT_F32)
+    _store_rows(dB_ptr, out_row, t_s * nheads, valid_s, nn, dstate, dB + _dot(X_op, dends, DOT_F32) * v[:, None])
 
-    # dX_s = sum_{l >= s} M_ls dy_l + (the state outputs' parts), dB_s likewise; dL_s -= B_s . dB_s
-    dends = _state_tile(dends_ptr, state_row, pp, nn, headdim, dstate)
-    dends_op = _operand(dends, x_ptr, DOT_F32)
-    # The state after the chunk, H_end = w_end S + sum_s v_s X_s B_s^T with v_s = exp(L_end - L_s), gives
-    # dL_end += <dE, H_end> and dL_s -= R_s = v_s X_s . (dE B_s): in da_t = sum_{l >= t} dL_l they add up
-    # to w_end <dE, S> + sum_{s < t} R_s, taken so (adding the large terms that cancel would round).
-    kept_end = tl.where(seq_end == seq_before, tl.exp(L_end), 0.0)
-    da_end = kept_end * tl.sum(tl.sum(dends * _state_tile(states_ptr, state_row, pp, nn, headdim, dstate), axis=1),
-                               axis=0)
-    dA_acc = 0.0
-    dD_acc = tl.zeros([BLOCK_P], dtype=tl.float32)
-    tl.debug_barrier()  # dl, written above, is read and rewritten below, maybe by other threads
-    before = 0.0  # L at the end of the block before
-    for j in range(0, nblocks):
-        t_s, valid_s = _block(t0, j, Q, seqlen, BLOCK_T)
-        _, _, dt_s, a_s = _dt(dt_row, t_s, valid_s, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
-        L_s = tl.cumsum(a_s, axis=0)  # from the block start
-        seq_s = _seq(seq_row, t_s, valid_s, s_seqt, HAS_SEQ)
-        x_s = _tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp)
-        X_s = x_s * dt_s[:, None]
-        X_op = _operand(X_s, x_ptr, DOT_F32)
-        B_s = _tile(B_row, t_s, valid_s, s_Bt, nn, dstate, s_Bn)
-        B_op = _operand(B_s, x_ptr, DOT_F32)
-        dX = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)
-        dB = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-        if HAS_DVARLEN:  # the varlen states ending in this chunk, as the end state below
-            for k in range(tl.load(first_ptr + c), tl.load(first_ptr + c + 1)):
-                e = tl.load(cu_ptr + k + 1).to(tl.int32) - 1
-                L_e = _log_decay_through(t0, e, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT,
-                                         BLOCK_T)
-                v_e = tl.where(valid_s & (t_s <= e) & (seq_s == _seq_at(seq_row, e, s_seqt, HAS_SEQ)),
-                               tl.exp(L_e - before - L_s), 0.0)
-                dV = _operand(_state_tile(dvarlen_ptr, k * nheads + h, pp, nn, headdim, dstate), x_ptr, DOT_F32)
-                dX += _dot(B_op, tl.trans(dV), DOT_F32) * v_e[:, None]
-                dB += _dot(X_op, dV, DOT_F32) * v_e[:, None]
-        between = 0.0  # the sum of a from this block's start to the row block's
-        for i in range(j, nblocks):
-            t_l, valid_l = _block(t0, i, Q, seqlen, BLOCK_T)
-            _, _, _, a_l = _dt(dt_row, t_l, valid_l, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
-            E = _decay_matrix(between + tl.cumsum(a_l, axis=0), L_s, t_l, t_s, valid_l, valid_s,
-                              _seq(seq_row, t_l, valid_l, s_seqt, HAS_SEQ), seq_s)
-            between += tl.sum(a_l, axis=0)
-            C_l = _operand(_tile(C_row, t_l, valid_l, s_Ct, nn, dstate, s_Cn), x_ptr, DOT_F32)
-            dy_l = _operand(_dy(dout_row, z_row, t_l, valid_l, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z), x_ptr,
-                            DOT_F32)
-            M = _dot(C_l, tl.trans(B_op), DOT_F32) * E
-            dX += _dot(tl.trans(_operand(M, x_ptr, DOT_F32)), dy_l, DOT_F32)
-            dM = _dot(dy_l, tl.trans(X_op), DOT_F32) * E
-            dB += _dot(tl.trans(_operand(dM, x_ptr, DOT_F32)), C_l, DOT_F32)
-        before += tl.sum(a_s, axis=0)
-        # dL_s -= B_s . dB_s (the end state's part of dB is taken below, in da directly)
-        tl.store(dl_row + t_s, tl.load(dl_row + t_s, mask=valid_s, other=0.0) - tl.sum(B_s * dB, axis=1),
-                 mask=valid_s)
-        # the state after the chunk, with v_s = exp(L_end - L_s), L_end - L_s = between - L_s
-        v = tl.where(valid_s & (seq_s == seq_end), tl.exp(between - L_s), 0.0)
-        dX_end = _dot(B_op, tl.trans(dends_op), DOT_F32) * v[:, None]
-        dB += _dot(X_op, dends_op, DOT_F32) * v[:, None]
-        R = tl.sum(X_s * dX_end, axis=1)
-        da_end_s = da_end + tl.cumsum(R, axis=0) - R
-        da_end += tl.sum(R, axis=0)
-        dA_acc += tl.sum(dt_s * da_end_s, axis=0)
-        dX += dX_end
-        dy_s = _dy(dout_row, z_row, t_s, valid_s, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z)
-        dx = dX * dt_s[:, None]
-        if HAS_D:
-            if D_CHANNEL:
-                dx += tl.load(D_ptr + h * s_Dh + pp, mask=pp < headdim, other=0.0).to(tl.float32)[None, :] * dy_s
-            else:
-                dx += tl.load(D_ptr + h).to(tl.float32) * dy_s
-            dD_acc += tl.sum(dy_s * x_s, axis=0)
-        _store_rows(dx_ptr, gh_row, t_s * nheads, valid_s, pp, headdim, dx)
-        _store_rows(dB_ptr, gh_row, t_s * nheads, valid_s, nn, dstate, dB)
-        tl.store(xdx_row + t_s, tl.sum(x_s * dX, axis=1) + A * da_end_s, mask=valid_s)
-    if HAS_DVARLEN:  # <dV_e, H_e> enters dL_e at each varlen end e in the chunk
-        state = _state_tile(states_ptr, state_row, pp, nn, headdim, dstate)
+
+@triton.jit
+def ssd_bwd_ddt_kernel(
+    x_ptr, dt_ptr, A_ptr, B_ptr, bias_ptr, seq_ptr, states_ptr, dends_ptr, dvarlen_ptr, cu_ptr, first_ptr,
+    dlC_ptr, dlB_ptr, R_ptr, xdx_ptr, ddt_ptr, dA_ptr, dbias_ptr,
+    seqlen, nheads, headdim, dstate, Q, nchunks, heads_per_group, lo, hi,
+    s_xb, s_xt, s_xh, s_xp, s_dtb, s_dtt, s_dth, s_Bb, s_Bt, s_Bg, s_Bn, s_seqb, s_seqt,
+    HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    HAS_DVARLEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Grid (nchunks, batch * nheads). ddt (dt's layout, contiguous) and the float32 partials of dA and
+    dt_bias (batch * nchunks * nheads,), from the scratch rows of the two kernels above.
+
+    a_t = dt_t A enters every L_l from t on, so da_t = sum_{l >= t} dL_l, with dL_l = C_l . dC_l -
+    B_l . dB_l (the part of the quadratic form and the entering state) plus <dH_e, H_e> at each state
+    output e. For the end state, H_end = w_end S + sum_s v_s X_s B_s^T, those terms add up in da_t to
+    w_end <dE, S> + sum_{s < t} R_s, taken so: summing the large terms that cancel would round."""
+    c = tl.program_id(0)
+    b, h, x_row, dt_row, B_row, _, seq_row, bias, A, _, _, t0, seq_before, seq_end, state_row, scratch_row, _ = \
+        _chunk_program(tl.program_id(1), c, nheads, heads_per_group, Q, seqlen, nchunks, x_ptr, dt_ptr, A_ptr,
+                       B_ptr, B_ptr, bias_ptr, seq_ptr, x_ptr, x_ptr, s_xb, s_xh, s_dtb, s_dth, s_Bb, s_Bg, s_Bb,
+                       s_Bg, s_seqb, s_seqt, 0, 0, 0, 0, HAS_BIAS, HAS_SEQ)
+    pp = tl.arange(0, BLOCK_P)
+    nn = tl.arange(0, BLOCK_N)
+    nblocks = tl.cdiv(tl.minimum(Q, seqlen - t0), BLOCK_T)
+    state = _state_tile(states_ptr, state_row, pp, nn, headdim, dstate)
+    if HAS_DVARLEN:  # <dV_e, H_e> enters dL_e at each varlen end e of the chunk
         for k in range(tl.load(first_ptr + c), tl.load(first_ptr + c + 1)):
             e = tl.load(cu_ptr + k + 1).to(tl.int32) - 1
             H_e = _state_at(state, t0, e, seq_before, Q, seqlen, x_row, dt_row, B_row, seq_row, bias, A, lo, hi,
                             pp, nn, headdim, dstate, s_xt, s_xp, s_dtt, s_Bt, s_Bn, s_seqt,
                             SOFTPLUS, HAS_LIMIT, HAS_SEQ, DOT_F32, BLOCK_T)
             dV = _state_tile(dvarlen_ptr, k * nheads + h, pp, nn, headdim, dstate)
+            _add_at(dlC_ptr + scratch_row + e, tl.sum(tl.sum(dV * H_e, axis=1), axis=0))
             tl.debug_barrier()
-            _add_at(dl_row + e, tl.sum(tl.sum(dV * H_e, axis=1), axis=0))
+    # the end state's part of da, first to last (R is turned into it in place)
+    kept_end = tl.where(seq_end == seq_before, tl.exp(
+        _log_decay_through(t0, tl.minimum(t0 + Q, seqlen) - 1, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS,
+                           HAS_LIMIT, BLOCK_T)), 0.0)
+    da_end = kept_end * tl.sum(tl.sum(_state_tile(dends_ptr, state_row, pp, nn, headdim, dstate) * state, axis=1),
+                               axis=0)
+    for j in range(0, nblocks):
+        t, valid = _block(t0, j, Q, seqlen, BLOCK_T)
+        R = tl.load(R_ptr + scratch_row + t, mask=valid, other=0.0)
+        tl.store(R_ptr + scratch_row + t, da_end + tl.cumsum(R, axis=0) - R, mask=valid)
+        da_end += tl.sum(R, axis=0)
     tl.debug_barrier()
-
-    # da_t = sum_{l >= t} dL_l (a_t enters every L_l from t on); ddt = x . dX + A da, through the clamp
-    # and softplus; dA = sum dt da (the end state's part of da is in xdx and dA_acc already)
+    # the rest of da, last to first; ddt = x . dX + A da, through the clamp and softplus; dA = sum dt da
     after = 0.0
+    dA_acc = 0.0
     dbias_acc = 0.0
     for jj in range(0, nblocks):
-        j = nblocks - 1 - jj
-        t, valid = _block(t0, j, Q, seqlen, BLOCK_T)
-        raw, pre, dt, _ = _dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
-        dl = tl.load(dl_row + t, mask=valid, other=0.0)
-        da = after + tl.cumsum(dl, axis=0, reverse=True)
+        t, valid = _block(t0, nblocks - 1 - jj, Q, seqlen, BLOCK_T)
+        raw, pre, dt = _dt_steps(dt_row, t, valid, s_dtt, bias, lo, hi, SOFTPLUS, HAS_LIMIT)
+        dl = tl.load(dlC_ptr + scratch_row + t, mask=valid, other=0.0) - \
+            tl.load(dlB_ptr + scratch_row + t, mask=valid, other=0.0)
+        da = after + tl.cumsum(dl, axis=0, reverse=True) + tl.load(R_ptr + scratch_row + t, mask=valid, other=0.0)
         after += tl.sum(dl, axis=0)
         dA_acc += tl.sum(dt * da, axis=0)
-        ddt = tl.load(xdx_row + t, mask=valid, other=0.0) + A * da
+        ddt = tl.load(xdx_ptr + scratch_row + t, mask=valid, other=0.0) + A * da
         if HAS_LIMIT:
             ddt = tl.where((pre >= lo) & (pre <= hi), ddt, 0.0)
         if SOFTPLUS:
@@ -569,5 +631,3 @@ def ssd_chunk_bwd_kernel(
     tl.store(dA_ptr + part, dA_acc)
     if HAS_BIAS:
         tl.store(dbias_ptr + part, dbias_acc)
-    if HAS_D:
-        tl.store(dD_ptr + part * headdim + pp, dD_acc, mask=pp < headdim)
