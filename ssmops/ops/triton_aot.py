@@ -25,6 +25,7 @@ from triton.compiler import ASTSource, compile
 
 from . import _triton
 from .selective_scan import triton as scan_triton
+from .ssd import triton as ssd_triton
 
 TARGETS = {"sm90": ("cuda", 90, 32), "sm80": ("cuda", 80, 32), "gfx942": ("hip", "gfx942", 64)}
 _POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int32: "*i32",
@@ -54,6 +55,16 @@ def record_scan(fwd_args: tuple, deterministic: bool = False) -> list:
             scan_triton.selective_scan_bwd(*fwd_args[:9], torch.ones_like(out), x, torch.ones_like(last), fwd_args[9])
         finally:
             torch.use_deterministic_algorithms(was_deterministic)
+    return launches
+
+
+def record_ssd(fwd_args: tuple) -> list:
+    """The forward and backward launches for the arguments of `ssmops::ssd_scan_fwd` (CPU tensors will
+    do), the backward given every cotangent the forward's outputs can have."""
+    with recorded_launches() as launches:
+        out, final, states, varlen = ssd_triton.ssd_fwd(*fwd_args)
+        ssd_triton.ssd_bwd(*fwd_args, torch.ones_like(out), states, torch.ones_like(final),
+                           torch.ones_like(varlen) if fwd_args[10] is not None else None)
     return launches
 
 

@@ -29,6 +29,7 @@ from .triton_kernels import (
 # tests/test_triton.py, which compiles the launches for GPUs).
 BWD_BLOCK_T = 32
 BWD_WARPS = 8
+SCAN_WARPS = 8
 
 
 def _config(chunk_size: int, headdim: int, dstate: int) -> dict:
@@ -113,7 +114,7 @@ class _Launch:
             *self.token_strides("x", "dt", "B", "C", "z"), *_strides(dout, 4), *self.token_strides("seq"),
             D.stride(0) if D is not None else 0,
         ), dict(**self.d_flags, HAS_Z=self.inputs["z"] is not None, DZ=dout is not None, **self.flags, **cfg,
-                num_warps=4))
+                num_warps=SCAN_WARPS))
 
 
 def ssd_fwd(
@@ -198,11 +199,12 @@ def ssd_bwd(
         *(run.ptr(n) for n in ("x", "dt", "A", "B", "C", "z", "bias", "seq")), states, dout, dC_heads, dlC,
         *run.sizes, blocks, *strides,
     ), dict(HAS_Z=z is not None, **run.flags, **cfg, num_warps=BWD_WARPS))
-    _triton.launch(ssd_bwd_dx_kernel, grid, (
-        *(run.ptr(n) for n in ("x", "dt", "A", "B", "C", "D", "z", "bias", "seq")), dends, dout, *varlen_args,
-        dx, dB_heads, dD_part, dlB, R, xdx, *run.sizes, blocks, *strides, D.stride(0) if D is not None else 0,
-    ), dict(**run.d_flags, HAS_Z=z is not None, HAS_DVARLEN=dvarlen is not None, **run.flags, **cfg,
-            num_warps=BWD_WARPS))
+    for dx_side in (True, False):
+        _triton.launch(ssd_bwd_dx_kernel, grid, (
+            *(run.ptr(n) for n in ("x", "dt", "A", "B", "C", "D", "z", "bias", "seq")), dends, dout, *varlen_args,
+            dx, dB_heads, dD_part, dlB, R, xdx, *run.sizes, blocks, *strides, D.stride(0) if D is not None else 0,
+        ), dict(DX=dx_side, **run.d_flags, HAS_Z=z is not None, HAS_DVARLEN=dvarlen is not None, **run.flags, **cfg,
+                num_warps=BWD_WARPS))
     _triton.launch(ssd_bwd_ddt_kernel, (nchunks, batch * nheads), (
         *(run.ptr(n) for n in ("x", "dt", "A", "B", "bias", "seq")), states, dends, *varlen_args, dlC, dlB, R, xdx,
         ddt, dA_part, dbias_part, *run.sizes, *run.token_strides("x", "dt", "B", "seq"),

@@ -476,15 +476,21 @@ def ssd_bwd_dx_kernel(
     seqlen, nheads, headdim, dstate, Q, nchunks, heads_per_group, lo, hi, blocks_per_chunk,
     s_xb, s_xt, s_xh, s_xp, s_dtb, s_dtt, s_dth, s_Bb, s_Bt, s_Bg, s_Bn, s_Cb, s_Ct, s_Cg, s_Cn,
     s_zb, s_zt, s_zh, s_zp, s_gb, s_gt, s_gh, s_gp, s_seqb, s_seqt, s_Dh,
-    HAS_D: tl.constexpr, D_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_DVARLEN: tl.constexpr,
-    DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    DX: tl.constexpr, HAS_D: tl.constexpr, D_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    HAS_DVARLEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    """Grid (nchunks * blocks_per_chunk, batch * nheads): a block of columns s of one chunk.
-    dX_s = sum_{l >= s} M_ls dy_l + the state outputs' parts, dB_s likewise; writes dx (x's layout,
-    contiguous), the per-head float32 dB (batch, seqlen, nheads, dstate), the partial dD (batch,
-    nchunks, blocks_per_chunk, nheads, headdim), and into scratch rows: B_s . dB_s without the end
-    state's part (dlB), that part's R_s = v_s X_s . (dE B_s) (see ssd_bwd_ddt_kernel) and x_s . dX_s."""
+    """Grid (nchunks * blocks_per_chunk, batch * nheads): a block of columns s of one chunk, launched
+    twice (their accumulators and GEMM operands together would spill registers):
+
+    DX: dX_s = sum_{l >= s} M_ls dy_l (M_ls = (C_l . B_s) exp(L_l - L_s)) + the state outputs' parts;
+      writes dx (x's layout, contiguous), the partial dD (batch, nchunks, blocks_per_chunk, nheads,
+      headdim) and, into scratch rows, x_s . dX_s and R_s = v_s X_s . (dE B_s), the end state's part
+      of the log-decay gradient (see ssd_bwd_ddt_kernel);
+    else: dB_s = sum_{l >= s} (dy_l . X_s) exp(L_l - L_s) C_l + the state outputs' parts, into the
+      per-head float32 dB (batch, seqlen, nheads, dstate), and B_s . dB_s without the end state's part
+      into the scratch row dlB."""
     c = tl.program_id(0) // blocks_per_chunk
     j = tl.program_id(0) % blocks_per_chunk
     b, h, x_row, dt_row, B_row, C_row, seq_row, bias, A, z_row, dout_row, t0, seq_before, seq_end, state_row, \
@@ -499,22 +505,25 @@ def ssd_bwd_dx_kernel(
     dt_s, a_s = _dt(dt_row, t_s, valid_s, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
     L_s = tl.cumsum(a_s, axis=0)  # from the block start
     seq_s = _seq(seq_row, t_s, valid_s, s_seqt, HAS_SEQ)
-    X_op = _operand(_tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp) * dt_s[:, None], x_ptr, DOT_F32)
-    B_op = _operand(_tile(B_row, t_s, valid_s, s_Bt, nn, dstate, s_Bn), x_ptr, DOT_F32)
-    # The state after the chunk, H_end = w_end S + sum_s v_s X_s B_s^T, v_s = exp(L_end - L_s): its parts
-    # of dX now and of dB after the loop (the (headdim, dstate) tile is dead during the loop: registers are
-    # this kernel's limit, and tiles used once are read again rather than kept for the same reason).
+    if DX:
+        op = _operand(_tile(B_row, t_s, valid_s, s_Bt, nn, dstate, s_Bn), x_ptr, DOT_F32)  # B_s
+        acc = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)
+    else:
+        op = _operand(_tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp) * dt_s[:, None], x_ptr, DOT_F32)  # X_s
+        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    # The state after the chunk, H_end = w_end S + sum_s v_s X_s B_s^T, v_s = exp(L_end - L_s), and the
+    # varlen states ending in the chunk likewise: dX_s += v_s dE B_s, dB_s += v_s dE^T X_s.
     to_end = 0.0  # L_end less L at this block's start, summed forward so that it rounds as the sum it is
     for i in range(j, nblocks):
         t, valid = _block(t0, i, Q, seqlen, BLOCK_T)
         to_end += tl.sum(_dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1], axis=0)
     v = tl.where(valid_s & (seq_s == seq_end), tl.exp(to_end - L_s), 0.0)
-    dends = _operand(_state_tile(dends_ptr, state_row, pp, nn, headdim, dstate), x_ptr, DOT_F32)
-    dX = _dot(B_op, tl.trans(dends), DOT_F32) * v[:, None]
-    R = tl.sum(_tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp) * dX, axis=1) * dt_s
-    tl.store(R_ptr + scratch_row + t_s, R, mask=valid_s)
-    dB = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-    if HAS_DVARLEN:  # the varlen states ending in this chunk, as the end state below
+    if DX:
+        acc = _dot(op, tl.trans(_operand(_state_tile(dends_ptr, state_row, pp, nn, headdim, dstate), x_ptr,
+                                         DOT_F32)), DOT_F32) * v[:, None]
+        R = tl.sum(_tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp) * acc, axis=1) * dt_s
+        tl.store(R_ptr + scratch_row + t_s, R, mask=valid_s)
+    if HAS_DVARLEN:
         before = 0.0
         for k in range(0, j):
             t, valid = _block(t0, k, Q, seqlen, BLOCK_T)
@@ -525,8 +534,11 @@ def ssd_bwd_dx_kernel(
             v_e = tl.where(valid_s & (t_s <= e) & (seq_s == _seq_at(seq_row, e, s_seqt, HAS_SEQ)),
                            tl.exp(L_e - before - L_s), 0.0)
             dV = _operand(_state_tile(dvarlen_ptr, k * nheads + h, pp, nn, headdim, dstate), x_ptr, DOT_F32)
-            dX += _dot(B_op, tl.trans(dV), DOT_F32) * v_e[:, None]
-            dB += _dot(X_op, dV, DOT_F32) * v_e[:, None]
+            if DX:
+                acc += _dot(op, tl.trans(dV), DOT_F32) * v_e[:, None]
+            else:
+                acc += _dot(op, dV, DOT_F32) * v_e[:, None]
+    # (tiles used once are read again rather than kept: registers are this kernel's limit)
     between = 0.0  # the sum of a from this block's start to the row block's
     for i in range(j, nblocks):
         t_l, valid_l = _block(t0, i, Q, seqlen, BLOCK_T)
@@ -536,28 +548,32 @@ def ssd_bwd_dx_kernel(
         between += tl.sum(a_l, axis=0)
         dy_l = _operand(_dy(dout_row, z_row, t_l, valid_l, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z), x_ptr,
                         DOT_F32)
-        dM = _dot(dy_l, tl.trans(X_op), DOT_F32) * E
         C_l = _operand(_tile(C_row, t_l, valid_l, s_Ct, nn, dstate, s_Cn), x_ptr, DOT_F32)
-        dB += _dot(tl.trans(_operand(dM, x_ptr, DOT_F32)), C_l, DOT_F32)
-        M = _dot(C_l, tl.trans(B_op), DOT_F32) * E
-        dX += _dot(tl.trans(_operand(M, x_ptr, DOT_F32)), dy_l, DOT_F32)
-    x_s = _tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp)
-    tl.store(xdx_ptr + scratch_row + t_s, tl.sum(x_s * dX, axis=1), mask=valid_s)
-    dy_s = _dy(dout_row, z_row, t_s, valid_s, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z)
-    dx = dX * dt_s[:, None]
-    if HAS_D:
-        if D_CHANNEL:
-            dx += tl.load(D_ptr + h * s_Dh + pp, mask=pp < headdim, other=0.0).to(tl.float32)[None, :] * dy_s
+        if DX:
+            M = _dot(C_l, tl.trans(op), DOT_F32) * E
+            acc += _dot(tl.trans(_operand(M, x_ptr, DOT_F32)), dy_l, DOT_F32)
         else:
-            dx += tl.load(D_ptr + h).to(tl.float32) * dy_s
-        part = ((b * nchunks + c) * blocks_per_chunk + j) * nheads + h
-        tl.store(dD_ptr + part * headdim + pp, tl.sum(dy_s * x_s, axis=0), mask=pp < headdim)
-    _store_rows(dx_ptr, out_row, t_s * nheads, valid_s, pp, headdim, dx)
-    # dL_s's part -B_s . dB_s, without the end state's (ssd_bwd_ddt_kernel takes that as R)
-    B_s = _tile(B_row, t_s, valid_s, s_Bt, nn, dstate, s_Bn)
-    tl.store(dlB_ptr + scratch_row + t_s, tl.sum(B_s * dB, axis=1), mask=valid_s)
-    dends = _operand(_state_tile(dends_ptr, state_row, pp, nn, headdim, dstate), x_ptr, DOT_F32)
-    _store_rows(dB_ptr, out_row, t_s * nheads, valid_s, nn, dstate, dB + _dot(X_op, dends, DOT_F32) * v[:, None])
+            dM = _dot(dy_l, tl.trans(op), DOT_F32) * E
+            acc += _dot(tl.trans(_operand(dM, x_ptr, DOT_F32)), C_l, DOT_F32)
+    if DX:
+        x_s = _tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp)
+        tl.store(xdx_ptr + scratch_row + t_s, tl.sum(x_s * acc, axis=1), mask=valid_s)
+        dy_s = _dy(dout_row, z_row, t_s, valid_s, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z)
+        dx = acc * dt_s[:, None]
+        if HAS_D:
+            if D_CHANNEL:
+                dx += tl.load(D_ptr + h * s_Dh + pp, mask=pp < headdim, other=0.0).to(tl.float32)[None, :] * dy_s
+            else:
+                dx += tl.load(D_ptr + h).to(tl.float32) * dy_s
+            part = ((b * nchunks + c) * blocks_per_chunk + j) * nheads + h
+            tl.store(dD_ptr + part * headdim + pp, tl.sum(dy_s * x_s, axis=0), mask=pp < headdim)
+        _store_rows(dx_ptr, out_row, t_s * nheads, valid_s, pp, headdim, dx)
+    else:
+        # dL_s's part -B_s . dB_s, without the end state's (ssd_bwd_ddt_kernel takes that as R)
+        B_s = _tile(B_row, t_s, valid_s, s_Bt, nn, dstate, s_Bn)
+        tl.store(dlB_ptr + scratch_row + t_s, tl.sum(B_s * acc, axis=1), mask=valid_s)
+        dends = _operand(_state_tile(dends_ptr, state_row, pp, nn, headdim, dstate), x_ptr, DOT_F32)
+        _store_rows(dB_ptr, out_row, t_s * nheads, valid_s, nn, dstate, acc + _dot(op, dends, DOT_F32) * v[:, None])
 
 
 @triton.jit
