@@ -109,7 +109,7 @@ def test_triton_ops_match_main_ops_and_schemas():
 def test_triton_is_the_gpu_kernel_of_the_main_ops():
     """Eager calls of the main ops on CUDA (ROCm) or XPU tensors dispatch to the Triton launchers."""
     for op in ("ssmops::selective_scan_fwd", "ssmops::selective_scan_bwd", "ssmops::selective_state_update",
-               "ssmops::ssd_scan_fwd", "ssmops::ssd_scan_bwd"):
+               "ssmops::multihead_state_update", "ssmops::ssd_scan_fwd", "ssmops::ssd_scan_bwd"):
         for key in ("CUDA", "XPU"):
             assert torch._C._dispatch_has_kernel_for_dispatch_key(op, key), (op, key)
         # CPU keeps its own kernel (the C++ library or default), not Triton
@@ -197,6 +197,29 @@ def test_triton_ssd_opcheck():
     fwd_args = _ssd_args(batch=1, seqlen=20, nheads=2, headdim=4, ngroups=1, dstate=4, varlen=True)
     torch.library.opcheck(torch.ops.ssmops.ssd_scan_fwd_triton.default, fwd_args)
     torch.library.opcheck(torch.ops.ssmops.ssd_scan_bwd_triton.default, _ssd_bwd_args(fwd_args))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "per-channel"])
+def test_triton_multihead_state_update_opcheck_and_strided_state(tied):
+    """The multi-head step writes through to the caller's (strided) cache rows, and is a well-formed operator."""
+    from ops.test_state_update import multihead_inputs
+
+    kw = multihead_inputs(tied=tied, cache=4, state_dtype=torch.bfloat16, D="head" if tied else "channel")
+    expected_state = kw["state"].clone()
+    with ssmops.use_backend("default"):
+        expected = ssmops.selective_state_update(**{**kw, "state": expected_state})
+    buffer = torch.zeros(*kw["state"].shape[:3], 2 * kw["state"].shape[3], dtype=kw["state"].dtype)
+    state = buffer[..., ::2]
+    state.copy_(kw["state"])
+    with ssmops.use_backend("triton"):
+        y = ssmops.selective_state_update(**{**kw, "state": state})
+    assert_close(y, expected, TOLERANCES[torch.float32], "y")
+    assert_close(state.float(), expected_state.float(), TOLERANCES[torch.bfloat16], "state")
+    args = [kw[k] for k in ("state", "x", "dt", "A", "B", "C", "D", "z", "dt_bias", "state_batch_indices")]
+    if tied:  # the operator's per-head forms, as the front end passes them
+        args[2], args[3], args[8] = args[2][..., 0], args[3][:, 0, 0], args[8][:, 0]
+    torch.library.opcheck(torch.ops.ssmops.multihead_state_update_triton.default, (*args, kw["dt_softplus"]))
 
 
 @needs_interpreter
@@ -353,11 +376,19 @@ def test_triton_ssd_kernels_compile_for_gpus_without_spilling(target, name):
     sizes, compiled for a GPU: no register spills."""
     from ssmops.ops import triton_aot as aot
 
+    from ssmops.ops.state_update import triton as state_update_triton
+
     args = _ssd_compile_args(name)
     launches = aot.record_ssd(args)
     expected = SSD_KERNELS[:1] + ["ssd_chunk_scan_kernel"] + (["ssd_varlen_states_kernel"] if args[10] is not None
                                                                else []) + SSD_KERNELS[2:]
     assert [k.__name__ for k, _, _ in launches] == expected
+    x, dt, A, B = args[:4]
+    with aot.recorded_launches() as step:  # the decoding step: tied dt/A/dt_bias (Mamba2's), a cache in x's dtype
+        state_update_triton.multihead_state_update(
+            torch.zeros(3, *x.shape[2:], B.shape[-1], dtype=x.dtype), x[:, 0], dt[:, 0], A, B[:, 0], B[:, 0],
+            args[5], x[:, 0], args[7], torch.tensor([2, 0], dtype=torch.int32)[: x.shape[0]], True)
+    launches += step
     for kernel, kernel_args, meta in launches:
         usage = aot.resource_usage(aot.compile_launch(kernel, kernel_args, meta, target))
         print(kernel.__name__, target, meta["num_warps"], usage)
