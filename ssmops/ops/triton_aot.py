@@ -116,9 +116,10 @@ def resource_usage(compiled) -> dict:
     return dict(regs=int(regs), spills=int(stack) + int(local))
 
 
-def innermost_loop(compiled) -> Optional[collections.Counter]:
+def innermost_loop(compiled, containing: Optional[tuple] = None) -> Optional[collections.Counter]:
     """Opcode counts of the shortest backward-branching span of an NVIDIA kernel's SASS (its
-    innermost loop), or None if it has no loop."""
+    innermost loop), or of the shortest holding one of the opcodes `containing` (e.g. the tensor-core
+    loop of a kernel with shorter ones), or None if it has no such loop."""
     instructions = []
     for line in _cuobjdump(compiled, "-sass").splitlines():
         m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
@@ -130,7 +131,6 @@ def innermost_loop(compiled) -> Optional[collections.Counter]:
         if target and int(target.group(1), 16) < address:
             start = next(j for j, (a, _) in enumerate(instructions) if a == int(target.group(1), 16))
             loops.append(instructions[start:i + 1])
-    if not loops:
-        return None
-    body = min(loops, key=len)
-    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0] for _, text in body)
+    counts = [collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0] for _, text in body)
+              for body in sorted(loops, key=len)]
+    return next((c for c in counts if containing is None or any(c[op] for op in containing)), None)

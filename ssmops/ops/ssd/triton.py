@@ -29,7 +29,8 @@ from .triton_kernels import (
 # tests/test_triton.py, which compiles the launches for GPUs).
 BWD_BLOCK_T = 32
 BWD_WARPS = 8
-SCAN_WARPS = 8
+SCAN_WARPS = 8  # the forward's output kernel (its 64-token blocks spill on 4)
+STATE_WARPS = 8  # the state passes, forward and backward (a (64, 64) state tile and a block's tiles)
 
 
 def _config(chunk_size: int, headdim: int, dstate: int) -> dict:
@@ -133,7 +134,7 @@ def ssd_fwd(
         *(run.ptr(n) for n in ("x", "dt", "A", "B", "bias")),
         initial_states if initial_states is not None else x, run.ptr("seq"), states, final, *run.sizes,
         *run.token_strides("x", "dt", "B", "seq"), *_strides(initial_states, 4),
-    ), dict(HAS_INIT=initial_states is not None, **run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles, num_warps=4))
+    ), dict(HAS_INIT=initial_states is not None, **run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles, num_warps=STATE_WARPS))
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     run.chunk_scan(states, out, None)
     varlen = x.new_empty(0, dtype=torch.float32)
@@ -142,7 +143,7 @@ def ssd_fwd(
         _triton.launch(ssd_varlen_states_kernel, run.state_grid(tiles, run.nseq * nheads), (
             *(run.ptr(n) for n in ("x", "dt", "A", "B", "bias", "seq")), cu_seqlens, states, varlen, *run.sizes,
             *x.stride()[1:], *dt.stride()[1:], *B.stride()[1:], seq_idx.stride(1),
-        ), dict(**run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles, num_warps=4))
+        ), dict(**run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles, num_warps=STATE_WARPS))
     return out, final, states, varlen
 
 
@@ -179,7 +180,7 @@ def ssd_bwd(
         dfinal if dfinal is not None else states, *varlen_args, dends, dinit if initial_states is not None else dends,
         *run.sizes, *run.token_strides("dt", "C", "z"), *dout.stride(), *run.token_strides("seq"),
     ), dict(HAS_Z=z is not None, HAS_DFINAL=dfinal is not None, HAS_DVARLEN=dvarlen is not None,
-            HAS_INIT=initial_states is not None, **run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles, num_warps=4))
+            HAS_INIT=initial_states is not None, **run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles, num_warps=STATE_WARPS))
 
     # every chunk's gradients, by blocks of tokens; B and C's per head, then summed over each group's heads
     # in a fixed order
