@@ -219,6 +219,12 @@ def sweep_tiles(fwd, bwd, repeats: int) -> None:
 SSD_LAYER = dict(nheads=80, headdim=64, ngroups=1, dstate=128, chunk=256)  # mamba2-2.7b
 
 
+def ssd_shape(args) -> str:
+    """The SSD rows' shape, in words (also benchmarks/triton_static.py's)."""
+    layer = ", ".join(f"{k} {v}" for k, v in SSD_LAYER.items())
+    return f"SSD scan: batch {args.batch}, seqlen {args.seqlen}, {layer}, {args.dtype}"
+
+
 def ssd_inputs(batch: int, seqlen: int, dtype, requires_grad: bool = False) -> dict:
     """mamba_chunk_scan_combined's keyword arguments as Mamba2 passes them, at SSD_LAYER's sizes."""
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -268,8 +274,7 @@ def ssd_rows(args) -> None:
     dtype = DTYPES[args.dtype]
     shape = dict(SSD_LAYER, batch=args.batch, seqlen=args.seqlen)
     fwd_flops = flops(shape)
-    print(f"\nSSD scan: batch {args.batch}, seqlen {args.seqlen}, " + ", ".join(f"{k} {v}" for k, v in SSD_LAYER.items())
-          + f", {args.dtype}; {fwd_flops / 1e12:.2f} TFLOP forward")
+    print(f"\n{ssd_shape(args)}; {fwd_flops / 1e12:.2f} TFLOP forward")
     print(f"{'contender':<15} {'fwd ms':>8} {'TFLOP/s':>8} {'of peak':>8} {'fwd+bwd ms':>11} {'TFLOP/s':>8}")
     times = {}
     for name, fn in ssd_contenders().items():
@@ -290,7 +295,8 @@ def ssd_rows(args) -> None:
     if ours:
         for name, (t_fwd, t_both) in times.items():
             if name != "ssmops triton":
-                print(f"ssmops triton vs {name}: forward {t_fwd / ours[0]:.2f}x, forward+backward {t_both / ours[1]:.2f}x")
+                print(f"ssmops triton vs {name}: forward {t_fwd / ours[0]:.2f}x, "
+                      f"forward+backward {t_both / ours[1]:.2f}x")
     ssd_decode_step(args)
 
 

@@ -103,7 +103,7 @@ def _ssd_trips(name: str, meta: dict, shape: dict) -> float:
 
 
 def ssd_rows(args, aot, dtype) -> None:
-    from gpu import SSD_LAYER
+    from gpu import SSD_LAYER, ssd_shape
     from ssd import flops
 
     from ssmops.ops.state_update import triton as state_update_triton
@@ -126,8 +126,7 @@ def ssd_rows(args, aot, dtype) -> None:
             fwd_args[7], None, True)
     grids = _ssd_grids(shape)
     issue_rate = args.sms * 4 * args.clock_ghz * 1e9  # warp instructions per second
-    print(f"\nSSD scan: batch {args.batch}, seqlen {args.seqlen}, " + ", ".join(f"{k} {v}" for k, v in SSD_LAYER.items())
-          + f", {args.dtype}; sm_90; forward {flops(shape) / 1e12:.2f} TFLOP: "
+    print(f"\n{ssd_shape(args)}; sm_90; forward {flops(shape) / 1e12:.2f} TFLOP: "
           f"{flops(shape) / (args.peak_tflops * 1e12) * 1e3:.2f} ms at {args.peak_tflops:.0f} TFLOP/s")
     print(f"{'kernel':<31} {'regs':>4} {'spill':>5} {'warps':>5} {'programs':>8} {'trips':>5} {'instr':>5} "
           f"{'mma':>4} {'shfl':>4} {'ms issue':>8}")

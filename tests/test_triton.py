@@ -24,7 +24,7 @@ from ssmops.ops.selective_scan.checks import CHUNK_LEN
 from ssmops._registry import interpreting
 
 from conftest import (
-    REPO, STATE_UPDATE_CASES, TOLERANCES, Case, assert_close, make_inputs, run_python, run_scan_with_grads,
+    REPO, STATE_UPDATE_CASES, TOLERANCES, Case, assert_close, make_inputs, rel_err, run_python, run_scan_with_grads,
     state_update_case_id, state_update_inputs,
 )
 
@@ -179,8 +179,9 @@ def _ssd_args(batch=2, seqlen=37, nheads=4, headdim=8, ngroups=2, dstate=16, chu
         ids = (torch.searchsorted(starts, torch.arange(seqlen), right=True) - 1).to(torch.int32).expand(batch, -1)
         ids = ids.contiguous()
         cu = torch.cat([starts, torch.tensor([seqlen])]).to(torch.int32) if varlen else None
-    return (randn(batch, seqlen, nheads, headdim), randn(batch, seqlen, nheads) - 1.0, -torch.rand(nheads, generator=g) - 0.1,
-            randn(batch, seqlen, ngroups, dstate), randn(batch, seqlen, ngroups, dstate), randn(nheads, headdim),
+    return (randn(batch, seqlen, nheads, headdim), randn(batch, seqlen, nheads) - 1.0,
+            -torch.rand(nheads, generator=g) - 0.1, randn(batch, seqlen, ngroups, dstate),
+            randn(batch, seqlen, ngroups, dstate), randn(nheads, headdim),
             randn(batch, seqlen, nheads, headdim), randn(nheads, dt=torch.float32) * 0.1,
             randn(batch, nheads, headdim, dstate, dt=torch.float32), ids, cu, chunk, True, [0.01, 5.0])
 
@@ -414,7 +415,8 @@ def test_triton_static_estimate_shows_time_inside_the_threads():
     assert rows["forward"][header.index("spill")] == rows["backward"][header.index("spill")] == "0", proc.stdout
 
 
-_TRACE_ON_FAKE_CUDA = """
+# a fresh interpreter that traces FwdBwd (defined between the two) on fake CUDA tensors and prints its launches
+_TRACE_SETUP = """
 import torch
 import ssmops._registry as registry
 from torch._functorch.aot_autograd import aot_export_module
@@ -423,7 +425,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 registry._gpu_present = lambda: True  # fake CUDA tensors stand in for a GPU
 assert registry.load_triton() is None
-
+"""
+_TRACE_LAUNCHES = """
+for node in graph.graph.nodes:
+    if node.op == "call_function":
+        assert not str(node.target).startswith("ssmops"), node.target
+        if "triton_kernel_wrapper" in str(node.target):
+            kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+            print("launch", kernel.fn.__name__, [c.num_warps for c in kernel.configs], node.kwargs["grid"])
+"""
+_TRACE_ON_FAKE_CUDA = _TRACE_SETUP + """
 
 class FwdBwd(torch.nn.Module):
     def forward(self, u, delta, A, B, C, D, z, dout):
@@ -438,25 +449,10 @@ with FakeTensorMode():
     args = [torch.empty(*shape, device="cuda") for shape in
             [(b, d, l), (b, d, l), (d, n), (b, n, l), (b, n, l), (d,), (b, d, l), (b, d, l)]]
     graph, _ = aot_export_module(FwdBwd(), args, trace_joint=False)
-for node in graph.graph.nodes:
-    if node.op == "call_function":
-        assert not str(node.target).startswith("ssmops"), node.target
-        if "triton_kernel_wrapper" in str(node.target):
-            kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
-            print("launch", kernel.fn.__name__, [c.num_warps for c in kernel.configs], node.kwargs["grid"])
-"""
+""" + _TRACE_LAUNCHES
 
 
-_SSD_TRACE_ON_FAKE_CUDA = """
-import torch
-import ssmops._registry as registry
-from torch._functorch.aot_autograd import aot_export_module
-from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
-from torch._subclasses.fake_tensor import FakeTensorMode
-
-registry._gpu_present = lambda: True  # fake CUDA tensors stand in for a GPU
-assert registry.load_triton() is None
-
+_SSD_TRACE_ON_FAKE_CUDA = _TRACE_SETUP + """
 
 class FwdBwd(torch.nn.Module):
     def forward(self, x, dt, A, B, C, D, z, bias, init, dout, dfinal):
@@ -475,13 +471,7 @@ with FakeTensorMode():
             torch.empty(b, l, h, p, **cuda), torch.empty(h, device="cuda"), torch.empty(b, h, p, n, device="cuda"),
             torch.empty(b, l, h, p, **cuda), torch.empty(b, h, p, n, device="cuda")]
     graph, _ = aot_export_module(FwdBwd(), args, trace_joint=False)
-for node in graph.graph.nodes:
-    if node.op == "call_function":
-        assert not str(node.target).startswith("ssmops"), node.target
-        if "triton_kernel_wrapper" in str(node.target):
-            kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
-            print("launch", kernel.fn.__name__, node.kwargs["grid"])
-"""
+""" + _TRACE_LAUNCHES
 
 
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
@@ -494,10 +484,10 @@ def test_triton_ssd_ops_trace_into_kernel_launches_on_cuda_tensors():
     assert proc.returncode == 0, proc.stderr[-3000:]
     launches = [line for line in proc.stdout.splitlines() if line.startswith("launch ")]
     assert launches == [
-        "launch ssd_states_fwd_kernel [(1, 16, 1)]", "launch ssd_chunk_scan_kernel [(4, 16, 1)]",
-        "launch ssd_chunk_scan_kernel [(4, 16, 1)]", "launch ssd_state_grads_kernel [(1, 16, 1)]",
-        "launch ssd_bwd_dC_kernel [(8, 16, 1)]", "launch ssd_bwd_dx_kernel [(8, 16, 1)]",
-        "launch ssd_bwd_dx_kernel [(8, 16, 1)]", "launch ssd_bwd_ddt_kernel [(4, 16, 1)]",
+        "launch ssd_states_fwd_kernel [8] [(1, 16, 1)]", "launch ssd_chunk_scan_kernel [8] [(4, 16, 1)]",
+        "launch ssd_chunk_scan_kernel [8] [(4, 16, 1)]", "launch ssd_state_grads_kernel [8] [(1, 16, 1)]",
+        "launch ssd_bwd_dC_kernel [8] [(8, 16, 1)]", "launch ssd_bwd_dx_kernel [8] [(8, 16, 1)]",
+        "launch ssd_bwd_dx_kernel [8] [(8, 16, 1)]", "launch ssd_bwd_ddt_kernel [4] [(4, 16, 1)]",
     ], proc.stdout
 
 
@@ -571,6 +561,50 @@ def test_triton_compile_fullgraph_forward_backward():
     # another seqlen reuses the graph (seqlen stays symbolic)
     kw2 = make_inputs(Case(batch=2, dim=64, seqlen=CHUNK_LEN + 7, dstate=16, B="var", C="var"), device="cuda")
     torch.testing.assert_close(compiled(**kw2), ssmops.selective_scan_ref(**kw2), rtol=2e-4, atol=2e-4)
+
+
+SSD_GPU_SWEEP = [
+    dict(), dict(seq_idx=True), dict(batch=1, varlen=True, seqlen=300, chunk=64),
+    dict(dtype=torch.bfloat16, seqlen=1000, chunk=256, nheads=8, headdim=64, dstate=128, ngroups=1),
+    dict(dtype=torch.float16, seqlen=129, chunk=32, ngroups=4),
+]
+
+
+@gpu
+@pytest.mark.parametrize("case", SSD_GPU_SWEEP, ids=state_update_case_id)
+def test_triton_cuda_ssd_matches_default(case):
+    """The SSD scan on CUDA (its Triton kernels) against the default backend on the same GPU, forward and
+    backward (tests/ops/test_ssd.py holds both to the float64 oracle on CPU)."""
+    args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in _ssd_args(**case))
+    bwd_args = _ssd_bwd_args(args, torch.ops.ssmops.ssd_scan_fwd)
+    got = (*torch.ops.ssmops.ssd_scan_fwd(*args), *torch.ops.ssmops.ssd_scan_bwd(*bwd_args))
+    with ssmops.use_backend("default"):
+        expected = (*torch.ops.ssmops.ssd_scan_fwd(*args), *torch.ops.ssmops.ssd_scan_bwd(*bwd_args))
+    tol = 3e-2 if case.get("dtype", torch.float32) != torch.float32 else 1e-4
+    for g, e in zip(got, expected):
+        assert g.shape == e.shape and g.dtype == e.dtype
+        assert g.numel() == 0 or rel_err(g, e) <= tol
+
+
+@gpu
+@pytest.mark.slow
+def test_triton_ssd_compile_fullgraph_forward_backward():
+    """torch.compile(fullgraph=True) of mamba_chunk_scan_combined, forward and backward, on CUDA."""
+    x, dt, A, B, C, D, z, dt_bias, init, _, _, chunk, _, _ = (
+        a.cuda() if isinstance(a, torch.Tensor) else a for a in _ssd_args(seqlen=200, chunk=64))
+    leaves = [t.clone().requires_grad_() for t in (x, dt, A, B, C, D, z, dt_bias, init)]
+
+    def scan(x, dt, A, B, C, D, z, dt_bias, init):
+        out, final = ssmops.mamba_chunk_scan_combined(x, dt, A, B, C, chunk, D, z, dt_bias, init, dt_softplus=True,
+                                                      return_final_states=True)
+        return out.square().sum() + final.sum()
+
+    compiled = torch.compile(scan, fullgraph=True)
+    grads = torch.autograd.grad(compiled(*leaves), leaves)
+    with ssmops.use_backend("default"):
+        expected = torch.autograd.grad(scan(*leaves), leaves)
+    for g, e in zip(grads, expected):
+        assert rel_err(g, e) <= 1e-4
 
 
 class _Scan(torch.nn.Module):

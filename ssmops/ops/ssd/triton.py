@@ -134,7 +134,8 @@ def ssd_fwd(
         *(run.ptr(n) for n in ("x", "dt", "A", "B", "bias")),
         initial_states if initial_states is not None else x, run.ptr("seq"), states, final, *run.sizes,
         *run.token_strides("x", "dt", "B", "seq"), *_strides(initial_states, 4),
-    ), dict(HAS_INIT=initial_states is not None, **run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles, num_warps=STATE_WARPS))
+    ), dict(HAS_INIT=initial_states is not None, **run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles,
+            num_warps=STATE_WARPS))
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     run.chunk_scan(states, out, None)
     varlen = x.new_empty(0, dtype=torch.float32)
@@ -180,7 +181,8 @@ def ssd_bwd(
         dfinal if dfinal is not None else states, *varlen_args, dends, dinit if initial_states is not None else dends,
         *run.sizes, *run.token_strides("dt", "C", "z"), *dout.stride(), *run.token_strides("seq"),
     ), dict(HAS_Z=z is not None, HAS_DFINAL=dfinal is not None, HAS_DVARLEN=dvarlen is not None,
-            HAS_INIT=initial_states is not None, **run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles, num_warps=STATE_WARPS))
+            HAS_INIT=initial_states is not None, **run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles,
+            num_warps=STATE_WARPS))
 
     # every chunk's gradients, by blocks of tokens; B and C's per head, then summed over each group's heads
     # in a fixed order
