@@ -135,7 +135,7 @@ def ssd_rows(args, aot, dtype) -> None:
         usage = aot.resource_usage(compiled)
         loop = aot.innermost_loop(compiled, containing=("HMMA", "HGMMA"))
         name = kernel.__name__ + (" (dz)" if kernel.__name__ == "ssd_chunk_scan_kernel" and meta["DZ"] else "")
-        name += {True: " (dX)", False: " (dB)"}.get(meta.get("DX"), "")
+        name += f" ({meta['MODE']})" if "MODE" in meta else ""
         if loop is None:  # no tensor-core loop (the ddt pass, the decoding step): its size only
             print(f"{name:<31} {usage['regs']:>4} {usage['spills']:>5} {meta['num_warps']:>5} {programs:>8}")
             continue

@@ -365,7 +365,7 @@ def _ssd_compile_params():
 
 
 SSD_KERNELS = ["ssd_states_fwd_kernel", "ssd_chunk_scan_kernel", "ssd_chunk_scan_kernel",  # (the second: dz)
-               "ssd_state_grads_kernel", "ssd_bwd_dC_kernel", "ssd_bwd_dx_kernel", "ssd_bwd_dx_kernel",
+               "ssd_state_grads_kernel", "ssd_bwd_block_kernel", "ssd_bwd_block_kernel", "ssd_bwd_block_kernel",
                "ssd_bwd_ddt_kernel"]
 
 
@@ -486,8 +486,8 @@ def test_triton_ssd_ops_trace_into_kernel_launches_on_cuda_tensors():
     assert launches == [
         "launch ssd_states_fwd_kernel [8] [(1, 16, 1)]", "launch ssd_chunk_scan_kernel [8] [(4, 16, 1)]",
         "launch ssd_chunk_scan_kernel [8] [(4, 16, 1)]", "launch ssd_state_grads_kernel [8] [(1, 16, 1)]",
-        "launch ssd_bwd_dC_kernel [8] [(8, 16, 1)]", "launch ssd_bwd_dx_kernel [8] [(8, 16, 1)]",
-        "launch ssd_bwd_dx_kernel [8] [(8, 16, 1)]", "launch ssd_bwd_ddt_kernel [4] [(4, 16, 1)]",
+        "launch ssd_bwd_block_kernel [8] [(8, 16, 1)]", "launch ssd_bwd_block_kernel [8] [(8, 16, 1)]",
+        "launch ssd_bwd_block_kernel [8] [(8, 16, 1)]", "launch ssd_bwd_ddt_kernel [4] [(4, 16, 1)]",
     ], proc.stdout
 
 

@@ -20,8 +20,8 @@ from torch.library import triton_op
 from .. import _triton
 from .checks import check_sequence_values, check_ssd_grad_inputs, check_ssd_inputs, num_chunks
 from .triton_kernels import (
-    ssd_bwd_dC_kernel, ssd_bwd_ddt_kernel, ssd_bwd_dx_kernel, ssd_chunk_scan_kernel, ssd_state_grads_kernel,
-    ssd_states_fwd_kernel, ssd_varlen_states_kernel,
+    ssd_bwd_block_kernel, ssd_bwd_ddt_kernel, ssd_chunk_scan_kernel, ssd_state_grads_kernel, ssd_states_fwd_kernel,
+    ssd_varlen_states_kernel,
 )
 
 # The backward's dC and dx kernels take token blocks of 32 over 8 warps: with headdim and dstate whole
@@ -198,15 +198,12 @@ def ssd_bwd(
     dlC, dlB, R, xdx = torch.empty((4, batch * nheads * seqlen), **f32)  # per token: the kernels' scratch rows
     grid = (nchunks * blocks, batch * nheads)
     strides = (*run.token_strides("x", "dt", "B", "C", "z"), *dout.stride(), *run.token_strides("seq"))
-    _triton.launch(ssd_bwd_dC_kernel, grid, (
-        *(run.ptr(n) for n in ("x", "dt", "A", "B", "C", "z", "bias", "seq")), states, dout, dC_heads, dlC,
-        *run.sizes, blocks, *strides,
-    ), dict(HAS_Z=z is not None, **run.flags, **cfg, num_warps=BWD_WARPS))
-    for dx_side in (True, False):
-        _triton.launch(ssd_bwd_dx_kernel, grid, (
-            *(run.ptr(n) for n in ("x", "dt", "A", "B", "C", "D", "z", "bias", "seq")), dends, dout, *varlen_args,
-            dx, dB_heads, dD_part, dlB, R, xdx, *run.sizes, blocks, *strides, D.stride(0) if D is not None else 0,
-        ), dict(DX=dx_side, **run.d_flags, HAS_Z=z is not None, HAS_DVARLEN=dvarlen is not None, **run.flags, **cfg,
+    for mode in ("dC", "dX", "dB"):
+        _triton.launch(ssd_bwd_block_kernel, grid, (
+            *(run.ptr(n) for n in ("x", "dt", "A", "B", "C", "D", "z", "bias", "seq")), states, dends, dout,
+            *varlen_args, dx, dB_heads, dC_heads, dD_part, dlB, dlC, R, xdx, *run.sizes, blocks, *strides,
+            D.stride(0) if D is not None else 0,
+        ), dict(MODE=mode, **run.d_flags, HAS_Z=z is not None, HAS_DVARLEN=dvarlen is not None, **run.flags, **cfg,
                 num_warps=BWD_WARPS))
     _triton.launch(ssd_bwd_ddt_kernel, (nchunks, batch * nheads), (
         *(run.ptr(n) for n in ("x", "dt", "A", "B", "bias", "seq")), states, dends, *varlen_args, dlC, dlB, R, xdx,

@@ -419,41 +419,23 @@ def _chunk_program(pid_bh, c, nheads, heads_per_group, Q, seqlen, nchunks, x_ptr
 
 
 @triton.jit
-def ssd_bwd_dC_kernel(
-    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, z_ptr, bias_ptr, seq_ptr, states_ptr, dout_ptr, dC_ptr, dlC_ptr,
-    seqlen, nheads, headdim, dstate, Q, nchunks, heads_per_group, lo, hi, blocks_per_chunk,
-    s_xb, s_xt, s_xh, s_xp, s_dtb, s_dtt, s_dth, s_Bb, s_Bt, s_Bg, s_Bn, s_Cb, s_Ct, s_Cg, s_Cn,
-    s_zb, s_zt, s_zh, s_zp, s_gb, s_gt, s_gh, s_gp, s_seqb, s_seqt,
-    HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """Grid (nchunks * blocks_per_chunk, batch * nheads): a block of rows l of one chunk.
-    dC_l = w_l dy_l S + sum_{s <= l} (dy_l . dt_s x_s) exp(L_l - L_s) B_s, into the per-head float32
-    dC (batch, seqlen, nheads, dstate), and its part C_l . dC_l of dL_l into the scratch row dlC."""
-    c = tl.program_id(0) // blocks_per_chunk
-    i = tl.program_id(0) % blocks_per_chunk
-    b, h, x_row, dt_row, B_row, C_row, seq_row, bias, A, z_row, dout_row, t0, seq_before, seq_end, state_row, \
-        scratch_row, out_row = _chunk_program(
-            tl.program_id(1), c, nheads, heads_per_group, Q, seqlen, nchunks, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr,
-            bias_ptr, seq_ptr, z_ptr, dout_ptr, s_xb, s_xh, s_dtb, s_dth, s_Bb, s_Bg, s_Cb, s_Cg, s_seqb, s_seqt,
-            s_zb, s_zh, s_gb, s_gh, HAS_BIAS, HAS_SEQ)
-    pp = tl.arange(0, BLOCK_P)
-    nn = tl.arange(0, BLOCK_N)
+def _dC_rows(t0, i, Q, seqlen, nheads, headdim, dstate, x_row, dt_row, B_row, C_row, seq_row, z_row, dout_row,
+             bias, A, lo, hi, seq_before, state_row, scratch_row, out_row, states_ptr, dC_ptr, dlC_ptr, x_ptr,
+             t_l, valid_l, L_l, seq_l, pp, nn, s_xt, s_xp, s_dtt, s_Bt, s_Bn, s_Ct, s_Cn, s_zt, s_zp, s_gt, s_gp,
+             s_seqt, HAS_Z: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+             DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr):
+    """ssd_bwd_block_kernel's rows l (block i): dC_l = w_l dy_l S + sum_{s <= l} (dy_l . dt_s x_s)
+    exp(L_l - L_s) B_s, and its part C_l . dC_l of dL_l."""
     run = 0.0
     for j in range(0, i):  # the log decay from the chunk start to this block
         t, valid = _block(t0, j, Q, seqlen, BLOCK_T)
         run += tl.sum(_dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1], axis=0)
-    t_l, valid_l = _block(t0, i, Q, seqlen, BLOCK_T)
-    a_l = _dt(dt_row, t_l, valid_l, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1]
-    L_l = tl.cumsum(a_l, axis=0)  # from the block start (exponents as in ssd_chunk_scan_kernel)
-    seq_l = _seq(seq_row, t_l, valid_l, s_seqt, HAS_SEQ)
     dy_l = _dy(dout_row, z_row, t_l, valid_l, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z)
     w_l = tl.where(valid_l & (seq_l == seq_before), tl.exp(run + L_l), 0.0)
     state = _operand(_state_tile(states_ptr, state_row, pp, nn, headdim, dstate), x_ptr, DOT_F32)
     dC = _dot(_operand(dy_l * w_l[:, None], x_ptr, DOT_F32), state, DOT_F32)
     dy_l = _operand(dy_l, x_ptr, DOT_F32)
-    between = 0.0
+    between = 0.0  # walked back from the row block (exponents as in ssd_chunk_scan_kernel)
     for jj in range(0, i + 1):
         t_s, valid_s = _block(t0, i - jj, Q, seqlen, BLOCK_T)
         dt_s, a_s = _dt(dt_row, t_s, valid_s, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
@@ -470,27 +452,29 @@ def ssd_bwd_dC_kernel(
 
 
 @triton.jit
-def ssd_bwd_dx_kernel(
-    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, seq_ptr, dends_ptr, dout_ptr,
-    dvarlen_ptr, cu_ptr, first_ptr, dx_ptr, dB_ptr, dD_ptr, dlB_ptr, R_ptr, xdx_ptr,
+def ssd_bwd_block_kernel(
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, seq_ptr, states_ptr, dends_ptr, dout_ptr,
+    dvarlen_ptr, cu_ptr, first_ptr, dx_ptr, dB_ptr, dC_ptr, dD_ptr, dlB_ptr, dlC_ptr, R_ptr, xdx_ptr,
     seqlen, nheads, headdim, dstate, Q, nchunks, heads_per_group, lo, hi, blocks_per_chunk,
     s_xb, s_xt, s_xh, s_xp, s_dtb, s_dtt, s_dth, s_Bb, s_Bt, s_Bg, s_Bn, s_Cb, s_Ct, s_Cg, s_Cn,
     s_zb, s_zt, s_zh, s_zp, s_gb, s_gt, s_gh, s_gp, s_seqb, s_seqt, s_Dh,
-    DX: tl.constexpr, HAS_D: tl.constexpr, D_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr,
+    MODE: tl.constexpr, HAS_D: tl.constexpr, D_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
     HAS_DVARLEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Grid (nchunks * blocks_per_chunk, batch * nheads): a block of columns s of one chunk, launched
-    twice (their accumulators and GEMM operands together would spill registers):
+    """Grid (nchunks * blocks_per_chunk, batch * nheads): a block of tokens of one chunk, launched three
+    times (their accumulators and GEMM operands together would spill registers):
 
-    DX: dX_s = sum_{l >= s} M_ls dy_l (M_ls = (C_l . B_s) exp(L_l - L_s)) + the state outputs' parts;
-      writes dx (x's layout, contiguous), the partial dD (batch, nchunks, blocks_per_chunk, nheads,
-      headdim) and, into scratch rows, x_s . dX_s and R_s = v_s X_s . (dE B_s), the end state's part
-      of the log-decay gradient (see ssd_bwd_ddt_kernel);
-    else: dB_s = sum_{l >= s} (dy_l . X_s) exp(L_l - L_s) C_l + the state outputs' parts, into the
-      per-head float32 dB (batch, seqlen, nheads, dstate), and B_s . dB_s without the end state's part
-      into the scratch row dlB."""
+    MODE "dC": the block as rows l (_dC_rows), into the per-head float32 dC (batch, seqlen, nheads,
+      dstate) and the scratch row dlC;
+    MODE "dX": as columns s, dX_s = sum_{l >= s} M_ls dy_l (M_ls = (C_l . B_s) exp(L_l - L_s)) + the
+      state outputs' parts; writes dx (x's layout, contiguous), the partial dD (batch, nchunks,
+      blocks_per_chunk, nheads, headdim) and, into scratch rows, x_s . dX_s and R_s = v_s X_s . (dE B_s),
+      the end state's part of the log-decay gradient (see ssd_bwd_ddt_kernel);
+    MODE "dB": as columns s, dB_s = sum_{l >= s} (dy_l . X_s) exp(L_l - L_s) C_l + the state outputs'
+      parts, into the per-head float32 dB (batch, seqlen, nheads, dstate), and B_s . dB_s without the
+      end state's part into the scratch row dlB."""
     c = tl.program_id(0) // blocks_per_chunk
     j = tl.program_id(0) % blocks_per_chunk
     b, h, x_row, dt_row, B_row, C_row, seq_row, bias, A, z_row, dout_row, t0, seq_before, seq_end, state_row, \
@@ -505,6 +489,13 @@ def ssd_bwd_dx_kernel(
     dt_s, a_s = _dt(dt_row, t_s, valid_s, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
     L_s = tl.cumsum(a_s, axis=0)  # from the block start
     seq_s = _seq(seq_row, t_s, valid_s, s_seqt, HAS_SEQ)
+    if MODE == "dC":
+        _dC_rows(t0, j, Q, seqlen, nheads, headdim, dstate, x_row, dt_row, B_row, C_row, seq_row, z_row, dout_row,
+                 bias, A, lo, hi, seq_before, state_row, scratch_row, out_row, states_ptr, dC_ptr, dlC_ptr, x_ptr,
+                 t_s, valid_s, L_s, seq_s, pp, nn, s_xt, s_xp, s_dtt, s_Bt, s_Bn, s_Ct, s_Cn, s_zt, s_zp, s_gt, s_gp,
+                 s_seqt, HAS_Z, HAS_SEQ, SOFTPLUS, HAS_LIMIT, DOT_F32, BLOCK_T)
+        return
+    DX: tl.constexpr = MODE == "dX"
     if DX:
         op = _operand(_tile(B_row, t_s, valid_s, s_Bt, nn, dstate, s_Bn), x_ptr, DOT_F32)  # B_s
         acc = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)
