@@ -51,7 +51,8 @@ bench-ssd: bench-deps
 # hypothesis: build against that torch, then run the GPU tests and the GPU benchmark.
 gpu-check:
 	$(PYTHON) -m pip install -q --no-build-isolation --no-deps -e .
-	$(PYTHON) -m pytest -q -p no:cacheprovider -rs tests/test_triton.py tests/ops/test_selective_scan.py -k "triton or cuda"
+	$(PYTHON) -m pytest -q -p no:cacheprovider -rs tests/test_triton.py tests/ops/test_selective_scan.py \
+		tests/ops/test_ssd.py tests/ops/test_state_update.py -k "triton or cuda"
 	$(PYTHON) benchmarks/gpu.py --sweep
 
 clean:

@@ -13,6 +13,15 @@ compiled reference unrolls one step per timestep, so it is compiled and timed at
 Goals: forward >= 70% of copy bandwidth, backward >= 50%. Then one decoding step
 (`selective_state_update`, batch x dim) against the `default` backend. `--sweep` times the
 scan kernels with other warp counts in place of the launchers' choice, to retune it.
+
+Then Mamba-2's SSD scan at mamba2-2.7b's layer (batch and seqlen as given, nheads 80, headdim 64,
+ngroups 1, dstate 128, chunk 256; D per head, z, dt_bias, softplus, as Mamba2 calls it): forward
+and forward+backward of `mamba_chunk_scan_combined` on the Triton kernels, in ms and TFLOP/s
+(benchmarks/ssd.py's FLOP count; forward+backward counted as 3x the forward), against
+mamba_ssm's `mamba_chunk_scan_combined` when it is installed, the `default` backend and a
+torch.compile'd chunked reference. Goals on an H100: forward >= 1.5x mamba_ssm and >= 25% of the
+dense bf16 tensor-core rate (`--peak-tflops`), forward+backward >= 1.2x. Then the multi-head
+decoding step at that layer's shape in microseconds, batch 1 and 64.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ def parse_args(argv=None):
     p.add_argument("--ref-seqlen", type=int, default=256, help="seqlen at which the compiled reference is timed")
     p.add_argument("--skip-baselines", action="store_true", help="time the Triton operators only")
     p.add_argument("--sweep", action="store_true", help="also time the kernels with other warp counts")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 rate (H100 SXM: 989)")
     return p.parse_args(argv)
 
 
@@ -150,6 +160,7 @@ def main(argv=None) -> int:
             line += f" {approx}{times[i] / t:15.1f}x"
         print(line)
     decode_step(args, bw)
+    ssd_rows(args)
     if args.sweep:
         sweep_tiles(lambda: fwd_op(*fargs), lambda: bwd_op(*bargs), args.repeats)
     return 0
@@ -203,6 +214,113 @@ def sweep_tiles(fwd, bwd, repeats: int) -> None:
             print(f"{warps:<26} {cells[0]:>11} {cells[1]:>12}")
     finally:
         ops._config = chosen
+
+
+SSD_LAYER = dict(nheads=80, headdim=64, ngroups=1, dstate=128, chunk=256)  # mamba2-2.7b
+
+
+def ssd_shape(args) -> str:
+    """The SSD rows' shape, in words (also benchmarks/triton_static.py's)."""
+    layer = ", ".join(f"{k} {v}" for k, v in SSD_LAYER.items())
+    return f"SSD scan: batch {args.batch}, seqlen {args.seqlen}, {layer}, {args.dtype}"
+
+
+def ssd_inputs(batch: int, seqlen: int, dtype, requires_grad: bool = False) -> dict:
+    """mamba_chunk_scan_combined's keyword arguments as Mamba2 passes them, at SSD_LAYER's sizes."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h, p, n, ng = (SSD_LAYER[k] for k in ("nheads", "headdim", "dstate", "ngroups"))
+
+    def randn(*shape, dt=dtype):
+        return torch.randn(*shape, generator=g, device="cuda").to(dt)
+
+    kw = dict(x=randn(batch, seqlen, h, p), dt=randn(batch, seqlen, h) - 2.0,
+              A=-torch.rand(h, generator=g, device="cuda") * 15 - 1, B=randn(batch, seqlen, ng, n),
+              C=randn(batch, seqlen, ng, n), D=randn(h, dt=torch.float32), z=randn(batch, seqlen, h, p),
+              dt_bias=randn(h, dt=torch.float32) * 0.1)
+    for v in kw.values():
+        v.requires_grad_(requires_grad)
+    return kw
+
+
+def ssd_contenders() -> dict:
+    """name -> fn(**ssd_inputs) -> out: ssmops on Triton, mamba_ssm's when installed, ssmops' default
+    backend, and torch.compile of the chunked reference."""
+    import ssmops
+    from ssmops.ops.ssd.reference import ssd_chunked_ref
+
+    chunk = SSD_LAYER["chunk"]
+    named = {"ssmops triton": lambda **kw: ssmops.mamba_chunk_scan_combined(**kw, chunk_size=chunk, dt_softplus=True)}
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined as peer
+
+        named["mamba_ssm"] = lambda **kw: peer(**kw, chunk_size=chunk, dt_softplus=True)
+    except ImportError:
+        pass
+
+    def default(**kw):
+        with ssmops.use_backend("default"):
+            return ssmops.mamba_chunk_scan_combined(**kw, chunk_size=chunk, dt_softplus=True)
+
+    named["ssmops default"] = default
+    compiled = torch.compile(ssd_chunked_ref)
+    named["compiled ref"] = lambda **kw: compiled(**kw, chunk_size=chunk, dt_softplus=True)
+    return named
+
+
+def ssd_rows(args) -> None:
+    """The SSD table (see the module's docstring) and the multi-head decoding step."""
+    from ssd import flops
+
+    dtype = DTYPES[args.dtype]
+    shape = dict(SSD_LAYER, batch=args.batch, seqlen=args.seqlen)
+    fwd_flops = flops(shape)
+    print(f"\n{ssd_shape(args)}; {fwd_flops / 1e12:.2f} TFLOP forward")
+    print(f"{'contender':<15} {'fwd ms':>8} {'TFLOP/s':>8} {'of peak':>8} {'fwd+bwd ms':>11} {'TFLOP/s':>8}")
+    times = {}
+    for name, fn in ssd_contenders().items():
+        try:
+            with torch.no_grad():
+                kw = ssd_inputs(args.batch, args.seqlen, dtype)
+                t_fwd = cuda_time(lambda: fn(**kw), args.repeats)
+            kw = ssd_inputs(args.batch, args.seqlen, dtype, requires_grad=True)
+            t_both = cuda_time(lambda: fn(**kw).backward(torch.ones_like(kw["x"])), args.repeats)
+        except Exception as err:  # e.g. out of memory for the compiled reference
+            print(f"{name:<15} {type(err).__name__}: {str(err)[:60]}")
+            continue
+        times[name] = (t_fwd, t_both)
+        print(f"{name:<15} {t_fwd * 1e3:8.2f} {fwd_flops / t_fwd / 1e12:8.1f} "
+              f"{fwd_flops / t_fwd / 1e12 / args.peak_tflops:8.1%} {t_both * 1e3:11.2f} "
+              f"{3 * fwd_flops / t_both / 1e12:8.1f}")
+    ours = times.get("ssmops triton")
+    if ours:
+        for name, (t_fwd, t_both) in times.items():
+            if name != "ssmops triton":
+                print(f"ssmops triton vs {name}: forward {t_fwd / ours[0]:.2f}x, "
+                      f"forward+backward {t_both / ours[1]:.2f}x")
+    ssd_decode_step(args)
+
+
+def ssd_decode_step(args) -> None:
+    """The multi-head decoding step at SSD_LAYER's shape (dt, A, dt_bias tied per head as Mamba2 passes
+    them; float32 state), microseconds per call: the Triton operator and the default backend."""
+    import ssmops
+
+    dtype = DTYPES[args.dtype]
+    h, p, n, ng = (SSD_LAYER[k] for k in ("nheads", "headdim", "dstate", "ngroups"))
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape, dt=dtype):
+        return torch.randn(*shape, generator=g, device="cuda").to(dt)
+
+    for batch in (1, 64):
+        args_ = (randn(batch, h, p, n, dt=torch.float32), randn(batch, h, p), randn(batch, h),
+                 -torch.rand(h, device="cuda") - 0.1, randn(batch, ng, n), randn(batch, ng, n),
+                 randn(h, dt=torch.float32), randn(batch, h, p), randn(h, dt=torch.float32), None, True)
+        t = cuda_time(lambda: torch.ops.ssmops.multihead_state_update_triton(*args_), args.repeats)
+        with ssmops.use_backend("default"):
+            t_default = cuda_time(lambda: torch.ops.ssmops.multihead_state_update(*args_), args.repeats)
+        print(f"multi-head decode step (batch {batch}, nheads {h}, headdim {p}, dstate {n}): {t * 1e6:.1f} us, "
+              f"{t_default / t:.1f}x the default backend")
 
 
 def _compiled_ref_times(args, dtype) -> tuple[float, float]:

@@ -15,6 +15,13 @@ benchmarks/gpu.py are 70% forward, 50% backward). The instruction bound ignores 
 latency, atomics and stalls, so a kernel is at best this fast; benchmarks/gpu.py measures
 on a GPU. The defaults describe an H100 SXM as the device tool lends it (132 SMs, about
 3.0 TB/s device-to-device copy); the clock is its sustained 1.755 GHz.
+
+Then the SSD scan's kernels (Mamba-2) at mamba2-2.7b's layer (batch 8, the given seqlen, nheads 80,
+headdim 64, ngroups 1, dstate 128, chunk 256, the given dtype) and the multi-head decoding step: per
+launch, registers, spills, warps, and of its tensor-core loop (the shortest loop holding an MMA) the
+instructions per trip, the MMAs and lane shuffles among them, and the issue bound programs * trips *
+instructions * warps / (SMs * 4 * clock). Against it, the forward's FLOPs (benchmarks/ssd.py's count) at
+the dense bf16 rate (`--peak-tflops`).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ def parse_args(argv=None):
     p.add_argument("--sms", type=int, default=132)
     p.add_argument("--clock-ghz", type=float, default=1.755)
     p.add_argument("--copy-tbps", type=float, default=3.0, help="device-to-device copy, bytes read + written")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 tensor-core rate")
     return p.parse_args(argv)
 
 
@@ -80,7 +88,77 @@ def main(argv=None) -> int:
         print(f"{name:<9} {usage['regs']:>4} {usage['spills']:>5} {meta['num_warps']:>5} {steps:>9} "
               f"{instructions:>9.1f} {per_element.get('SHFL', 0.0):>8.2f} {per_element.get('MUFU', 0.0):>7.2f} "
               f"{t_issue * 1e3:>8.2f} {t_ex2 * 1e3:>7.2f} {t_copy * 1e3:>7.2f} {t_copy / max(t_issue, t_ex2):>7.0%}")
+    ssd_rows(args, aot, dtype)
     return 0
+
+
+def _ssd_trips(name: str, meta: dict, shape: dict) -> float:
+    """Mean trips of a kernel's tensor-core loop per program: over the chunks' blocks for the state
+    passes (walking every chunk), over the blocks up to (or from) the program's own in the chunk kernels."""
+    blocks = -(-shape["chunk"] // meta["BLOCK_T"])
+    nchunks = -(-shape["seqlen"] // shape["chunk"])
+    if name in ("ssd_states_fwd_kernel", "ssd_state_grads_kernel"):
+        return nchunks * blocks
+    return (blocks + 1) / 2
+
+
+def ssd_rows(args, aot, dtype) -> None:
+    from gpu import SSD_LAYER, ssd_shape
+    from ssd import flops
+
+    from ssmops.ops.state_update import triton as state_update_triton
+
+    shape = dict(SSD_LAYER, batch=args.batch, seqlen=args.seqlen)
+    h, p, g, n = (shape[k] for k in ("nheads", "headdim", "ngroups", "dstate"))
+
+    def randn(*size, dt=dtype):
+        return torch.randn(*size).to(dt)
+
+    # batch and seqlen change no compiled code (the strides keep their divisibility by 16): one row of 512
+    b, L = 1, 512
+    x, B = randn(b, L, h, p), randn(b, L, g, n)
+    fwd_args = (x, randn(b, L, h), -torch.rand(h) - 1, B, randn(b, L, g, n), randn(h, dt=torch.float32),
+                randn(b, L, h, p), randn(h, dt=torch.float32), None, None, None, shape["chunk"], True, [])
+    launches = aot.record_ssd(fwd_args)
+    with aot.recorded_launches() as step:
+        state_update_triton.multihead_state_update(
+            torch.zeros(b, h, p, n), x[:, 0], fwd_args[1][:, 0], fwd_args[2], B[:, 0], B[:, 0], fwd_args[5], x[:, 0],
+            fwd_args[7], None, True)
+    grids = _ssd_grids(shape)
+    issue_rate = args.sms * 4 * args.clock_ghz * 1e9  # warp instructions per second
+    print(f"\n{ssd_shape(args)}; sm_90; forward {flops(shape) / 1e12:.2f} TFLOP: "
+          f"{flops(shape) / (args.peak_tflops * 1e12) * 1e3:.2f} ms at {args.peak_tflops:.0f} TFLOP/s")
+    print(f"{'kernel':<31} {'regs':>4} {'spill':>5} {'warps':>5} {'programs':>8} {'trips':>5} {'instr':>5} "
+          f"{'mma':>4} {'shfl':>4} {'ms issue':>8}")
+    for (kernel, kernel_args, meta), programs in zip(launches + step, grids):
+        compiled = aot.compile_launch(kernel, kernel_args, meta, "sm90")
+        usage = aot.resource_usage(compiled)
+        loop = aot.innermost_loop(compiled, containing=("HMMA", "HGMMA"))
+        name = kernel.__name__ + (" (dz)" if kernel.__name__ == "ssd_chunk_scan_kernel" and meta["DZ"] else "")
+        name += f" ({meta['MODE']})" if "MODE" in meta else ""
+        if loop is None:  # no tensor-core loop (the ddt pass, the decoding step): its size only
+            print(f"{name:<31} {usage['regs']:>4} {usage['spills']:>5} {meta['num_warps']:>5} {programs:>8}")
+            continue
+        trips = _ssd_trips(kernel.__name__, meta, shape)
+        instructions = sum(loop.values())
+        t_issue = programs * trips * instructions * meta["num_warps"] / issue_rate
+        mma = loop.get("HMMA", 0) + loop.get("HGMMA", 0)
+        print(f"{name:<31} {usage['regs']:>4} {usage['spills']:>5} {meta['num_warps']:>5} {programs:>8} {trips:>5.1f} "
+              f"{instructions:>5} {mma:>4} {loop.get('SHFL', 0):>4} {t_issue * 1e3:>8.2f}")
+
+
+def _ssd_grids(shape: dict) -> list:
+    """Programs of each launch at the full shape (the recorded launches are of a shorter input)."""
+    from ssmops.ops.ssd import triton as ssd_triton
+
+    b, L, h, p, n, Q = (shape[k] for k in ("batch", "seqlen", "nheads", "headdim", "dstate", "chunk"))
+    nchunks = -(-L // Q)
+    cfg = ssd_triton._config(Q, p, n)
+    tiles = ssd_triton._state_tiles(p, n)
+    state_programs = b * h * -(-p // tiles["BLOCK_P"]) * -(-n // tiles["BLOCK_N"])
+    scan = nchunks * -(-Q // cfg["BLOCK_T"]) * b * h * -(-p // cfg["BLOCK_P"])
+    bwd = nchunks * -(-Q // min(cfg["BLOCK_T"], ssd_triton.BWD_BLOCK_T)) * b * h
+    return [state_programs, scan, scan, state_programs, bwd, bwd, bwd, nchunks * b * h, b * h]
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._registry import triton_op_for
 from .layernorm_gated import rmsnorm_fn
 from .mamba_inner import causal_conv1d
 from .ops.ssd.checks import check_sequence_values, check_ssd_inputs
@@ -72,7 +73,9 @@ def mamba_chunk_scan_combined(
     check_ssd_inputs(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, limit)
     if not torch.compiler.is_compiling():  # reads seq_idx and cu_seqlens: eager only (the kernels check too)
         check_sequence_values(x.shape[1], seq_idx, cu_seqlens)
-    out, final_states, _, varlen_states = torch.ops.ssmops.ssd_scan_fwd(
+    # on GPUs the Triton operator itself, so that torch.compile and AOTInductor trace into its kernels
+    scan = triton_op_for("ssd_scan_fwd", x) or torch.ops.ssmops.ssd_scan_fwd
+    out, final_states, _, varlen_states = scan(
         x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_softplus, limit)
     returned = (out,) + ((final_states,) if return_final_states else ()) + \
         ((varlen_states,) if return_varlen_states else ())

@@ -74,8 +74,8 @@ def selective_state_update(
         dt, A, dt_bias = _tie(dt, A, dt_bias)
         check_multihead_inputs(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices)
         _check_indices(state_batch_indices, state.shape[0])
-        return torch.ops.ssmops.multihead_state_update(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices,
-                                                       dt_softplus)
+        step = triton_op_for("multihead_state_update", x) or torch.ops.ssmops.multihead_state_update
+        return step(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, dt_softplus)
     if isinstance(state, Tensor) and state.dim() == 3 and (state.dtype != torch.float32 or
                                                            state_batch_indices is not None):
         # a low-precision state or a cache: Mamba-2's operator, one channel a head of headdim 1
@@ -83,7 +83,8 @@ def selective_state_update(
                                   cache_size=state.shape[0] if state_batch_indices is not None else None)
         _check_indices(state_batch_indices, state.shape[0])
         heads = as_multihead(state, x, dt, A, B, C, D, z, dt_bias)
-        return torch.ops.ssmops.multihead_state_update(*heads, state_batch_indices, dt_softplus).squeeze(-1)
+        step = triton_op_for("multihead_state_update", x) or torch.ops.ssmops.multihead_state_update
+        return step(*heads, state_batch_indices, dt_softplus).squeeze(-1)
     check_state_update_inputs(state, x, dt, A, B, C, D, z, dt_bias)
     step = triton_op_for("selective_state_update", x) or torch.ops.ssmops.selective_state_update
     return step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)

@@ -9,11 +9,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ssmops
 from conftest import TOLERANCES, backend_params, rel_err
+from ssmops._registry import interpreting
+
+
+
+def ssd_examples(n: int):
+    """Under Triton's interpreter (tests/test_triton.py runs this file's Triton tests so) an SSD problem
+    takes seconds, its gradients ten: n drawn problems there."""
+    return settings(max_examples=n) if interpreting() else (lambda test: test)
 
 
 def _layout(x: torch.Tensor, how: str) -> torch.Tensor:
@@ -179,7 +187,8 @@ def _ssd_results(fn, kw, leaves=None):
     return torch.autograd.grad((out.float() * weights).sum() + final.sum(), list(leaves.values()))
 
 
-@pytest.mark.parametrize("backend", backend_params(names=("default", "cpu")))
+@pytest.mark.parametrize("backend", backend_params(names=("default", "cpu", "triton")))
+@ssd_examples(8)
 @given(kw=ssd_problems())
 def test_ssd_backend_matches_reference_on_drawn_problems(backend, kw):
     from ssmops.ops.ssd.reference import ssd_scan_ref
@@ -193,7 +202,8 @@ def test_ssd_backend_matches_reference_on_drawn_problems(backend, kw):
     assert rel_err(final, final_ref) <= TOLERANCES[kw["x"].dtype] * 4
 
 
-@pytest.mark.parametrize("backend", backend_params(names=("default", "cpu")))
+@pytest.mark.parametrize("backend", backend_params(names=("default", "cpu", "triton")))
+@ssd_examples(3)
 @given(kw=ssd_problems())
 def test_ssd_backend_gradients_match_reference_on_drawn_problems(backend, kw):
     from ssmops.ops.ssd.reference import ssd_scan_ref

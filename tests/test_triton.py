@@ -4,7 +4,7 @@ On a CPU-only machine the kernels run under Triton's interpreter, which has to b
 on (`TRITON_INTERPRET=1`) before Triton and ssmops are imported; `test_triton_interpreter_suite`
 therefore runs the Triton tests of this file, tests/ops/test_selective_scan.py and test_properties.py in a fresh
 interpreter with it set, so the rest of the suite is unaffected. Run
-`TRITON_INTERPRET=1 pytest tests/ops/test_selective_scan.py tests/test_properties.py tests/test_triton.py -k triton`
+`TRITON_INTERPRET=1 pytest tests/ops tests/test_properties.py tests/test_triton.py -k triton`
 for test-by-test results. The tests marked `gpu` need a CUDA device (on ROCm too).
 """
 
@@ -24,7 +24,7 @@ from ssmops.ops.selective_scan.checks import CHUNK_LEN
 from ssmops._registry import interpreting
 
 from conftest import (
-    REPO, STATE_UPDATE_CASES, TOLERANCES, Case, assert_close, make_inputs, run_python, run_scan_with_grads,
+    REPO, STATE_UPDATE_CASES, TOLERANCES, Case, assert_close, make_inputs, rel_err, run_python, run_scan_with_grads,
     state_update_case_id, state_update_inputs,
 )
 
@@ -42,10 +42,11 @@ gpu = pytest.mark.skipif(not (HAS_CUDA and TRITON_AVAILABLE), reason="needs a CU
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
 @pytest.mark.skipif(interpreting(), reason="already under the interpreter: the tests run in this process")
 def test_triton_interpreter_suite(request):
-    """The sweep of tests/ops/test_selective_scan.py, the drawn problems of test_properties.py and this file's
-    interpreter tests, with TRITON_INTERPRET=1."""
+    """The sweeps of tests/ops (the scans, the decoding steps), the drawn problems of test_properties.py and
+    this file's interpreter tests, with TRITON_INTERPRET=1."""
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "triton",
-            "tests/ops/test_selective_scan.py", "tests/test_properties.py", "tests/test_triton.py"]
+            "tests/ops/test_selective_scan.py", "tests/ops/test_ssd.py", "tests/ops/test_state_update.py",
+            "tests/test_properties.py", "tests/test_triton.py"]
     markexpr = request.config.getoption("markexpr")
     if markexpr:
         args += ["-m", markexpr]
@@ -90,9 +91,10 @@ def test_triton_opcheck(case):
 def test_triton_ops_match_main_ops_and_schemas():
     from ssmops.ops import SCHEMAS
 
-    for name in ("selective_scan_fwd", "selective_scan_bwd"):  # (the decoding step's op: its own opcheck)
+    for name in ("selective_scan_fwd", "selective_scan_bwd", "ssd_scan_fwd", "ssd_scan_bwd"):  # (decoding: opcheck)
         schema = SCHEMAS[name]
-        triton_schema = str(getattr(torch.ops.ssmops, f"{name}_triton").default._schema)
+        # (triton_op infers its schema from type hints: an int argument becomes SymInt)
+        triton_schema = str(getattr(torch.ops.ssmops, f"{name}_triton").default._schema).replace("SymInt ", "int ")
         # same arguments; only the (unnamed) returns differ in spelling
         assert triton_schema.split(") -> ")[0] == f"ssmops::{schema}".replace(name, f"{name}_triton").split(") -> ")[0]
     fwd_args = _fwd_args(Case(B="g2", C="const", initial_state=True))
@@ -106,13 +108,14 @@ def test_triton_ops_match_main_ops_and_schemas():
 @needs_interpreter
 def test_triton_is_the_gpu_kernel_of_the_main_ops():
     """Eager calls of the main ops on CUDA (ROCm) or XPU tensors dispatch to the Triton launchers."""
-    for op in ("ssmops::selective_scan_fwd", "ssmops::selective_scan_bwd", "ssmops::selective_state_update"):
+    for op in ("ssmops::selective_scan_fwd", "ssmops::selective_scan_bwd", "ssmops::selective_state_update",
+               "ssmops::multihead_state_update", "ssmops::ssd_scan_fwd", "ssmops::ssd_scan_bwd"):
         for key in ("CUDA", "XPU"):
             assert torch._C._dispatch_has_kernel_for_dispatch_key(op, key), (op, key)
         # CPU keeps its own kernel (the C++ library or default), not Triton
     from ssmops._registry import triton_op_for
 
-    for name in ("selective_scan_fwd", "selective_state_update"):
+    for name in ("selective_scan_fwd", "selective_state_update", "ssd_scan_fwd"):
         assert triton_op_for(name, torch.empty(1, device="meta")) is None
         assert triton_op_for(name, torch.empty(1)) is None
 
@@ -159,6 +162,81 @@ def test_triton_variable_dB_dC_summed_over_channel_blocks(deterministic, monkeyp
         assert_close(first[name], g_ref[name], TOLERANCES[torch.float32], f"d{name}")
         if deterministic:
             assert torch.equal(first[name], second[name]), name
+
+
+def _ssd_args(batch=2, seqlen=37, nheads=4, headdim=8, ngroups=2, dstate=16, chunk=16, dtype=torch.float32,
+              seq_idx=False, varlen=False, seed=0) -> tuple:
+    """Arguments of `ssmops::ssd_scan_fwd` with every optional input (D per channel, z, dt_bias,
+    initial states, softplus, a dt_limit), and seq_idx / cu_seqlens when asked (varlen: batch 1)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, dt=dtype):
+        return torch.randn(*shape, generator=g).to(dt)
+
+    ids = cu = None
+    if seq_idx or varlen:
+        starts = torch.tensor([0, seqlen // 3, seqlen // 2])
+        ids = (torch.searchsorted(starts, torch.arange(seqlen), right=True) - 1).to(torch.int32).expand(batch, -1)
+        ids = ids.contiguous()
+        cu = torch.cat([starts, torch.tensor([seqlen])]).to(torch.int32) if varlen else None
+    return (randn(batch, seqlen, nheads, headdim), randn(batch, seqlen, nheads) - 1.0,
+            -torch.rand(nheads, generator=g) - 0.1, randn(batch, seqlen, ngroups, dstate),
+            randn(batch, seqlen, ngroups, dstate), randn(nheads, headdim),
+            randn(batch, seqlen, nheads, headdim), randn(nheads, dt=torch.float32) * 0.1,
+            randn(batch, nheads, headdim, dstate, dt=torch.float32), ids, cu, chunk, True, [0.01, 5.0])
+
+
+def _ssd_bwd_args(fwd_args: tuple, fwd=None) -> tuple:
+    out, final, states, varlen = (fwd or torch.ops.ssmops.ssd_scan_fwd_triton)(*fwd_args)
+    g = torch.Generator().manual_seed(1)
+    return (*fwd_args, torch.randn(out.shape, generator=g).to(out.dtype), states, torch.randn(final.shape, generator=g),
+            torch.randn(varlen.shape, generator=g) if fwd_args[10] is not None else None)
+
+
+@needs_interpreter
+def test_triton_ssd_opcheck():
+    fwd_args = _ssd_args(batch=1, seqlen=20, nheads=2, headdim=4, ngroups=1, dstate=4, varlen=True)
+    torch.library.opcheck(torch.ops.ssmops.ssd_scan_fwd_triton.default, fwd_args)
+    torch.library.opcheck(torch.ops.ssmops.ssd_scan_bwd_triton.default, _ssd_bwd_args(fwd_args))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "per-channel"])
+def test_triton_multihead_state_update_opcheck_and_strided_state(tied):
+    """The multi-head step writes through to the caller's (strided) cache rows, and is a well-formed operator."""
+    from ops.test_state_update import multihead_inputs
+
+    kw = multihead_inputs(tied=tied, cache=4, state_dtype=torch.bfloat16, D="head" if tied else "channel")
+    expected_state = kw["state"].clone()
+    with ssmops.use_backend("default"):
+        expected = ssmops.selective_state_update(**{**kw, "state": expected_state})
+    buffer = torch.zeros(*kw["state"].shape[:3], 2 * kw["state"].shape[3], dtype=kw["state"].dtype)
+    state = buffer[..., ::2]
+    state.copy_(kw["state"])
+    with ssmops.use_backend("triton"):
+        y = ssmops.selective_state_update(**{**kw, "state": state})
+    assert_close(y, expected, TOLERANCES[torch.float32], "y")
+    assert_close(state.float(), expected_state.float(), TOLERANCES[torch.bfloat16], "state")
+    args = [kw[k] for k in ("state", "x", "dt", "A", "B", "C", "D", "z", "dt_bias", "state_batch_indices")]
+    if tied:  # the operator's per-head forms, as the front end passes them
+        args[2], args[3], args[8] = args[2][..., 0], args[3][:, 0, 0], args[8][:, 0]
+    torch.library.opcheck(torch.ops.ssmops.multihead_state_update_triton.default, (*args, kw["dt_softplus"]))
+
+
+@needs_interpreter
+def test_triton_ssd_backward_is_deterministic():
+    """No atomics: every output element is written by one program and partial sums (over a group's
+    heads, over chunks) are added in a fixed order, so two runs give the same bits, in either mode."""
+    bwd_args = _ssd_bwd_args(_ssd_args(seq_idx=True))
+    bwd = torch.ops.ssmops.ssd_scan_bwd_triton
+    first = bwd(*bwd_args)
+    torch.use_deterministic_algorithms(True)
+    try:
+        second = bwd(*bwd_args)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
 
 
 def _check_state_update_against_default(kw: dict, state, step) -> None:
@@ -261,6 +339,65 @@ def test_triton_kernels_compile_for_gpus_without_spilling(target, case, determin
         assert usage["spills"] <= (0 if case.seqlen % 16 == 0 else 128), (kernel.__name__, usage)
 
 
+# mamba2-2.7b's layer (the benchmark's shape, but for batch and seqlen, which change no compiled code: the
+# strides keep their divisibility by 16), with what Mamba2 passes (D per head, z, dt_bias, softplus,
+# initial states); then packed sequences with varlen states, fp16, D per channel and a dt_limit.
+SSD_COMPILE_CASES = {
+    "mamba2-2.7b": dict(batch=1, seqlen=512, nheads=80, headdim=64, ngroups=1, dstate=128, chunk=256,
+                        dtype=torch.bfloat16),
+    "varlen": dict(batch=1, seqlen=300, nheads=8, headdim=64, ngroups=2, dstate=64, chunk=128, dtype=torch.float16,
+                   varlen=True),
+}
+
+
+def _ssd_compile_args(name: str) -> tuple:
+    args = _ssd_args(**SSD_COMPILE_CASES[name])
+    if name == "mamba2-2.7b":  # D per head, no dt_limit
+        args = args[:5] + (args[5][:, 0].float().contiguous(),) + args[6:13] + ([],)
+    return args
+
+
+def _ssd_compile_params():
+    for target in COMPILE_TARGETS:
+        for name in SSD_COMPILE_CASES:
+            marks = () if (target, name) == ("sm90", "mamba2-2.7b") else (pytest.mark.slow,)
+            yield pytest.param(target, name, marks=marks, id=f"{target}-{name}")
+
+
+SSD_KERNELS = ["ssd_states_fwd_kernel", "ssd_chunk_scan_kernel", "ssd_chunk_scan_kernel",  # (the second: dz)
+               "ssd_state_grads_kernel", "ssd_bwd_block_kernel", "ssd_bwd_block_kernel", "ssd_bwd_block_kernel",
+               "ssd_bwd_ddt_kernel"]
+
+
+@pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
+@pytest.mark.skipif(interpreting(), reason="compiles the JIT kernels, which the interpreter replaces")
+@pytest.mark.parametrize("target, name", list(_ssd_compile_params()))
+def test_triton_ssd_kernels_compile_for_gpus_without_spilling(target, name):
+    """The SSD scan's forward and backward launches, and the multi-head decoding step's at the same
+    sizes, compiled for a GPU: no register spills at the benchmark's shape. (The varlen case's
+    seq_idx, fp16 and per-channel D cost a few: 8 bytes in sm_80's dC kernel, 28-29 in gfx942's output
+    kernel.)"""
+    from ssmops.ops import triton_aot as aot
+
+    from ssmops.ops.state_update import triton as state_update_triton
+
+    args = _ssd_compile_args(name)
+    launches = aot.record_ssd(args)
+    expected = SSD_KERNELS[:1] + ["ssd_chunk_scan_kernel"] + (["ssd_varlen_states_kernel"] if args[10] is not None
+                                                               else []) + SSD_KERNELS[2:]
+    assert [k.__name__ for k, _, _ in launches] == expected
+    x, dt, A, B = args[:4]
+    with aot.recorded_launches() as step:  # the decoding step: tied dt/A/dt_bias (Mamba2's), a cache in x's dtype
+        state_update_triton.multihead_state_update(
+            torch.zeros(3, *x.shape[2:], B.shape[-1], dtype=x.dtype), x[:, 0], dt[:, 0], A, B[:, 0], B[:, 0],
+            args[5], x[:, 0], args[7], torch.tensor([2, 0], dtype=torch.int32)[: x.shape[0]], True)
+    launches += step
+    for kernel, kernel_args, meta in launches:
+        usage = aot.resource_usage(aot.compile_launch(kernel, kernel_args, meta, target))
+        print(kernel.__name__, target, meta["num_warps"], usage)
+        assert usage["spills"] <= (0 if name == "mamba2-2.7b" else 32), (kernel.__name__, usage)
+
+
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
 @pytest.mark.skipif(interpreting(), reason="compiles the JIT kernels, which the interpreter replaces")
 def test_triton_static_estimate_shows_time_inside_the_threads():
@@ -278,7 +415,8 @@ def test_triton_static_estimate_shows_time_inside_the_threads():
     assert rows["forward"][header.index("spill")] == rows["backward"][header.index("spill")] == "0", proc.stdout
 
 
-_TRACE_ON_FAKE_CUDA = """
+# a fresh interpreter that traces FwdBwd (defined between the two) on fake CUDA tensors and prints its launches
+_TRACE_SETUP = """
 import torch
 import ssmops._registry as registry
 from torch._functorch.aot_autograd import aot_export_module
@@ -287,7 +425,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 registry._gpu_present = lambda: True  # fake CUDA tensors stand in for a GPU
 assert registry.load_triton() is None
-
+"""
+_TRACE_LAUNCHES = """
+for node in graph.graph.nodes:
+    if node.op == "call_function":
+        assert not str(node.target).startswith("ssmops"), node.target
+        if "triton_kernel_wrapper" in str(node.target):
+            kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+            print("launch", kernel.fn.__name__, [c.num_warps for c in kernel.configs], node.kwargs["grid"])
+"""
+_TRACE_ON_FAKE_CUDA = _TRACE_SETUP + """
 
 class FwdBwd(torch.nn.Module):
     def forward(self, u, delta, A, B, C, D, z, dout):
@@ -302,13 +449,46 @@ with FakeTensorMode():
     args = [torch.empty(*shape, device="cuda") for shape in
             [(b, d, l), (b, d, l), (d, n), (b, n, l), (b, n, l), (d,), (b, d, l), (b, d, l)]]
     graph, _ = aot_export_module(FwdBwd(), args, trace_joint=False)
-for node in graph.graph.nodes:
-    if node.op == "call_function":
-        assert not str(node.target).startswith("ssmops"), node.target
-        if "triton_kernel_wrapper" in str(node.target):
-            kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
-            print("launch", kernel.fn.__name__, [c.num_warps for c in kernel.configs], node.kwargs["grid"])
-"""
+""" + _TRACE_LAUNCHES
+
+
+_SSD_TRACE_ON_FAKE_CUDA = _TRACE_SETUP + """
+
+class FwdBwd(torch.nn.Module):
+    def forward(self, x, dt, A, B, C, D, z, bias, init, dout, dfinal):
+        ops = torch.ops.ssmops
+        args = (x, dt, A, B, C, D, z, bias, init, None, None, 64, True, [])
+        out, final, states, _ = ops.ssd_scan_fwd_triton(*args)
+        grads = ops.ssd_scan_bwd_triton(*args, dout, states, dfinal, None)
+        return (out, final, *grads)
+
+
+b, l, h, p, g, n = 2, 200, 8, 32, 2, 16
+with FakeTensorMode():
+    cuda = dict(device="cuda", dtype=torch.bfloat16)
+    args = [torch.empty(b, l, h, p, **cuda), torch.empty(b, l, h, **cuda), torch.empty(h, device="cuda"),
+            torch.empty(b, l, g, n, **cuda), torch.empty(b, l, g, n, **cuda), torch.empty(h, device="cuda"),
+            torch.empty(b, l, h, p, **cuda), torch.empty(h, device="cuda"), torch.empty(b, h, p, n, device="cuda"),
+            torch.empty(b, l, h, p, **cuda), torch.empty(b, h, p, n, device="cuda")]
+    graph, _ = aot_export_module(FwdBwd(), args, trace_joint=False)
+""" + _TRACE_LAUNCHES
+
+
+@pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
+@pytest.mark.skipif(interpreting(), reason="traces the JIT kernels, which the interpreter replaces")
+def test_triton_ssd_ops_trace_into_kernel_launches_on_cuda_tensors():
+    """The SSD operators on fake CUDA tensors, as torch.compile and AOTInductor see them: the launches of
+    the forward's and the backward's kernels (grids from the sizes: one (headdim, dstate) state tile, 4
+    chunks of 64, batch x nheads = 16, 2 blocks of 32 tokens a chunk in the backward) and no ssmops operator."""
+    proc = run_python(_SSD_TRACE_ON_FAKE_CUDA, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    launches = [line for line in proc.stdout.splitlines() if line.startswith("launch ")]
+    assert launches == [
+        "launch ssd_states_fwd_kernel [8] [(1, 16, 1)]", "launch ssd_chunk_scan_kernel [8] [(4, 16, 1)]",
+        "launch ssd_chunk_scan_kernel [8] [(4, 16, 1)]", "launch ssd_state_grads_kernel [8] [(1, 16, 1)]",
+        "launch ssd_bwd_block_kernel [8] [(8, 16, 1)]", "launch ssd_bwd_block_kernel [8] [(8, 16, 1)]",
+        "launch ssd_bwd_block_kernel [8] [(8, 16, 1)]", "launch ssd_bwd_ddt_kernel [4] [(4, 16, 1)]",
+    ], proc.stdout
 
 
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
@@ -381,6 +561,50 @@ def test_triton_compile_fullgraph_forward_backward():
     # another seqlen reuses the graph (seqlen stays symbolic)
     kw2 = make_inputs(Case(batch=2, dim=64, seqlen=CHUNK_LEN + 7, dstate=16, B="var", C="var"), device="cuda")
     torch.testing.assert_close(compiled(**kw2), ssmops.selective_scan_ref(**kw2), rtol=2e-4, atol=2e-4)
+
+
+SSD_GPU_SWEEP = [
+    dict(), dict(seq_idx=True), dict(batch=1, varlen=True, seqlen=300, chunk=64),
+    dict(dtype=torch.bfloat16, seqlen=1000, chunk=256, nheads=8, headdim=64, dstate=128, ngroups=1),
+    dict(dtype=torch.float16, seqlen=129, chunk=32, ngroups=4),
+]
+
+
+@gpu
+@pytest.mark.parametrize("case", SSD_GPU_SWEEP, ids=state_update_case_id)
+def test_triton_cuda_ssd_matches_default(case):
+    """The SSD scan on CUDA (its Triton kernels) against the default backend on the same GPU, forward and
+    backward (tests/ops/test_ssd.py holds both to the float64 oracle on CPU)."""
+    args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in _ssd_args(**case))
+    bwd_args = _ssd_bwd_args(args, torch.ops.ssmops.ssd_scan_fwd)
+    got = (*torch.ops.ssmops.ssd_scan_fwd(*args), *torch.ops.ssmops.ssd_scan_bwd(*bwd_args))
+    with ssmops.use_backend("default"):
+        expected = (*torch.ops.ssmops.ssd_scan_fwd(*args), *torch.ops.ssmops.ssd_scan_bwd(*bwd_args))
+    tol = 3e-2 if case.get("dtype", torch.float32) != torch.float32 else 1e-4
+    for g, e in zip(got, expected):
+        assert g.shape == e.shape and g.dtype == e.dtype
+        assert g.numel() == 0 or rel_err(g, e) <= tol
+
+
+@gpu
+@pytest.mark.slow
+def test_triton_ssd_compile_fullgraph_forward_backward():
+    """torch.compile(fullgraph=True) of mamba_chunk_scan_combined, forward and backward, on CUDA."""
+    x, dt, A, B, C, D, z, dt_bias, init, _, _, chunk, _, _ = (
+        a.cuda() if isinstance(a, torch.Tensor) else a for a in _ssd_args(seqlen=200, chunk=64))
+    leaves = [t.clone().requires_grad_() for t in (x, dt, A, B, C, D, z, dt_bias, init)]
+
+    def scan(x, dt, A, B, C, D, z, dt_bias, init):
+        out, final = ssmops.mamba_chunk_scan_combined(x, dt, A, B, C, chunk, D, z, dt_bias, init, dt_softplus=True,
+                                                      return_final_states=True)
+        return out.square().sum() + final.sum()
+
+    compiled = torch.compile(scan, fullgraph=True)
+    grads = torch.autograd.grad(compiled(*leaves), leaves)
+    with ssmops.use_backend("default"):
+        expected = torch.autograd.grad(scan(*leaves), leaves)
+    for g, e in zip(grads, expected):
+        assert rel_err(g, e) <= 1e-4
 
 
 class _Scan(torch.nn.Module):

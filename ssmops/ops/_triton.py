@@ -5,6 +5,8 @@ on CPU tensors, and the JIT helpers of more than one kernel. Imports Triton: onl
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -13,6 +15,9 @@ from torch.library import wrap_triton
 from ._family import GPU_DEVICES
 
 LOG2E = tl.constexpr(1.4426950408889634)  # a JIT function reads only constexpr globals
+# Under TRITON_INTERPRET=1 (read at import, as Triton does) tl.dot mistakes bfloat16 operands for
+# integers (Triton 3.9): kernels then multiply 16-bit operands as float32, which is exact.
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"))
 
 
 def launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:

@@ -25,9 +25,11 @@ from triton.compiler import ASTSource, compile
 
 from . import _triton
 from .selective_scan import triton as scan_triton
+from .ssd import triton as ssd_triton
 
 TARGETS = {"sm90": ("cuda", 90, 32), "sm80": ("cuda", 80, 32), "gfx942": ("hip", "gfx942", 64)}
-_POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
+_POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int32: "*i32",
+                  torch.int64: "*i64"}
 
 
 @contextlib.contextmanager
@@ -56,6 +58,16 @@ def record_scan(fwd_args: tuple, deterministic: bool = False) -> list:
     return launches
 
 
+def record_ssd(fwd_args: tuple) -> list:
+    """The forward and backward launches for the arguments of `ssmops::ssd_scan_fwd` (CPU tensors will
+    do), the backward given every cotangent the forward's outputs can have."""
+    with recorded_launches() as launches:
+        out, final, states, varlen = ssd_triton.ssd_fwd(*fwd_args)
+        ssd_triton.ssd_bwd(*fwd_args, torch.ones_like(out), states, torch.ones_like(final),
+                           torch.ones_like(varlen) if fwd_args[10] is not None else None)
+    return launches
+
+
 def compile_launch(kernel, args: tuple, meta: dict, target: str):
     """Compiles one recorded launch for TARGETS[target] as Triton's launcher would: an int equal
     to 1 becomes a constant, and pointers and ints divisible by 16 are marked so (which lets
@@ -66,6 +78,8 @@ def compile_launch(kernel, args: tuple, meta: dict, target: str):
     for i, (name, arg) in enumerate(zip(kernel.arg_names, args)):
         if isinstance(arg, torch.Tensor):
             signature[name], aligned = _POINTER_TYPES[arg.dtype], arg.data_ptr() % 16 == 0
+        elif isinstance(arg, float):
+            signature[name], aligned = "fp32", False
         elif arg == 1:
             signature[name], constants[name], aligned = "constexpr", 1, False
         else:
@@ -102,9 +116,10 @@ def resource_usage(compiled) -> dict:
     return dict(regs=int(regs), spills=int(stack) + int(local))
 
 
-def innermost_loop(compiled) -> Optional[collections.Counter]:
+def innermost_loop(compiled, containing: Optional[tuple] = None) -> Optional[collections.Counter]:
     """Opcode counts of the shortest backward-branching span of an NVIDIA kernel's SASS (its
-    innermost loop), or None if it has no loop."""
+    innermost loop), or of the shortest holding one of the opcodes `containing` (e.g. the tensor-core
+    loop of a kernel with shorter ones), or None if it has no such loop."""
     instructions = []
     for line in _cuobjdump(compiled, "-sass").splitlines():
         m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
@@ -116,7 +131,6 @@ def innermost_loop(compiled) -> Optional[collections.Counter]:
         if target and int(target.group(1), 16) < address:
             start = next(j for j, (a, _) in enumerate(instructions) if a == int(target.group(1), 16))
             loops.append(instructions[start:i + 1])
-    if not loops:
-        return None
-    body = min(loops, key=len)
-    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0] for _, text in body)
+    counts = [collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0] for _, text in body)
+              for body in sorted(loops, key=len)]
+    return next((c for c in counts if containing is None or any(c[op] for op in containing)), None)

@@ -17,7 +17,25 @@ from conftest import backend_params
 from ssmops.ops.ssd import default, reference
 
 INF = float("inf")
-SSD_BACKENDS = ("default", "cpu")  # no Triton kernel yet: the GPU runs `default`
+SSD_BACKENDS = ("default", "cpu", "triton")
+# Triton runs CPU tensors only under its interpreter (tests/test_triton.py runs this file's Triton cases
+# so), about ten seconds a case: these cases run there in the quick suite, the others are marked slow.
+TRITON_QUICK = ("seq=(0, 16, 21, 40)", "batch=1,seq=(0, 10, 16, 33),varlen=True", "D=head,dtypes=bf16",
+                "softplus=False,dt_limit=(0.05, 0.6)")
+
+
+def ssd_backend_params(cases=None, quick=TRITON_QUICK):
+    """backend_params of SSD_BACKENDS, with the Triton cases outside `quick` marked slow (and none of
+    `row_block`, the default backend's knob)."""
+    params = []
+    for param in backend_params(cases, names=SSD_BACKENDS):
+        backend, *case = param.values
+        if backend == "triton" and case and case[0].row_block is not None:
+            continue
+        slow = backend == "triton" and case and str(case[0]) not in quick
+        params.append(pytest.param(*param.values, marks=[*param.marks, *([pytest.mark.slow] if slow else [])],
+                                   id=param.id))
+    return params
 
 
 # Error of the float32 computation and of rounding the results to the inputs' dtype.
@@ -316,7 +334,7 @@ def make_cotangents(case: Case, inputs: dict) -> dict:
     return cots
 
 
-@pytest.mark.parametrize("backend, case", backend_params(DEFAULT_CASES, names=SSD_BACKENDS))
+@pytest.mark.parametrize("backend, case", ssd_backend_params(DEFAULT_CASES))
 def test_backend_matches_oracle(backend, case, monkeypatch):
     if case.row_block is not None:
         monkeypatch.setattr(default, "_ROW_BLOCK", case.row_block)
@@ -344,13 +362,18 @@ def test_backend_matches_oracle(backend, case, monkeypatch):
             assert grad.numel() == 0, name
             continue
         assert grad.shape == given.shape and grad.dtype == given.dtype, name
-        assert rel_err(grad, expected_grads[name]) < tol, name
+        # dA and dt_bias sum da_t = sum_{l >= t} dL_l over the tokens, and Triton's dL holds terms that cancel
+        # (C . dC - B . dB, and the varlen states' parts): 3.2e-5 for dA with chunks of 256, 4.2e-5 for
+        # dt_bias with varlen cotangents (default: 1.4e-5 and 1.4e-6)
+        bound = max(tol, 5e-5) if name in ("A", "dt_bias") and backend == "triton" else tol
+        assert rel_err(grad, expected_grads[name]) < bound, name
 
 
 INVARIANCE_CASES = [Case(seq=SEQ), Case(batch=1, seq=(0, 10, 16, 33), varlen=True, softplus=False)]
 
 
-@pytest.mark.parametrize("backend, case", backend_params(INVARIANCE_CASES, names=SSD_BACKENDS))
+# (Triton: the oracle cases above run it at chunk sizes 16 to 256, the drawn problems at 1 to 64)
+@pytest.mark.parametrize("backend, case", backend_params(INVARIANCE_CASES, names=("default", "cpu")))
 def test_chunk_size_changes_nothing_beyond_rounding(backend, case):
     inputs = make_inputs(case)
     cotangents = make_cotangents(case, inputs)
@@ -411,7 +434,7 @@ def test_absent_optionals_and_dtypes(backend):
     assert all(g.numel() == 0 for g in (dD, dz, ddt_bias, dinitial))
 
 
-@pytest.mark.parametrize("backend", backend_params(names=SSD_BACKENDS))
+@pytest.mark.parametrize("backend", backend_params(names=("default", "cpu")))  # Triton: tests/test_triton.py
 def test_bitwise_deterministic_across_runs_and_thread_counts(backend):
     case = Case(batch=2, nheads=8, seqlen=300, chunk=128, seq=(0, 100, 128, 250), dstate=8)
     inputs = make_inputs(case)

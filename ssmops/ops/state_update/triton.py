@@ -1,6 +1,7 @@
-"""The decoding step's Triton backend: the launcher and the `ssmops::selective_state_update_triton`
-operator (a `triton_op`, so compiled decode graphs and AOTInductor packages launch the kernel
-themselves). Serves CUDA/ROCm/XPU tensors, and CPU tensors under `TRITON_INTERPRET=1`.
+"""The decoding step's Triton backend: the launchers and the `ssmops::selective_state_update_triton`
+and `ssmops::multihead_state_update_triton` operators (`triton_op`s, so compiled decode graphs and
+AOTInductor packages launch the kernels themselves). Serves CUDA/ROCm/XPU tensors, and CPU tensors
+under `TRITON_INTERPRET=1`.
 """
 
 from typing import Optional
@@ -11,8 +12,8 @@ from torch import Tensor
 from torch.library import triton_op
 
 from .. import _triton
-from .checks import check_state_update_inputs
-from .triton_kernels import selective_state_update_kernel
+from .checks import check_multihead_inputs, check_state_batch_indices, check_state_update_inputs
+from .triton_kernels import multihead_state_update_kernel, selective_state_update_kernel
 
 
 def selective_state_update(
@@ -39,6 +40,40 @@ def selective_state_update(
     return out
 
 
+def multihead_state_update(
+    state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
+    z: Optional[Tensor], dt_bias: Optional[Tensor], state_batch_indices: Optional[Tensor], dt_softplus: bool,
+) -> Tensor:
+    batch, nheads, headdim, dstate, ngroups, cache_size = check_multihead_inputs(
+        state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices)
+    if type(state_batch_indices) is Tensor:  # (it reads the indices: not while tracing)
+        check_state_batch_indices(state_batch_indices, cache_size)
+    out = torch.empty((batch, nheads, headdim), dtype=x.dtype, device=x.device)
+    block_n = max(triton.next_power_of_2(dstate), 2)
+    block_p = min(max(2048 // block_n, 1), triton.next_power_of_2(headdim))  # a (block_p, block_n) tile of 2048
+
+    def per_head(t: Optional[Tensor], rank: int) -> tuple:
+        """(head, channel) strides of D or dt_bias; a per-head one's channel stride is 0."""
+        if t is None:
+            return 0, 0
+        return tuple(t.stride()) if t.dim() == rank else (t.stride(0), 0)
+
+    dt_channel = dt.dim() == 3 or (dt_bias is not None and dt_bias.dim() == 2)
+    dt_strides = tuple(dt.stride()) if dt.dim() == 3 else (*dt.stride(), 0)
+    A_strides = tuple(A.stride()) if A.dim() == 3 else (A.stride(0), 0, 0)
+    _triton.launch(multihead_state_update_kernel, (triton.cdiv(headdim, block_p), nheads, batch), (
+        state, x, dt, A, B, C, D if D is not None else A, z if z is not None else x,
+        dt_bias if dt_bias is not None else A,
+        state_batch_indices if state_batch_indices is not None else A, out,
+        headdim, dstate, nheads // ngroups,
+        *state.stride(), *x.stride(), *dt_strides, *A_strides, *B.stride(), *C.stride(), *per_head(D, 2),
+        *(z.stride() if z is not None else (0, 0, 0)), *per_head(dt_bias, 2),
+    ), dict(DT_CHANNEL=dt_channel, A_ELEMENT=A.dim() == 3, HAS_D=D is not None, HAS_Z=z is not None,
+            HAS_BIAS=dt_bias is not None, HAS_INDEX=state_batch_indices is not None, SOFTPLUS=bool(dt_softplus),
+            BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4))
+    return out
+
+
 @triton_op("ssmops::selective_state_update_triton", mutates_args={"state"})
 def selective_state_update_triton(
     state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
@@ -48,5 +83,15 @@ def selective_state_update_triton(
     return selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
 
 
-KERNELS = {"selective_state_update": selective_state_update}
-TRITON_OPS = {"selective_state_update": selective_state_update_triton}
+@triton_op("ssmops::multihead_state_update_triton", mutates_args={"state"})
+def multihead_state_update_triton(
+    state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
+    z: Optional[Tensor], dt_bias: Optional[Tensor], state_batch_indices: Optional[Tensor], dt_softplus: bool,
+) -> Tensor:
+    """`ssmops::multihead_state_update` on the Triton kernel; same schema and conventions."""
+    return multihead_state_update(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, dt_softplus)
+
+
+KERNELS = {"selective_state_update": selective_state_update, "multihead_state_update": multihead_state_update}
+TRITON_OPS = {"selective_state_update": selective_state_update_triton,
+              "multihead_state_update": multihead_state_update_triton}

@@ -1,0 +1,257 @@
+"""The SSD scan's Triton backend: launchers, and the `ssmops::ssd_scan_{fwd,bwd}_triton` operators.
+
+`ssd_fwd` and `ssd_bwd` take the arguments of the main operators' schemas, in the same order,
+check them, allocate the outputs and launch the kernels (`triton_kernels.py`, which explains
+the work division) through `torch.library.wrap_triton`, so that torch.compile and AOTInductor
+record the kernel launches themselves. They serve CUDA/ROCm/XPU tensors, and CPU tensors
+under `TRITON_INTERPRET=1`. The `triton_op`s below wrap them; the registry gives those the
+main operators' fakes and autograd.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+from torch import Tensor
+from torch.library import triton_op
+
+from .. import _triton
+from .checks import check_sequence_values, check_ssd_grad_inputs, check_ssd_inputs, num_chunks
+from .triton_kernels import (
+    ssd_bwd_block_kernel, ssd_bwd_ddt_kernel, ssd_chunk_scan_kernel, ssd_state_grads_kernel, ssd_states_fwd_kernel,
+    ssd_varlen_states_kernel,
+)
+
+# The backward's dC and dx kernels take token blocks of 32 over 8 warps: with headdim and dstate whole
+# (dB sums over headdim, dx over dstate) blocks of 64 spill registers at Mamba-2's sizes (see
+# tests/test_triton.py, which compiles the launches for GPUs).
+BWD_BLOCK_T = 32
+BWD_WARPS = 8
+SCAN_WARPS = 8  # the forward's output kernel (its 64-token blocks spill on 4)
+STATE_WARPS = 8  # the state passes, forward and backward (a (64, 64) state tile and a block's tiles)
+
+
+def _config(chunk_size: int, headdim: int, dstate: int) -> dict:
+    """Token blocks of 64 (16 at least: a GEMM side), dstate whole (the C.B^T contraction) and
+    headdim in blocks of 64 in the forward's output kernel; 16-bit GEMM operands need sides of 16."""
+    block_t = min(64, max(16, triton.next_power_of_2(chunk_size)))
+    return dict(BLOCK_T=block_t, BLOCK_P=min(64, max(16, triton.next_power_of_2(headdim))),
+                BLOCK_N=max(16, triton.next_power_of_2(dstate)))
+
+
+def _state_tiles(headdim: int, dstate: int) -> dict:
+    """(headdim, dstate) tiles of the state-passing kernels: 64 x 64, so that batch * nheads * tiles
+    programs fill the GPU while each walks the chunks in order."""
+    return dict(BLOCK_P=min(64, max(16, triton.next_power_of_2(headdim))),
+                BLOCK_N=min(64, max(16, triton.next_power_of_2(dstate))))
+
+
+def _dot_f32(x: Tensor, B: Tensor, C: Tensor) -> bool:
+    """GEMMs in float32 unless x, B and C share one 16-bit dtype (then their operands are in it)."""
+    return not (x.dtype == B.dtype == C.dtype and x.dtype in (torch.float16, torch.bfloat16))
+
+
+def _strides(t: Optional[Tensor], rank: int) -> tuple:
+    return tuple(t.stride()) if t is not None else (0,) * rank
+
+
+def _is_real(t: Optional[Tensor]) -> bool:
+    """A tensor with data (not a fake or functional one being traced): the value checks can read it."""
+    return t is None or type(t) is Tensor
+
+
+def _varlen_firsts(cu_seqlens: Tensor, nchunks: int, chunk_size: int) -> Tensor:
+    """firsts[c]: the first sequence whose last token, cu_seqlens[i + 1] - 1, is in chunk c or later."""
+    ends = cu_seqlens[1:].to(torch.int64) - 1
+    starts = torch.arange(nchunks + 1, device=cu_seqlens.device, dtype=torch.int64) * chunk_size
+    return torch.searchsorted(ends, starts).to(torch.int32)
+
+
+class _Launch:
+    """What every launch of one call shares: sizes, the per-token inputs' strides, the flags."""
+
+    def __init__(self, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size,
+                 dt_softplus, dt_limit):
+        self.batch, self.seqlen, self.nheads, self.headdim, self.ngroups, self.dstate, self.nseq = check_ssd_inputs(
+            x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_limit)
+        if _is_real(seq_idx) and _is_real(cu_seqlens):
+            check_sequence_values(self.seqlen, seq_idx, cu_seqlens)
+        self.chunk_size = chunk_size
+        self.nchunks = num_chunks(self.seqlen, chunk_size)
+        lo, hi = (float(v) for v in dt_limit) if len(dt_limit) == 2 else (0.0, 0.0)
+        self.sizes = (self.seqlen, self.nheads, self.headdim, self.dstate, chunk_size, self.nchunks,
+                      self.nheads // self.ngroups, lo, hi)
+        self.inputs = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, bias=dt_bias, seq=seq_idx)
+        self.flags = dict(HAS_BIAS=dt_bias is not None, HAS_SEQ=seq_idx is not None, SOFTPLUS=bool(dt_softplus),
+                          HAS_LIMIT=len(dt_limit) == 2, DOT_F32=_dot_f32(x, B, C))
+        self.d_flags = dict(HAS_D=D is not None, D_CHANNEL=D is not None and D.dim() == 2)
+        self.cfg = _config(chunk_size, self.headdim, self.dstate)
+
+    def ptr(self, name: str) -> Tensor:
+        """An input, or a stand-in pointer for an absent one (never read)."""
+        t = self.inputs[name]
+        return t if t is not None else self.inputs["x"]
+
+    def token_strides(self, *names: str) -> tuple:
+        """(batch, seqlen, head/group, channel/state) strides of x, B, C, z or dout; (batch, seqlen,
+        head) of dt; (batch, seqlen) of seq_idx; zeros for an absent one."""
+        rank = {"dt": 3, "seq": 2}
+        return sum((_strides(self.inputs.get(n), rank.get(n, 4)) for n in names), ())
+
+    def state_grid(self, tiles: dict, rows: int) -> tuple:
+        return (triton.cdiv(self.headdim, tiles["BLOCK_P"]) * triton.cdiv(self.dstate, tiles["BLOCK_N"]), rows)
+
+    def chunk_scan(self, states: Tensor, out: Tensor, dout: Optional[Tensor]) -> None:
+        """out = the scan's output, or with dout, the gradient of z."""
+        cfg = self.cfg
+        blocks = triton.cdiv(self.chunk_size, cfg["BLOCK_T"])
+        D = self.inputs["D"]
+        grid = (self.nchunks * blocks, self.batch * self.nheads, triton.cdiv(self.headdim, cfg["BLOCK_P"]))
+        _triton.launch(ssd_chunk_scan_kernel, grid, (
+            *(self.ptr(n) for n in ("x", "dt", "A", "B", "C", "D", "z", "bias", "seq")), states,
+            dout if dout is not None else out, out, *self.sizes, blocks,
+            *self.token_strides("x", "dt", "B", "C", "z"), *_strides(dout, 4), *self.token_strides("seq"),
+            D.stride(0) if D is not None else 0,
+        ), dict(**self.d_flags, HAS_Z=self.inputs["z"] is not None, DZ=dout is not None, **self.flags, **cfg,
+                num_warps=SCAN_WARPS))
+
+
+def ssd_fwd(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
+    dt_bias: Optional[Tensor], initial_states: Optional[Tensor], seq_idx: Optional[Tensor],
+    cu_seqlens: Optional[Tensor], chunk_size: int, dt_softplus: bool, dt_limit: list[float],
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    run = _Launch(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_softplus,
+                  dt_limit)
+    f32 = dict(dtype=torch.float32, device=x.device)
+    batch, nheads, headdim, dstate = run.batch, run.nheads, run.headdim, run.dstate
+    states = torch.empty((batch, run.nchunks * nheads, headdim, dstate), **f32)
+    final = torch.empty((batch, nheads, headdim, dstate), **f32)
+    tiles = _state_tiles(headdim, dstate)
+    _triton.launch(ssd_states_fwd_kernel, run.state_grid(tiles, batch * nheads), (
+        *(run.ptr(n) for n in ("x", "dt", "A", "B", "bias")),
+        initial_states if initial_states is not None else x, run.ptr("seq"), states, final, *run.sizes,
+        *run.token_strides("x", "dt", "B", "seq"), *_strides(initial_states, 4),
+    ), dict(HAS_INIT=initial_states is not None, **run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles,
+            num_warps=STATE_WARPS))
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    run.chunk_scan(states, out, None)
+    varlen = x.new_empty(0, dtype=torch.float32)
+    if cu_seqlens is not None:
+        varlen = torch.empty((run.nseq, nheads, headdim, dstate), **f32)
+        _triton.launch(ssd_varlen_states_kernel, run.state_grid(tiles, run.nseq * nheads), (
+            *(run.ptr(n) for n in ("x", "dt", "A", "B", "bias", "seq")), cu_seqlens, states, varlen, *run.sizes,
+            *x.stride()[1:], *dt.stride()[1:], *B.stride()[1:], seq_idx.stride(1),
+        ), dict(**run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles, num_warps=STATE_WARPS))
+    return out, final, states, varlen
+
+
+def ssd_bwd(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
+    dt_bias: Optional[Tensor], initial_states: Optional[Tensor], seq_idx: Optional[Tensor],
+    cu_seqlens: Optional[Tensor], chunk_size: int, dt_softplus: bool, dt_limit: list[float], dout: Tensor,
+    chunk_states: Tensor, dfinal_states: Optional[Tensor], dvarlen_states: Optional[Tensor],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    run = _Launch(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_softplus,
+                  dt_limit)
+    dims = (run.batch, run.seqlen, run.nheads, run.headdim, run.ngroups, run.dstate, run.nseq)
+    check_ssd_grad_inputs(dims, x, chunk_size, dout, chunk_states, dfinal_states, dvarlen_states)
+    batch, seqlen, nheads, headdim, ngroups, dstate, _ = dims
+    nchunks = run.nchunks
+    f32 = dict(dtype=torch.float32, device=x.device)
+    states = chunk_states.contiguous()
+    dfinal = dfinal_states.contiguous() if dfinal_states is not None else None
+    dvarlen = dvarlen_states.contiguous() if dvarlen_states is not None and cu_seqlens is not None else None
+    firsts = _varlen_firsts(cu_seqlens, nchunks, chunk_size) if dvarlen is not None else None
+    varlen_args = (dvarlen, cu_seqlens, firsts) if dvarlen is not None else (states, states, states)
+    dz = x.new_empty(0, dtype=torch.float32)
+    if z is not None:  # the gradient of the gate needs the output before it: recomputed
+        dz = torch.empty(x.shape, dtype=z.dtype, device=x.device)
+        run.chunk_scan(states, dz, dout)
+
+    # the gradient of the state after each chunk, walking the chunks back
+    dends = torch.empty_like(states)
+    dinit = torch.empty((batch, nheads, headdim, dstate), **f32) if initial_states is not None else \
+        x.new_empty(0, dtype=torch.float32)
+    tiles = _state_tiles(headdim, dstate)
+    _triton.launch(ssd_state_grads_kernel, run.state_grid(tiles, batch * nheads), (
+        *(run.ptr(n) for n in ("dt", "A", "C", "bias", "z", "seq")), dout,
+        dfinal if dfinal is not None else states, *varlen_args, dends, dinit if initial_states is not None else dends,
+        *run.sizes, *run.token_strides("dt", "C", "z"), *dout.stride(), *run.token_strides("seq"),
+    ), dict(HAS_Z=z is not None, HAS_DFINAL=dfinal is not None, HAS_DVARLEN=dvarlen is not None,
+            HAS_INIT=initial_states is not None, **run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles,
+            num_warps=STATE_WARPS))
+
+    # every chunk's gradients, by blocks of tokens; B and C's per head, then summed over each group's heads
+    # in a fixed order
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    ddt = torch.empty(dt.shape, dtype=dt.dtype, device=x.device)
+    dB_heads = torch.empty((batch, seqlen, nheads, dstate), **f32)
+    dC_heads = torch.empty_like(dB_heads)
+    cfg = dict(run.cfg, BLOCK_T=min(run.cfg["BLOCK_T"], BWD_BLOCK_T), BLOCK_P=max(16, triton.next_power_of_2(headdim)))
+    blocks = triton.cdiv(chunk_size, cfg["BLOCK_T"])
+    parts = batch * nchunks * nheads
+    dA_part, dbias_part = torch.empty(parts, **f32), torch.empty(parts, **f32)
+    dD_part = torch.empty((parts * blocks, headdim), **f32)
+    dlC, dlB, R, xdx = torch.empty((4, batch * nheads * seqlen), **f32)  # per token: the kernels' scratch rows
+    grid = (nchunks * blocks, batch * nheads)
+    strides = (*run.token_strides("x", "dt", "B", "C", "z"), *dout.stride(), *run.token_strides("seq"))
+    for mode in ("dC", "dX", "dB"):
+        _triton.launch(ssd_bwd_block_kernel, grid, (
+            *(run.ptr(n) for n in ("x", "dt", "A", "B", "C", "D", "z", "bias", "seq")), states, dends, dout,
+            *varlen_args, dx, dB_heads, dC_heads, dD_part, dlB, dlC, R, xdx, *run.sizes, blocks, *strides,
+            D.stride(0) if D is not None else 0,
+        ), dict(MODE=mode, **run.d_flags, HAS_Z=z is not None, HAS_DVARLEN=dvarlen is not None, **run.flags, **cfg,
+                num_warps=BWD_WARPS))
+    _triton.launch(ssd_bwd_ddt_kernel, (nchunks, batch * nheads), (
+        *(run.ptr(n) for n in ("x", "dt", "A", "B", "bias", "seq")), states, dends, *varlen_args, dlC, dlB, R, xdx,
+        ddt, dA_part, dbias_part, *run.sizes, *run.token_strides("x", "dt", "B", "seq"),
+    ), dict(HAS_DVARLEN=dvarlen is not None, **run.flags, BLOCK_T=cfg["BLOCK_T"],
+            BLOCK_P=cfg["BLOCK_P"], BLOCK_N=cfg["BLOCK_N"], num_warps=4))
+
+    def per_group(grad: Tensor, like: Tensor) -> Tensor:
+        return grad.view(batch, seqlen, ngroups, nheads // ngroups, dstate).sum(3).to(like.dtype)
+
+    def optional(grad: Tensor, like: Optional[Tensor]) -> Tensor:
+        return grad.to(like.dtype) if like is not None else x.new_empty(0, dtype=torch.float32)
+
+    dD = dD_part.view(-1, nheads, headdim).sum(0)
+    return (
+        dx, ddt, dA_part.view(-1, nheads).sum(0), per_group(dB_heads, B), per_group(dC_heads, C),
+        optional(dD if D is None or D.dim() == 2 else dD.sum(-1), D), dz,
+        optional(dbias_part.view(-1, nheads).sum(0), dt_bias), optional(dinit, initial_states),
+    )
+
+
+KERNELS = {"ssd_scan_fwd": ssd_fwd, "ssd_scan_bwd": ssd_bwd}
+
+
+# --- the operators Inductor traces into ------------------------------------------------
+
+
+@triton_op("ssmops::ssd_scan_fwd_triton", mutates_args=())
+def ssd_scan_fwd_triton(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
+    dt_bias: Optional[Tensor], initial_states: Optional[Tensor], seq_idx: Optional[Tensor],
+    cu_seqlens: Optional[Tensor], chunk_size: int, dt_softplus: bool, dt_limit: list[float],
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`ssmops::ssd_scan_fwd` on the Triton kernels; same schema and conventions."""
+    return ssd_fwd(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_softplus,
+                   dt_limit)
+
+
+@triton_op("ssmops::ssd_scan_bwd_triton", mutates_args=())
+def ssd_scan_bwd_triton(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
+    dt_bias: Optional[Tensor], initial_states: Optional[Tensor], seq_idx: Optional[Tensor],
+    cu_seqlens: Optional[Tensor], chunk_size: int, dt_softplus: bool, dt_limit: list[float], dout: Tensor,
+    chunk_states: Tensor, dfinal_states: Optional[Tensor], dvarlen_states: Optional[Tensor],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`ssmops::ssd_scan_bwd` on the Triton kernels; same schema and conventions."""
+    return ssd_bwd(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_softplus,
+                   dt_limit, dout, chunk_states, dfinal_states, dvarlen_states)
+
+
+TRITON_OPS = {"ssd_scan_fwd": ssd_scan_fwd_triton, "ssd_scan_bwd": ssd_scan_bwd_triton}

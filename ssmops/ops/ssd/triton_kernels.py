@@ -1,0 +1,640 @@
+"""Triton kernels of the SSD chunked scan (Mamba-2), forward and backward.
+
+Per (batch, head), with a_t = dt_t * A and, inside a chunk, L_l = a_{t0} + ... + a_l (the log
+decay from the chunk start through token l), the chunk's outputs are
+
+    y_l = w_l C_l S^T + sum_{s <= l} (C_l . B_s) exp(L_l - L_s) dt_s x_s + D x_l
+
+with S the (headdim, dstate) state entering the chunk, w_l = exp(L_l) where token l is in the
+sequence of the token before the chunk (else 0: seq_idx restarted the state), and the sum over
+the tokens s of l's sequence. The state after a token e of the chunk is
+
+    H_e = w_e S + sum_{s <= e, seq_s = seq_e} exp(L_e - L_s) dt_s x_s B_s^T.
+
+Work is cut where the data allows parallelism: every chunk's outputs are independent once the
+states entering the chunks are known, and those depend on the chunks before only through a
+(headdim, dstate) state. So:
+
+forward
+  `ssd_states_fwd_kernel`: a program owns a (headdim, dstate) tile of one (batch, head) and
+    walks the chunks in order: stores the entering state (chunk_states, float32), then advances
+    it over the chunk with one tensor-core GEMM, (dt x decayed)^T @ B. mamba_ssm computes the
+    chunks' own states in one kernel, writes them out and passes them in another; here they
+    never leave registers. The final state is the last one.
+  `ssd_chunk_scan_kernel`: a program owns a block of BLOCK_T tokens of one chunk and a block of
+    channels: y = w (C @ S^T) + ((C @ B^T) * decay mask) @ (dt x), C @ B^T computed block by
+    block on tensor cores (mamba_ssm's separate C.B^T kernel and its (chunk, chunk) buffer are
+    gone), D and the silu(z) gate fused. The backward launches it again to recompute y for dz.
+  `ssd_varlen_states_kernel`: H_e at each cu_seqlens end e, from its chunk's entering state.
+
+backward (deterministic: every output element is written by one program, partial sums over
+heads of a group and over chunks are summed afterwards in a fixed order; no atomics)
+  `ssd_state_grads_kernel`: the state gradient walks the chunks last to first, like the
+    forward's states: the gradient of the state entering chunk c is w_end dE_c + sum_l w_l
+    dy_l^T C_l (+ the varlen states' cotangents), with dE_c that of the state after chunk c.
+  `ssd_chunk_bwd_kernel`: a program owns one chunk of one (batch, head) and, from its entering
+    state S and dE_c, computes dx, dB and dC (per head), ddt, and its parts of dA, dD, dt_bias.
+    The gradient of the log decays needs no extra GEMM: with dC_l and dB_s this program's
+    (per-head) gradients, dL_l = C_l . dC_l - B_l . dB_l + <dH_e, H_e> at each state output e
+    (the chunk's last token, varlen ends), and dt enters through a_t = dt_t A, whose gradient
+    is the reverse cumulative sum of dL over the chunk.
+
+Everything accumulates in float32; GEMM operands are in the inputs' 16-bit dtype when x, B
+and C share one (as mamba_ssm's kernels do), else float32 with IEEE products.
+"""
+
+import triton
+import triton.language as tl
+
+from .._triton import INTERPRETED, softplus
+
+
+@triton.jit
+def _dot(a, b, DOT_F32: tl.constexpr):
+    if DOT_F32:
+        r = tl.dot(a, b, input_precision="ieee")
+    elif INTERPRETED:
+        r = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        r = tl.dot(a, b)
+    return r
+
+
+@triton.jit
+def _operand(v, like_ptr, DOT_F32: tl.constexpr):
+    """A GEMM operand: float32, or the inputs' 16-bit dtype (like_ptr's)."""
+    if DOT_F32:
+        r = v
+    else:
+        r = v.to(like_ptr.dtype.element_ty)
+    return r
+
+
+@triton.jit
+def _block(t0, j, Q, seqlen, BLOCK_T: tl.constexpr):
+    """Tokens of the j-th block of the chunk starting at t0, and which are real."""
+    offs = j * BLOCK_T + tl.arange(0, BLOCK_T)
+    t = t0 + offs
+    return t, (offs < Q) & (t < seqlen)
+
+
+@triton.jit
+def _dt_steps(dt_row, t, valid, s_dtt, bias, lo, hi, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr):
+    """(raw = dt + dt_bias, after softplus, after the clamp: dt), float32; dt is 0 where not valid."""
+    raw = tl.load(dt_row + t * s_dtt, mask=valid, other=0.0).to(tl.float32) + bias
+    pre = raw
+    if SOFTPLUS:
+        pre = softplus(raw)
+    dt = pre
+    if HAS_LIMIT:
+        dt = tl.minimum(tl.maximum(dt, lo), hi)
+    return raw, pre, tl.where(valid, dt, 0.0)
+
+
+@triton.jit
+def _dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr):
+    """(dt, a = dt * A) of tokens t, float32, 0 where not valid."""
+    dt = _dt_steps(dt_row, t, valid, s_dtt, bias, lo, hi, SOFTPLUS, HAS_LIMIT)[2]
+    return dt, dt * A
+
+
+@triton.jit
+def _seq(seq_row, t, valid, s_seqt, HAS_SEQ: tl.constexpr):
+    """Sequence ids of tokens t (0 without seq_idx)."""
+    if HAS_SEQ:
+        ids = tl.load(seq_row + t * s_seqt, mask=valid, other=0)
+    else:
+        ids = tl.zeros_like(t)
+    return ids
+
+
+@triton.jit
+def _seq_at(seq_row, t, s_seqt, HAS_SEQ: tl.constexpr):
+    """The sequence id of token t; 0 before the first token (initial_states' sequence)."""
+    if HAS_SEQ:
+        ids = tl.load(seq_row + t * s_seqt, mask=t >= 0, other=0)
+    else:
+        ids = 0
+    return ids
+
+
+@triton.jit
+def _tile(row, t, valid, s_t, cols, ncols, s_c):
+    """(tokens, cols) float32 tile of a (seqlen, ncols) matrix."""
+    return tl.load(row + t[:, None] * s_t + cols[None, :] * s_c, mask=valid[:, None] & (cols < ncols)[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _dy(dout_row, z_row, t, valid, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z: tl.constexpr):
+    """The gradient of y (before the gate): dout * silu(z)."""
+    dy = _tile(dout_row, t, valid, s_gt, pp, headdim, s_gp)
+    if HAS_Z:
+        zv = _tile(z_row, t, valid, s_zt, pp, headdim, s_zp)
+        dy = dy * zv * tl.sigmoid(zv)
+    return dy
+
+
+@triton.jit
+def _decay_matrix(L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l, seq_s):
+    """exp(L_l - L_s) for s <= l of the same sequence, else 0: (rows l, columns s)."""
+    keep = (t_s[None, :] <= t_l[:, None]) & valid_l[:, None] & valid_s[None, :] & (seq_l[:, None] == seq_s[None, :])
+    return tl.where(keep, tl.exp(L_l[:, None] - L_s[None, :]), 0.0)
+
+
+@triton.jit
+def _state_tile(ptr, row, pp, nn, headdim, dstate):
+    """The (pp, nn) tile of state `row` of a contiguous (rows, headdim, dstate) float32 buffer."""
+    mask = (pp < headdim)[:, None] & (nn < dstate)[None, :]
+    return tl.load(ptr + row.to(tl.int64) * headdim * dstate + pp[:, None] * dstate + nn[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_state_tile(ptr, row, pp, nn, headdim, dstate, value):
+    mask = (pp < headdim)[:, None] & (nn < dstate)[None, :]
+    tl.store(ptr + row.to(tl.int64) * headdim * dstate + pp[:, None] * dstate + nn[None, :], value, mask=mask)
+
+
+@triton.jit
+def _log_decay_through(t0, e, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi,
+                       SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_T: tl.constexpr):
+    """L_e: the sum of a over the chunk's tokens t0 .. e."""
+    L = 0.0
+    for j in range(0, tl.cdiv(e - t0 + 1, BLOCK_T)):
+        t, valid = _block(t0, j, Q, seqlen, BLOCK_T)
+        a = _dt(dt_row, t, valid & (t <= e), s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1]
+        L += tl.sum(a, axis=0)
+    return L
+
+
+@triton.jit
+def _state_at(state, t0, e, seq_before, Q, seqlen, x_row, dt_row, B_row, seq_row, bias, A, lo, hi,
+              pp, nn, headdim, dstate, s_xt, s_xp, s_dtt, s_Bt, s_Bn, s_seqt,
+              SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_SEQ: tl.constexpr, DOT_F32: tl.constexpr,
+              BLOCK_T: tl.constexpr):
+    """H_e, the (pp, nn) tile of the state after token e of the chunk starting at t0 that `state` enters.
+    The blocks are walked back from e, so that each exponent L_e - L_s is summed over (s, e] directly:
+    as a difference of sums from the chunk start it would carry their rounding, eps * |L|."""
+    seq_e = _seq_at(seq_row, e, s_seqt, HAS_SEQ)
+    acc = tl.zeros_like(state)
+    after = 0.0  # the sum of a over the blocks after this one, through e
+    nblocks = tl.cdiv(e - t0 + 1, BLOCK_T)
+    for jj in range(0, nblocks):
+        t, valid = _block(t0, nblocks - 1 - jj, Q, seqlen, BLOCK_T)
+        valid = valid & (t <= e)
+        dt, a = _dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
+        to_e = after + tl.cumsum(a, axis=0, reverse=True) - a
+        after += tl.sum(a, axis=0)
+        keep = valid & (_seq(seq_row, t, valid, s_seqt, HAS_SEQ) == seq_e)
+        weight = tl.where(keep, dt * tl.exp(to_e), 0.0)
+        X = _tile(x_row, t, valid, s_xt, pp, headdim, s_xp) * weight[:, None]
+        Bt = _tile(B_row, t, valid, s_Bt, nn, dstate, s_Bn)
+        acc += _dot(tl.trans(_operand(X, x_row, DOT_F32)), _operand(Bt, x_row, DOT_F32), DOT_F32)
+    kept = tl.where(seq_e == seq_before, tl.exp(after), 0.0)
+    return kept * state + acc
+
+
+@triton.jit
+def _head(pid_bh, nheads, heads_per_group, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, bias_ptr, seq_ptr,
+          s_xb, s_xh, s_dtb, s_dth, s_Bb, s_Bg, s_Cb, s_Cg, s_seqb, HAS_BIAS: tl.constexpr):
+    """(batch, head) of a program, where its rows of x, dt, B, C and seq_idx start, its dt_bias and A."""
+    b = (pid_bh // nheads).to(tl.int64)
+    h = pid_bh % nheads
+    g = h // heads_per_group
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + h).to(tl.float32)
+    return (b, h, x_ptr + b * s_xb + h * s_xh, dt_ptr + b * s_dtb + h * s_dth, B_ptr + b * s_Bb + g * s_Bg,
+            C_ptr + b * s_Cb + g * s_Cg, seq_ptr + b * s_seqb, bias, tl.load(A_ptr + h))
+
+
+@triton.jit
+def ssd_states_fwd_kernel(
+    x_ptr, dt_ptr, A_ptr, B_ptr, bias_ptr, init_ptr, seq_ptr, states_ptr, final_ptr,
+    seqlen, nheads, headdim, dstate, Q, nchunks, heads_per_group, lo, hi,
+    s_xb, s_xt, s_xh, s_xp, s_dtb, s_dtt, s_dth, s_Bb, s_Bt, s_Bg, s_Bn, s_seqb, s_seqt,
+    s_ib, s_ih, s_ip, s_in,
+    HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid (state tiles, batch * nheads). chunk_states (batch, nchunks * nheads, headdim, dstate) and
+    final (batch, nheads, headdim, dstate) are contiguous float32."""
+    tiles_n = tl.cdiv(dstate, BLOCK_N)
+    pp = (tl.program_id(0) // tiles_n) * BLOCK_P + tl.arange(0, BLOCK_P)
+    nn = (tl.program_id(0) % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    b, h, x_row, dt_row, B_row, _, seq_row, bias, A = _head(
+        tl.program_id(1), nheads, heads_per_group, x_ptr, dt_ptr, A_ptr, B_ptr, B_ptr, bias_ptr, seq_ptr,
+        s_xb, s_xh, s_dtb, s_dth, s_Bb, s_Bg, s_Bb, s_Bg, s_seqb, HAS_BIAS)
+    if HAS_INIT:
+        state = tl.load(init_ptr + b * s_ib + h * s_ih + pp[:, None] * s_ip + nn[None, :] * s_in,
+                        mask=(pp < headdim)[:, None] & (nn < dstate)[None, :], other=0.0).to(tl.float32)
+    else:
+        state = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    for c in range(0, nchunks):
+        _store_state_tile(states_ptr, (b * nchunks + c) * nheads + h, pp, nn, headdim, dstate, state)
+        t0 = c * Q
+        e = tl.minimum(t0 + Q, seqlen) - 1
+        state = _state_at(state, t0, e, _seq_at(seq_row, t0 - 1, s_seqt, HAS_SEQ), Q, seqlen, x_row, dt_row,
+                          B_row, seq_row, bias, A, lo, hi, pp, nn, headdim, dstate, s_xt, s_xp, s_dtt, s_Bt, s_Bn,
+                          s_seqt, SOFTPLUS, HAS_LIMIT, HAS_SEQ, DOT_F32, BLOCK_T)
+    _store_state_tile(final_ptr, b * nheads + h, pp, nn, headdim, dstate, state)
+
+
+@triton.jit
+def ssd_varlen_states_kernel(
+    x_ptr, dt_ptr, A_ptr, B_ptr, bias_ptr, seq_ptr, cu_ptr, states_ptr, varlen_ptr,
+    seqlen, nheads, headdim, dstate, Q, nchunks, heads_per_group, lo, hi,
+    s_xt, s_xh, s_xp, s_dtt, s_dth, s_Bt, s_Bg, s_Bn, s_seqt,
+    HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid (state tiles, nseq * nheads); batch 1. varlen (nseq, nheads, headdim, dstate) contiguous
+    float32: the state after each sequence's last token, cu_seqlens[i + 1] - 1."""
+    tiles_n = tl.cdiv(dstate, BLOCK_N)
+    pp = (tl.program_id(0) // tiles_n) * BLOCK_P + tl.arange(0, BLOCK_P)
+    nn = (tl.program_id(0) % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    i = tl.program_id(1) // nheads
+    _, h, x_row, dt_row, B_row, _, seq_row, bias, A = _head(
+        tl.program_id(1) % nheads, nheads, heads_per_group, x_ptr, dt_ptr, A_ptr, B_ptr, B_ptr, bias_ptr, seq_ptr,
+        0, s_xh, 0, s_dth, 0, s_Bg, 0, s_Bg, 0, HAS_BIAS)
+    e = tl.load(cu_ptr + i + 1).to(tl.int32) - 1
+    c = tl.maximum(e, 0) // Q  # (an empty first sequence ends before token 0: chunk 0's entering state)
+    t0 = c * Q
+    state = _state_tile(states_ptr, c * nheads + h, pp, nn, headdim, dstate)
+    state = _state_at(state, t0, e, _seq_at(seq_row, t0 - 1, s_seqt, HAS_SEQ), Q, seqlen, x_row, dt_row, B_row,
+                      seq_row, bias, A, lo, hi, pp, nn, headdim, dstate, s_xt, s_xp, s_dtt, s_Bt, s_Bn, s_seqt,
+                      SOFTPLUS, HAS_LIMIT, HAS_SEQ, DOT_F32, BLOCK_T)
+    _store_state_tile(varlen_ptr, i * nheads + h, pp, nn, headdim, dstate, state)
+
+
+@triton.jit
+def ssd_chunk_scan_kernel(
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, seq_ptr, states_ptr, dout_ptr, out_ptr,
+    seqlen, nheads, headdim, dstate, Q, nchunks, heads_per_group, lo, hi, blocks_per_chunk,
+    s_xb, s_xt, s_xh, s_xp, s_dtb, s_dtt, s_dth, s_Bb, s_Bt, s_Bg, s_Bn, s_Cb, s_Ct, s_Cg, s_Cn,
+    s_zb, s_zt, s_zh, s_zp, s_gb, s_gt, s_gh, s_gp, s_seqb, s_seqt, s_Dh,
+    HAS_D: tl.constexpr, D_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_F32: tl.constexpr,
+    DZ: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid (nchunks * blocks_per_chunk, batch * nheads, channel blocks). Writes out (x's layout, contiguous),
+    or, with DZ, the gradient of z from dout (the output recomputed)."""
+    c = tl.program_id(0) // blocks_per_chunk
+    i = tl.program_id(0) % blocks_per_chunk
+    b, h, x_row, dt_row, B_row, C_row, seq_row, bias, A = _head(
+        tl.program_id(1), nheads, heads_per_group, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, bias_ptr, seq_ptr,
+        s_xb, s_xh, s_dtb, s_dth, s_Bb, s_Bg, s_Cb, s_Cg, s_seqb, HAS_BIAS)
+    pp = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    nn = tl.arange(0, BLOCK_N)
+    t0 = c * Q
+    run = 0.0
+    for j in range(0, i):  # the log decay from the chunk start to this block
+        t, valid = _block(t0, j, Q, seqlen, BLOCK_T)
+        run += tl.sum(_dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1], axis=0)
+    t_l, valid_l = _block(t0, i, Q, seqlen, BLOCK_T)
+    a_l = _dt(dt_row, t_l, valid_l, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1]
+    L_l = tl.cumsum(a_l, axis=0)  # from the block start
+    seq_l = _seq(seq_row, t_l, valid_l, s_seqt, HAS_SEQ)
+    C_l = _operand(_tile(C_row, t_l, valid_l, s_Ct, nn, dstate, s_Cn), x_ptr, DOT_F32)
+    # the entering state, read by C and decayed to each token of the sequence before the chunk
+    state = _state_tile(states_ptr, (b * nchunks + c) * nheads + h, pp, nn, headdim, dstate)
+    w_l = tl.where(valid_l & (seq_l == _seq_at(seq_row, t0 - 1, s_seqt, HAS_SEQ)), tl.exp(run + L_l), 0.0)
+    y = _dot(C_l, tl.trans(_operand(state, x_ptr, DOT_F32)), DOT_F32) * w_l[:, None]
+    # the chunk's tokens up to this block, through (C B^T * decay mask), walked back from it so that
+    # L_l - L_s is summed over the blocks between (see _state_at)
+    between = 0.0
+    for jj in range(0, i + 1):
+        t_s, valid_s = _block(t0, i - jj, Q, seqlen, BLOCK_T)
+        dt_s, a_s = _dt(dt_row, t_s, valid_s, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
+        between += tl.where(jj > 0, tl.sum(a_s, axis=0), 0.0)
+        L_s = tl.cumsum(a_s, axis=0) - between  # relative to the row block's start
+        B_s = _operand(_tile(B_row, t_s, valid_s, s_Bt, nn, dstate, s_Bn), x_ptr, DOT_F32)
+        X_s = _tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp) * dt_s[:, None]
+        M = _dot(C_l, tl.trans(B_s), DOT_F32) * _decay_matrix(L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l,
+                                                              _seq(seq_row, t_s, valid_s, s_seqt, HAS_SEQ))
+        y += _dot(_operand(M, x_ptr, DOT_F32), _operand(X_s, x_ptr, DOT_F32), DOT_F32)
+    x_l = _tile(x_row, t_l, valid_l, s_xt, pp, headdim, s_xp)
+    if HAS_D:
+        if D_CHANNEL:
+            y += tl.load(D_ptr + h * s_Dh + pp, mask=pp < headdim, other=0.0).to(tl.float32)[None, :] * x_l
+        else:
+            y += tl.load(D_ptr + h).to(tl.float32) * x_l
+    mask = valid_l[:, None] & (pp < headdim)[None, :]
+    # out (or dz) is contiguous like x: (batch, seqlen, nheads, headdim)
+    out_ptrs = out_ptr + ((b * seqlen + t_l[:, None]) * nheads + h) * headdim + pp[None, :]
+    if HAS_Z:
+        zv = _tile(z_ptr + b * s_zb + h * s_zh, t_l, valid_l, s_zt, pp, headdim, s_zp)
+        sig = tl.sigmoid(zv)
+        if DZ:
+            dout = _tile(dout_ptr + b * s_gb + h * s_gh, t_l, valid_l, s_gt, pp, headdim, s_gp)
+            y = dout * y * sig * (1.0 + zv * (1.0 - sig))
+        else:
+            y = y * zv * sig
+    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def ssd_state_grads_kernel(
+    dt_ptr, A_ptr, C_ptr, bias_ptr, z_ptr, seq_ptr, dout_ptr, dfinal_ptr, dvarlen_ptr, cu_ptr, first_ptr,
+    dends_ptr, dinit_ptr,
+    seqlen, nheads, headdim, dstate, Q, nchunks, heads_per_group, lo, hi,
+    s_dtb, s_dtt, s_dth, s_Cb, s_Ct, s_Cg, s_Cn, s_zb, s_zt, s_zh, s_zp, s_gb, s_gt, s_gh, s_gp, s_seqb, s_seqt,
+    HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, HAS_DFINAL: tl.constexpr, HAS_DVARLEN: tl.constexpr, HAS_INIT: tl.constexpr,
+    DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid (state tiles, batch * nheads). Writes dends (batch, nchunks * nheads, headdim, dstate): the
+    gradient of the state after each chunk, and dinit, the gradient of the state entering chunk 0
+    (both contiguous float32). dfinal and dvarlen are contiguous float32; first[c] is the first
+    varlen sequence ending in chunk c or later."""
+    tiles_n = tl.cdiv(dstate, BLOCK_N)
+    pp = (tl.program_id(0) // tiles_n) * BLOCK_P + tl.arange(0, BLOCK_P)
+    nn = (tl.program_id(0) % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    b, h, _, dt_row, _, C_row, seq_row, bias, A = _head(
+        tl.program_id(1), nheads, heads_per_group, dt_ptr, dt_ptr, A_ptr, C_ptr, C_ptr, bias_ptr, seq_ptr,
+        0, 0, s_dtb, s_dth, s_Cb, s_Cg, s_Cb, s_Cg, s_seqb, HAS_BIAS)
+    z_row = z_ptr + b * s_zb + h * s_zh
+    dout_row = dout_ptr + b * s_gb + h * s_gh
+    if HAS_DFINAL:
+        grad = _state_tile(dfinal_ptr, b * nheads + h, pp, nn, headdim, dstate)
+    else:
+        grad = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    for cc in range(0, nchunks):
+        c = nchunks - 1 - cc
+        _store_state_tile(dends_ptr, (b * nchunks + c) * nheads + h, pp, nn, headdim, dstate, grad)
+        t0 = c * Q
+        seq_before = _seq_at(seq_row, t0 - 1, s_seqt, HAS_SEQ)
+        acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+        run = 0.0
+        for j in range(0, tl.cdiv(tl.minimum(Q, seqlen - t0), BLOCK_T)):
+            t, valid = _block(t0, j, Q, seqlen, BLOCK_T)
+            a = _dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1]
+            L = run + tl.cumsum(a, axis=0)
+            run += tl.sum(a, axis=0)
+            w = tl.where(valid & (_seq(seq_row, t, valid, s_seqt, HAS_SEQ) == seq_before), tl.exp(L), 0.0)
+            dy = _dy(dout_row, z_row, t, valid, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z) * w[:, None]
+            C_t = _tile(C_row, t, valid, s_Ct, nn, dstate, s_Cn)
+            acc += _dot(tl.trans(_operand(dy, C_ptr, DOT_F32)), _operand(C_t, C_ptr, DOT_F32), DOT_F32)
+        if HAS_DVARLEN:
+            for i in range(tl.load(first_ptr + c), tl.load(first_ptr + c + 1)):
+                e = tl.load(cu_ptr + i + 1).to(tl.int32) - 1
+                L_e = _log_decay_through(t0, e, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT,
+                                         BLOCK_T)
+                kept = tl.where(_seq_at(seq_row, e, s_seqt, HAS_SEQ) == seq_before, tl.exp(L_e), 0.0)
+                acc += kept * _state_tile(dvarlen_ptr, i * nheads + h, pp, nn, headdim, dstate)
+        seq_end = _seq_at(seq_row, tl.minimum(t0 + Q, seqlen) - 1, s_seqt, HAS_SEQ)
+        grad = tl.where(seq_end == seq_before, tl.exp(run), 0.0) * grad + acc
+    if HAS_INIT:
+        _store_state_tile(dinit_ptr, b * nheads + h, pp, nn, headdim, dstate, grad)
+
+
+@triton.jit
+def _add_at(ptr, value):
+    """*ptr += value, a scalar of this program's own (one thread stores what it read)."""
+    tl.store(ptr, tl.load(ptr) + value)
+
+
+@triton.jit
+def _store_rows(ptr, row0, t, valid, cols, ncols, value):
+    """value (tokens, cols) into rows row0 + t of a contiguous (rows, ncols) buffer."""
+    tl.store(ptr + (row0 + t[:, None]) * ncols + cols[None, :], value.to(ptr.dtype.element_ty),
+             mask=valid[:, None] & (cols < ncols)[None, :])
+
+
+@triton.jit
+def _chunk_program(pid_bh, c, nheads, heads_per_group, Q, seqlen, nchunks, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr,
+                   bias_ptr, seq_ptr, z_ptr, dout_ptr, s_xb, s_xh, s_dtb, s_dth, s_Bb, s_Bg, s_Cb, s_Cg, s_seqb, s_seqt,
+                   s_zb, s_zh, s_gb, s_gh, HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr):
+    """What the backward's chunk kernels share: _head's, z's and dout's rows, the chunk's start, the
+    sequence before it and at its end, its state row and scratch row, and its token-0 output row."""
+    b, h, x_row, dt_row, B_row, C_row, seq_row, bias, A = _head(
+        pid_bh, nheads, heads_per_group, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, bias_ptr, seq_ptr,
+        s_xb, s_xh, s_dtb, s_dth, s_Bb, s_Bg, s_Cb, s_Cg, s_seqb, HAS_BIAS)
+    t0 = c * Q
+    return (b, h, x_row, dt_row, B_row, C_row, seq_row, bias, A, z_ptr + b * s_zb + h * s_zh,
+            dout_ptr + b * s_gb + h * s_gh, t0, _seq_at(seq_row, t0 - 1, s_seqt, HAS_SEQ),
+            _seq_at(seq_row, tl.minimum(t0 + Q, seqlen) - 1, s_seqt, HAS_SEQ), (b * nchunks + c) * nheads + h,
+            (b * nheads + h) * seqlen, b * seqlen * nheads + h)
+
+
+@triton.jit
+def _dC_rows(t0, i, Q, seqlen, nheads, headdim, dstate, x_row, dt_row, B_row, C_row, seq_row, z_row, dout_row,
+             bias, A, lo, hi, seq_before, state_row, scratch_row, out_row, states_ptr, dC_ptr, dlC_ptr, x_ptr,
+             t_l, valid_l, L_l, seq_l, pp, nn, s_xt, s_xp, s_dtt, s_Bt, s_Bn, s_Ct, s_Cn, s_zt, s_zp, s_gt, s_gp,
+             s_seqt, HAS_Z: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+             DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr):
+    """ssd_bwd_block_kernel's rows l (block i): dC_l = w_l dy_l S + sum_{s <= l} (dy_l . dt_s x_s)
+    exp(L_l - L_s) B_s, and its part C_l . dC_l of dL_l."""
+    run = 0.0
+    for j in range(0, i):  # the log decay from the chunk start to this block
+        t, valid = _block(t0, j, Q, seqlen, BLOCK_T)
+        run += tl.sum(_dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1], axis=0)
+    dy_l = _dy(dout_row, z_row, t_l, valid_l, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z)
+    w_l = tl.where(valid_l & (seq_l == seq_before), tl.exp(run + L_l), 0.0)
+    state = _operand(_state_tile(states_ptr, state_row, pp, nn, headdim, dstate), x_ptr, DOT_F32)
+    dC = _dot(_operand(dy_l * w_l[:, None], x_ptr, DOT_F32), state, DOT_F32)
+    dy_l = _operand(dy_l, x_ptr, DOT_F32)
+    between = 0.0  # walked back from the row block (exponents as in ssd_chunk_scan_kernel)
+    for jj in range(0, i + 1):
+        t_s, valid_s = _block(t0, i - jj, Q, seqlen, BLOCK_T)
+        dt_s, a_s = _dt(dt_row, t_s, valid_s, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
+        between += tl.where(jj > 0, tl.sum(a_s, axis=0), 0.0)
+        L_s = tl.cumsum(a_s, axis=0) - between
+        X_s = _operand(_tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp) * dt_s[:, None], x_ptr, DOT_F32)
+        dM = _dot(dy_l, tl.trans(X_s), DOT_F32) * _decay_matrix(
+            L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l, _seq(seq_row, t_s, valid_s, s_seqt, HAS_SEQ))
+        B_s = _tile(B_row, t_s, valid_s, s_Bt, nn, dstate, s_Bn)
+        dC += _dot(_operand(dM, x_ptr, DOT_F32), _operand(B_s, x_ptr, DOT_F32), DOT_F32)
+    _store_rows(dC_ptr, out_row, t_l * nheads, valid_l, nn, dstate, dC)
+    C_l = _tile(C_row, t_l, valid_l, s_Ct, nn, dstate, s_Cn)
+    tl.store(dlC_ptr + scratch_row + t_l, tl.sum(C_l * dC, axis=1), mask=valid_l)
+
+
+@triton.jit
+def ssd_bwd_block_kernel(
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, seq_ptr, states_ptr, dends_ptr, dout_ptr,
+    dvarlen_ptr, cu_ptr, first_ptr, dx_ptr, dB_ptr, dC_ptr, dD_ptr, dlB_ptr, dlC_ptr, R_ptr, xdx_ptr,
+    seqlen, nheads, headdim, dstate, Q, nchunks, heads_per_group, lo, hi, blocks_per_chunk,
+    s_xb, s_xt, s_xh, s_xp, s_dtb, s_dtt, s_dth, s_Bb, s_Bt, s_Bg, s_Bn, s_Cb, s_Ct, s_Cg, s_Cn,
+    s_zb, s_zt, s_zh, s_zp, s_gb, s_gt, s_gh, s_gp, s_seqb, s_seqt, s_Dh,
+    MODE: tl.constexpr, HAS_D: tl.constexpr, D_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    HAS_DVARLEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Grid (nchunks * blocks_per_chunk, batch * nheads): a block of tokens of one chunk, launched three
+    times (their accumulators and GEMM operands together would spill registers):
+
+    MODE "dC": the block as rows l (_dC_rows), into the per-head float32 dC (batch, seqlen, nheads,
+      dstate) and the scratch row dlC;
+    MODE "dX": as columns s, dX_s = sum_{l >= s} M_ls dy_l (M_ls = (C_l . B_s) exp(L_l - L_s)) + the
+      state outputs' parts; writes dx (x's layout, contiguous), the partial dD (batch, nchunks,
+      blocks_per_chunk, nheads, headdim) and, into scratch rows, x_s . dX_s and R_s = v_s X_s . (dE B_s),
+      the end state's part of the log-decay gradient (see ssd_bwd_ddt_kernel);
+    MODE "dB": as columns s, dB_s = sum_{l >= s} (dy_l . X_s) exp(L_l - L_s) C_l + the state outputs'
+      parts, into the per-head float32 dB (batch, seqlen, nheads, dstate), and B_s . dB_s without the
+      end state's part into the scratch row dlB."""
+    c = tl.program_id(0) // blocks_per_chunk
+    j = tl.program_id(0) % blocks_per_chunk
+    b, h, x_row, dt_row, B_row, C_row, seq_row, bias, A, z_row, dout_row, t0, seq_before, seq_end, state_row, \
+        scratch_row, out_row = _chunk_program(
+            tl.program_id(1), c, nheads, heads_per_group, Q, seqlen, nchunks, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr,
+            bias_ptr, seq_ptr, z_ptr, dout_ptr, s_xb, s_xh, s_dtb, s_dth, s_Bb, s_Bg, s_Cb, s_Cg, s_seqb, s_seqt,
+            s_zb, s_zh, s_gb, s_gh, HAS_BIAS, HAS_SEQ)
+    pp = tl.arange(0, BLOCK_P)
+    nn = tl.arange(0, BLOCK_N)
+    nblocks = tl.cdiv(tl.minimum(Q, seqlen - t0), BLOCK_T)
+    t_s, valid_s = _block(t0, j, Q, seqlen, BLOCK_T)
+    dt_s, a_s = _dt(dt_row, t_s, valid_s, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
+    L_s = tl.cumsum(a_s, axis=0)  # from the block start
+    seq_s = _seq(seq_row, t_s, valid_s, s_seqt, HAS_SEQ)
+    if MODE == "dC":
+        _dC_rows(t0, j, Q, seqlen, nheads, headdim, dstate, x_row, dt_row, B_row, C_row, seq_row, z_row, dout_row,
+                 bias, A, lo, hi, seq_before, state_row, scratch_row, out_row, states_ptr, dC_ptr, dlC_ptr, x_ptr,
+                 t_s, valid_s, L_s, seq_s, pp, nn, s_xt, s_xp, s_dtt, s_Bt, s_Bn, s_Ct, s_Cn, s_zt, s_zp, s_gt, s_gp,
+                 s_seqt, HAS_Z, HAS_SEQ, SOFTPLUS, HAS_LIMIT, DOT_F32, BLOCK_T)
+        return
+    DX: tl.constexpr = MODE == "dX"
+    if DX:
+        op = _operand(_tile(B_row, t_s, valid_s, s_Bt, nn, dstate, s_Bn), x_ptr, DOT_F32)  # B_s
+        acc = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)
+    else:
+        op = _operand(_tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp) * dt_s[:, None], x_ptr, DOT_F32)  # X_s
+        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    # The state after the chunk, H_end = w_end S + sum_s v_s X_s B_s^T, v_s = exp(L_end - L_s), and the
+    # varlen states ending in the chunk likewise: dX_s += v_s dE B_s, dB_s += v_s dE^T X_s.
+    to_end = 0.0  # L_end less L at this block's start, summed forward so that it rounds as the sum it is
+    for i in range(j, nblocks):
+        t, valid = _block(t0, i, Q, seqlen, BLOCK_T)
+        to_end += tl.sum(_dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1], axis=0)
+    v = tl.where(valid_s & (seq_s == seq_end), tl.exp(to_end - L_s), 0.0)
+    if DX:
+        acc = _dot(op, tl.trans(_operand(_state_tile(dends_ptr, state_row, pp, nn, headdim, dstate), x_ptr,
+                                         DOT_F32)), DOT_F32) * v[:, None]
+        R = tl.sum(_tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp) * acc, axis=1) * dt_s
+        tl.store(R_ptr + scratch_row + t_s, R, mask=valid_s)
+    if HAS_DVARLEN:
+        before = 0.0
+        for k in range(0, j):
+            t, valid = _block(t0, k, Q, seqlen, BLOCK_T)
+            before += tl.sum(_dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1], axis=0)
+        for k in range(tl.load(first_ptr + c), tl.load(first_ptr + c + 1)):
+            e = tl.load(cu_ptr + k + 1).to(tl.int32) - 1
+            L_e = _log_decay_through(t0, e, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT, BLOCK_T)
+            v_e = tl.where(valid_s & (t_s <= e) & (seq_s == _seq_at(seq_row, e, s_seqt, HAS_SEQ)),
+                           tl.exp(L_e - before - L_s), 0.0)
+            dV = _operand(_state_tile(dvarlen_ptr, k * nheads + h, pp, nn, headdim, dstate), x_ptr, DOT_F32)
+            if DX:
+                acc += _dot(op, tl.trans(dV), DOT_F32) * v_e[:, None]
+            else:
+                acc += _dot(op, dV, DOT_F32) * v_e[:, None]
+    # (tiles used once are read again rather than kept: registers are this kernel's limit)
+    between = 0.0  # the sum of a from this block's start to the row block's
+    for i in range(j, nblocks):
+        t_l, valid_l = _block(t0, i, Q, seqlen, BLOCK_T)
+        a_l = _dt(dt_row, t_l, valid_l, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1]
+        E = _decay_matrix(between + tl.cumsum(a_l, axis=0), L_s, t_l, t_s, valid_l, valid_s,
+                          _seq(seq_row, t_l, valid_l, s_seqt, HAS_SEQ), seq_s)
+        between += tl.sum(a_l, axis=0)
+        dy_l = _operand(_dy(dout_row, z_row, t_l, valid_l, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z), x_ptr,
+                        DOT_F32)
+        C_l = _operand(_tile(C_row, t_l, valid_l, s_Ct, nn, dstate, s_Cn), x_ptr, DOT_F32)
+        if DX:
+            M = _dot(C_l, tl.trans(op), DOT_F32) * E
+            acc += _dot(tl.trans(_operand(M, x_ptr, DOT_F32)), dy_l, DOT_F32)
+        else:
+            dM = _dot(dy_l, tl.trans(op), DOT_F32) * E
+            acc += _dot(tl.trans(_operand(dM, x_ptr, DOT_F32)), C_l, DOT_F32)
+    if DX:
+        x_s = _tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp)
+        tl.store(xdx_ptr + scratch_row + t_s, tl.sum(x_s * acc, axis=1), mask=valid_s)
+        dy_s = _dy(dout_row, z_row, t_s, valid_s, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z)
+        dx = acc * dt_s[:, None]
+        if HAS_D:
+            if D_CHANNEL:
+                dx += tl.load(D_ptr + h * s_Dh + pp, mask=pp < headdim, other=0.0).to(tl.float32)[None, :] * dy_s
+            else:
+                dx += tl.load(D_ptr + h).to(tl.float32) * dy_s
+            part = ((b * nchunks + c) * blocks_per_chunk + j) * nheads + h
+            tl.store(dD_ptr + part * headdim + pp, tl.sum(dy_s * x_s, axis=0), mask=pp < headdim)
+        _store_rows(dx_ptr, out_row, t_s * nheads, valid_s, pp, headdim, dx)
+    else:
+        # dL_s's part -B_s . dB_s, without the end state's (ssd_bwd_ddt_kernel takes that as R)
+        B_s = _tile(B_row, t_s, valid_s, s_Bt, nn, dstate, s_Bn)
+        tl.store(dlB_ptr + scratch_row + t_s, tl.sum(B_s * acc, axis=1), mask=valid_s)
+        dends = _operand(_state_tile(dends_ptr, state_row, pp, nn, headdim, dstate), x_ptr, DOT_F32)
+        _store_rows(dB_ptr, out_row, t_s * nheads, valid_s, nn, dstate, acc + _dot(op, dends, DOT_F32) * v[:, None])
+
+
+@triton.jit
+def ssd_bwd_ddt_kernel(
+    x_ptr, dt_ptr, A_ptr, B_ptr, bias_ptr, seq_ptr, states_ptr, dends_ptr, dvarlen_ptr, cu_ptr, first_ptr,
+    dlC_ptr, dlB_ptr, R_ptr, xdx_ptr, ddt_ptr, dA_ptr, dbias_ptr,
+    seqlen, nheads, headdim, dstate, Q, nchunks, heads_per_group, lo, hi,
+    s_xb, s_xt, s_xh, s_xp, s_dtb, s_dtt, s_dth, s_Bb, s_Bt, s_Bg, s_Bn, s_seqb, s_seqt,
+    HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    HAS_DVARLEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Grid (nchunks, batch * nheads). ddt (dt's layout, contiguous) and the float32 partials of dA and
+    dt_bias (batch * nchunks * nheads,), from the scratch rows of the two kernels above.
+
+    a_t = dt_t A enters every L_l from t on, so da_t = sum_{l >= t} dL_l, with dL_l = C_l . dC_l -
+    B_l . dB_l (the part of the quadratic form and the entering state) plus <dH_e, H_e> at each state
+    output e. For the end state, H_end = w_end S + sum_s v_s X_s B_s^T, those terms add up in da_t to
+    w_end <dE, S> + sum_{s < t} R_s, taken so: summing the large terms that cancel would round."""
+    c = tl.program_id(0)
+    b, h, x_row, dt_row, B_row, _, seq_row, bias, A, _, _, t0, seq_before, seq_end, state_row, scratch_row, _ = \
+        _chunk_program(tl.program_id(1), c, nheads, heads_per_group, Q, seqlen, nchunks, x_ptr, dt_ptr, A_ptr,
+                       B_ptr, B_ptr, bias_ptr, seq_ptr, x_ptr, x_ptr, s_xb, s_xh, s_dtb, s_dth, s_Bb, s_Bg, s_Bb,
+                       s_Bg, s_seqb, s_seqt, 0, 0, 0, 0, HAS_BIAS, HAS_SEQ)
+    pp = tl.arange(0, BLOCK_P)
+    nn = tl.arange(0, BLOCK_N)
+    nblocks = tl.cdiv(tl.minimum(Q, seqlen - t0), BLOCK_T)
+    state = _state_tile(states_ptr, state_row, pp, nn, headdim, dstate)
+    if HAS_DVARLEN:  # <dV_e, H_e> enters dL_e at each varlen end e of the chunk
+        for k in range(tl.load(first_ptr + c), tl.load(first_ptr + c + 1)):
+            e = tl.load(cu_ptr + k + 1).to(tl.int32) - 1
+            H_e = _state_at(state, t0, e, seq_before, Q, seqlen, x_row, dt_row, B_row, seq_row, bias, A, lo, hi,
+                            pp, nn, headdim, dstate, s_xt, s_xp, s_dtt, s_Bt, s_Bn, s_seqt,
+                            SOFTPLUS, HAS_LIMIT, HAS_SEQ, DOT_F32, BLOCK_T)
+            dV = _state_tile(dvarlen_ptr, k * nheads + h, pp, nn, headdim, dstate)
+            _add_at(dlC_ptr + scratch_row + e, tl.sum(tl.sum(dV * H_e, axis=1), axis=0))
+            tl.debug_barrier()
+    # the end state's part of da, first to last (R is turned into it in place)
+    kept_end = tl.where(seq_end == seq_before, tl.exp(
+        _log_decay_through(t0, tl.minimum(t0 + Q, seqlen) - 1, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS,
+                           HAS_LIMIT, BLOCK_T)), 0.0)
+    da_end = kept_end * tl.sum(tl.sum(_state_tile(dends_ptr, state_row, pp, nn, headdim, dstate) * state, axis=1),
+                               axis=0)
+    for j in range(0, nblocks):
+        t, valid = _block(t0, j, Q, seqlen, BLOCK_T)
+        R = tl.load(R_ptr + scratch_row + t, mask=valid, other=0.0)
+        tl.store(R_ptr + scratch_row + t, da_end + tl.cumsum(R, axis=0) - R, mask=valid)
+        da_end += tl.sum(R, axis=0)
+    tl.debug_barrier()
+    # the rest of da, last to first; ddt = x . dX + A da, through the clamp and softplus; dA = sum dt da
+    after = 0.0
+    dA_acc = 0.0
+    dbias_acc = 0.0
+    for jj in range(0, nblocks):
+        t, valid = _block(t0, nblocks - 1 - jj, Q, seqlen, BLOCK_T)
+        raw, pre, dt = _dt_steps(dt_row, t, valid, s_dtt, bias, lo, hi, SOFTPLUS, HAS_LIMIT)
+        dl = tl.load(dlC_ptr + scratch_row + t, mask=valid, other=0.0) - \
+            tl.load(dlB_ptr + scratch_row + t, mask=valid, other=0.0)
+        da = after + tl.cumsum(dl, axis=0, reverse=True) + tl.load(R_ptr + scratch_row + t, mask=valid, other=0.0)
+        after += tl.sum(dl, axis=0)
+        dA_acc += tl.sum(dt * da, axis=0)
+        ddt = tl.load(xdx_ptr + scratch_row + t, mask=valid, other=0.0) + A * da
+        if HAS_LIMIT:
+            ddt = tl.where((pre >= lo) & (pre <= hi), ddt, 0.0)
+        if SOFTPLUS:
+            ddt = tl.where(raw <= 20.0, ddt * tl.sigmoid(raw), ddt)
+        ddt = tl.where(valid, ddt, 0.0)
+        dbias_acc += tl.sum(ddt, axis=0)
+        tl.store(ddt_ptr + (b * seqlen + t) * nheads + h, ddt.to(ddt_ptr.dtype.element_ty), mask=valid)
+    part = (b * nchunks + c) * nheads + h
+    tl.store(dA_ptr + part, dA_acc)
+    if HAS_BIAS:
+        tl.store(dbias_ptr + part, dbias_acc)
