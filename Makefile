@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 
-.PHONY: install demo test test-quick bench-deps bench bench-cpu bench-ssd sanitize gpu-check clean
+.PHONY: install demo test test-quick test-triton-interpreter bench-deps bench bench-cpu bench-ssd sanitize gpu-check clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(shell find ssmops/csrc -type f)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,8 +23,13 @@ demo: install
 # The second run repeats the operator-level and deployment checks with the native
 # library unloaded, so that `default` is what the dispatcher registers for CPU.
 test: install
-	$(PYTEST) tests
+	$(PYTEST) --durations=15 tests
 	SSMOPS_BACKEND=default $(PYTEST) tests/ops tests/test_compile_export.py -k "opcheck or compile or export or aoti"
+
+# Every Triton case under the interpreter, the slow ones included (make test runs those not marked
+# slow there; on a GPU, make gpu-check runs them all natively).
+test-triton-interpreter: install
+	TRITON_INTERPRET=1 $(PYTEST) -k triton tests/ops tests/test_properties.py tests/test_triton.py
 
 # The quick subset: everything but the checks marked slow.
 test-quick: install

@@ -43,13 +43,13 @@ gpu = pytest.mark.skipif(not (HAS_CUDA and TRITON_AVAILABLE), reason="needs a CU
 @pytest.mark.skipif(interpreting(), reason="already under the interpreter: the tests run in this process")
 def test_triton_interpreter_suite(request):
     """The sweeps of tests/ops (the scans, the decoding steps), the drawn problems of test_properties.py and
-    this file's interpreter tests, with TRITON_INTERPRET=1."""
+    this file's interpreter tests, with TRITON_INTERPRET=1 (those not marked slow unless `-m` says otherwise)."""
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "triton",
             "tests/ops/test_selective_scan.py", "tests/ops/test_ssd.py", "tests/ops/test_state_update.py",
             "tests/test_properties.py", "tests/test_triton.py"]
-    markexpr = request.config.getoption("markexpr")
-    if markexpr:
-        args += ["-m", markexpr]
+    # The interpreter runs a kernel about 1e4 times slower than a GPU: the cases marked slow run here
+    # only when asked for (`-m slow`, or `make test-triton-interpreter`), and natively in `make gpu-check`.
+    args += ["-m", request.config.getoption("markexpr") or "not slow"]
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     env.pop("SSMOPS_BACKEND", None)
     proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
