@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .checkpoint import load_state_dict  # noqa: F401  (part of this module's API: the CLI loads with it)
+from .models.generation import InferenceParams
 
 
 class ExportError(RuntimeError):
@@ -141,8 +142,6 @@ class LMPrefill(nn.Module):
         self.model, self.max_seqlen = model, max_seqlen
 
     def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        from .models.generation import InferenceParams
-
         params = InferenceParams(max_seqlen=self.max_seqlen, max_batch_size=input_ids.shape[0])
         logits = self.model(input_ids, inference_params=params, num_last_tokens=1).logits[:, -1]
         return (logits, *_flat_caches(params.key_value_memory_dict))
@@ -164,8 +163,6 @@ class LMDecodingStep(nn.Module):
         self.layout = [(layer, tuple(s is not None for s in states)) for layer, states in caches.items()]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *caches: torch.Tensor):
-        from .models.generation import InferenceParams
-
         updated = iter([c.clone() for c in caches])  # the step writes in place: into copies
         memory = {layer: tuple(next(updated) if present else None for present in presence)
                   for layer, presence in self.layout}
