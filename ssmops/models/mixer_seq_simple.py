@@ -1,11 +1,12 @@
-"""`MambaLMHeadModel`: mamba_ssm's Mamba language model on the ssmops operators.
+"""`MambaLMHeadModel`: mamba_ssm's Mamba language model (Mamba-1, Mamba-2, hybrids with attention)
+on the ssmops operators.
 
 Same state_dict layout as `mamba_ssm.models.mixer_seq_simple.MambaLMHeadModel`
 (`backbone.embedding.weight`, `backbone.layers.{i}.mixer.*`, `backbone.layers.{i}.norm.weight`,
 `backbone.norm_f.weight`, `lm_head.weight` tied to the embedding), so mamba_ssm
-checkpoints load as they are; Hugging Face transformers `MambaForCausalLM` checkpoints
-load through `convert_hf_config` / `convert_hf_state_dict` (transformers itself is
-never imported).
+checkpoints load as they are; Hugging Face transformers `MambaForCausalLM`,
+`Mamba2ForCausalLM` and `BambaForCausalLM` checkpoints load through `convert_hf_config` /
+`convert_hf_state_dict` (transformers itself is never imported).
 
     model = MambaLMHeadModel.from_pretrained("path/to/checkpoint_dir")   # either format
     out = model.generate(input_ids, max_length=64)                        # greedy
@@ -217,7 +218,7 @@ class MambaLMHeadModel(nn.Module):
     def from_pretrained(cls, path: str | Path, device=None, dtype=None):
         """Loads a local checkpoint directory (nothing is downloaded): mamba_ssm's
         (config.json with d_model/n_layer/... + pytorch_model.bin or model.safetensors) or
-        transformers' MambaForCausalLM (config.json with hidden_size/num_hidden_layers/...
+        transformers' (config.json with model_type mamba, mamba2 or bamba, hidden_size, ...
         + model.safetensors, sharded or not, or pytorch_model.bin), told apart by config.json."""
         path = Path(path)
         config = json.loads((path / "config.json").read_text())
@@ -228,7 +229,7 @@ class MambaLMHeadModel(nn.Module):
 
     @classmethod
     def from_hf(cls, hf_model, device=None, dtype=None):
-        """From a live transformers MambaForCausalLM (duck-typed: `.config` and `.state_dict()`)."""
+        """From a live transformers Mamba/Mamba2/BambaForCausalLM (duck-typed: `.config` and `.state_dict()`)."""
         return cls.from_state_dict(
             convert_hf_config(hf_model.config), convert_hf_state_dict(hf_model.state_dict()), device=device, dtype=dtype
         )
