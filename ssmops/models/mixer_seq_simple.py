@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from ..checkpoint import load_state_dict
+from ..layernorm_gated import rmsnorm_fn
 from ..modules.mlp import GatedMLP
 from .config_mamba import MambaConfig
 from .convert_hf import convert_hf_config, convert_hf_state_dict, is_hf_config
@@ -39,9 +40,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
-        return out.to(x.dtype)
+        return rmsnorm_fn(x, self.weight, eps=self.eps)
 
 
 class Block(nn.Module):
