@@ -1,4 +1,4 @@
-"""ssmops: the Mamba selective scan as a PyTorch operator, on CPU, GPU and in deployment.
+"""ssmops: the Mamba scans as PyTorch operators, on CPU, GPU and in deployment.
 
     import ssmops
     y = ssmops.selective_scan_fn(u, delta, A, B, C, D, z, delta_bias, delta_softplus=True)
@@ -10,6 +10,7 @@ from ._registry import available_backends, use_backend  # first: registers every
 from . import compat
 from ._native import library_path
 from .mamba_inner import mamba_inner_fn
+from .modules.linear import weight_only_linear
 from .ops.selective_scan.reference import selective_scan_ref
 from .selective_scan import selective_scan_fn
 from .ssd_combined import mamba_chunk_scan_combined, mamba_split_conv1d_scan_combined
@@ -26,4 +27,5 @@ __all__ = [
     "selective_scan_ref",
     "selective_state_update",
     "use_backend",
+    "weight_only_linear",
 ]

@@ -43,4 +43,5 @@ STABLE_TORCH_LIBRARY(ssmops, m) {
       "chunk_size, bool dt_softplus, float[] dt_limit, Tensor dout, Tensor chunk_states, "
       "Tensor? dfinal_states, Tensor? dvarlen_states) -> (Tensor dx, Tensor ddt, Tensor dA, "
       "Tensor dB, Tensor dC, Tensor dD, Tensor dz, Tensor ddt_bias, Tensor dinitial_states)");
+  m.def("weight_only_linear(Tensor x, Tensor weight, Tensor? weight_scale, Tensor? bias) -> Tensor");
 }

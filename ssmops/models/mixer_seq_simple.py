@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from ..checkpoint import load_state_dict
 from ..layernorm_gated import rmsnorm_fn
+from ..modules.linear import Linear
 from ..modules.mlp import GatedMLP
 from .config_mamba import MambaConfig
 from .convert_hf import convert_hf_config, convert_hf_state_dict, is_hf_config
@@ -150,7 +151,7 @@ class MambaLMHeadModel(nn.Module):
         super().__init__()
         self.config = config
         self.backbone = MixerModel(config, device=device, dtype=dtype)
-        self.lm_head = nn.Linear(config.d_model, config.padded_vocab_size, bias=False, device=device, dtype=dtype)
+        self.lm_head = Linear(config.d_model, config.padded_vocab_size, bias=False, device=device, dtype=dtype)
         self.apply(partial(_init_weights, n_layer=config.n_layer, **(initializer_cfg or {}),
                            n_residuals_per_layer=1 if config.d_intermediate == 0 else 2))
         self.tie_weights()

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from ..mamba_inner import causal_conv1d, causal_conv1d_update, mamba_inner_fn
 from ..selective_scan import selective_scan_fn
 from ..state_update import selective_state_update
+from .linear import Linear, linear
 
 
 class Mamba(nn.Module):
@@ -62,15 +63,16 @@ class Mamba(nn.Module):
         self.use_fast_path = use_fast_path
         self.layer_idx = layer_idx
 
-        self.in_proj = nn.Linear(d_model, self.d_inner * 2, bias=bias, **factory)
+        self.in_proj = Linear(d_model, self.d_inner * 2, bias=bias, **factory)
         self.conv1d = nn.Conv1d(
             self.d_inner, self.d_inner, kernel_size=d_conv, groups=self.d_inner, padding=d_conv - 1,
             bias=conv_bias, **factory,
         )
         self.activation = "silu"
         self.act = nn.SiLU()
-        self.x_proj = nn.Linear(self.d_inner, self.dt_rank + d_state * 2, bias=False, **factory)
-        self.dt_proj = nn.Linear(self.dt_rank, self.d_inner, bias=True, **factory)
+        # x_proj and dt_proj compute dt: their weights stay in the model's dtype in every weight format
+        self.x_proj = Linear(self.d_inner, self.dt_rank + d_state * 2, bias=False, keep_float=True, **factory)
+        self.dt_proj = Linear(self.dt_rank, self.d_inner, bias=True, keep_float=True, **factory)
 
         # dt_proj: weights around dt_rank**-0.5 * dt_scale; the bias is softplus^-1 of a dt
         # sampled log-uniformly in [dt_min, dt_max], so softplus(bias) starts in that range.
@@ -96,7 +98,7 @@ class Mamba(nn.Module):
         self.D = nn.Parameter(torch.ones(self.d_inner, device=device))
         self.D._no_weight_decay = True
 
-        self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias, **factory)
+        self.out_proj = Linear(self.d_inner, d_model, bias=bias, **factory)
 
     def forward(self, hidden_states: Tensor, inference_params=None) -> Tensor:
         """hidden_states: (batch, seqlen, d_model). With `inference_params` (mamba_ssm's
@@ -118,7 +120,7 @@ class Mamba(nn.Module):
 
         xz = self.in_proj(hidden_states).transpose(1, 2)  # (batch, 2 * d_inner, seqlen)
         A = -torch.exp(self.A_log.float())
-        if self.use_fast_path and inference_params is None:
+        if self.use_fast_path and inference_params is None and self.out_proj.converted_from is None:
             return mamba_inner_fn(
                 xz, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
                 self.out_proj.weight, self.out_proj.bias, A, None, None, self.D.float(),
@@ -131,7 +133,7 @@ class Mamba(nn.Module):
         x = causal_conv1d(x, self.conv1d.weight, self.conv1d.bias, activation="silu")
         x_dbl = self.x_proj(x.transpose(1, 2))  # (batch, seqlen, dt_rank + 2 * d_state)
         dt, B, C = torch.split(x_dbl, [self.dt_rank, self.d_state, self.d_state], dim=-1)
-        dt = F.linear(dt, self.dt_proj.weight).transpose(1, 2)  # bias goes in as delta_bias
+        dt = linear(dt, self.dt_proj, bias=False).transpose(1, 2)  # the bias goes in as delta_bias
         y = selective_scan_fn(
             x, dt, A, B.transpose(1, 2), C.transpose(1, 2), self.D.float(), z=z,
             delta_bias=self.dt_proj.bias.float(), delta_softplus=True,
@@ -152,7 +154,7 @@ class Mamba(nn.Module):
         x, z = xz.chunk(2, dim=-1)
         x = causal_conv1d_update(x, conv_state, self.conv1d.weight, self.conv1d.bias, activation="silu")
         dt, B, C = torch.split(self.x_proj(x), [self.dt_rank, self.d_state, self.d_state], dim=-1)
-        dt = F.linear(dt, self.dt_proj.weight)
+        dt = linear(dt, self.dt_proj, bias=False)
         A = -torch.exp(self.A_log.float())
         y = selective_state_update(
             ssm_state, x, dt, A, B, C, self.D.float(), z=z, dt_bias=self.dt_proj.bias, dt_softplus=True

@@ -18,6 +18,7 @@ from ..layernorm_gated import RMSNorm as RMSNormGated
 from ..mamba_inner import causal_conv1d, causal_conv1d_update
 from ..ssd_combined import mamba_chunk_scan_combined, mamba_split_conv1d_scan_combined
 from ..state_update import selective_state_update
+from .linear import Linear
 from .mamba import states_from_cache
 
 
@@ -94,7 +95,7 @@ class Mamba2(nn.Module):
         self.layer_idx = layer_idx
 
         d_in_proj = 2 * self.d_inner + 2 * ngroups * d_state + self.nheads
-        self.in_proj = nn.Linear(d_model, d_in_proj, bias=bias, **factory)
+        self.in_proj = Linear(d_model, d_in_proj, bias=bias, **factory)
         self.conv_dim = self.d_ssm + 2 * ngroups * d_state
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, kernel_size=d_conv, groups=self.conv_dim,
                                 padding=d_conv - 1, bias=conv_bias, **factory)
@@ -121,7 +122,7 @@ class Mamba2(nn.Module):
         if rmsnorm:
             self.norm = RMSNormGated(self.d_ssm, eps=rmsnorm_eps, norm_before_gate=norm_before_gate,
                                      group_size=self.d_ssm // ngroups, **factory)
-        self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias, **factory)
+        self.out_proj = Linear(self.d_inner, d_model, bias=bias, **factory)
 
     # --- sequence path ----------------------------------------------------------------
 
@@ -147,7 +148,7 @@ class Mamba2(nn.Module):
         zxbcdt = self.in_proj(u)
         A = -torch.exp(self.A_log.float())
         D = self.D.unflatten(0, (self.nheads, self.headdim)) if self.D_has_hdim else self.D
-        if self.use_mem_eff_path and inference_params is None:
+        if self.use_mem_eff_path and inference_params is None and self.out_proj.converted_from is None:
             out = mamba_split_conv1d_scan_combined(
                 zxbcdt, self.conv1d.weight, self.conv1d.bias, self.dt_bias, A, D, self.chunk_size,
                 seq_idx=seq_idx, dt_limit=self.dt_limit, activation=self.activation,
@@ -241,7 +242,7 @@ class Mamba2(nn.Module):
         device = self.out_proj.weight.device
         conv_dtype = self.conv1d.weight.dtype if dtype is None else dtype
         conv_state = torch.zeros(batch_size, self.conv_dim, self.d_conv, device=device, dtype=conv_dtype)
-        ssm_dtype = ssm_state_dtype or (self.in_proj.weight.dtype if dtype is None else dtype)
+        ssm_dtype = ssm_state_dtype or (self.in_proj.compute_dtype if dtype is None else dtype)
         ssm_state = torch.zeros(batch_size, self.nheads, self.headdim, self.d_state, device=device, dtype=ssm_dtype)
         return conv_state, ssm_state
 

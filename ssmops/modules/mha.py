@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..mamba_inner import causal_conv1d, causal_conv1d_update
+from .linear import Linear
 
 
 class RotaryEmbedding(nn.Module):
@@ -93,17 +94,17 @@ class MHA(nn.Module):
         if rotary_emb_dim > 0:
             self.rotary_emb = RotaryEmbedding(rotary_emb_dim, base=rotary_emb_base,
                                               interleaved=rotary_emb_interleaved, device=device)
-        self.in_proj = nn.Linear(embed_dim, qkv_dim + self.mlp_dim, bias=qkv_proj_bias, **factory)
+        self.in_proj = Linear(embed_dim, qkv_dim + self.mlp_dim, bias=qkv_proj_bias, **factory)
         if d_conv > 0:
             self.conv1d = nn.Conv1d(qkv_dim, qkv_dim, kernel_size=d_conv, padding=d_conv - 1, groups=qkv_dim,
                                     **factory)
-        self.out_proj = nn.Linear(self.head_dim * num_heads + self.mlp_dim // 2, embed_dim, bias=out_proj_bias,
+        self.out_proj = Linear(self.head_dim * num_heads + self.mlp_dim // 2, embed_dim, bias=out_proj_bias,
                                   **factory)
 
     def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, **kwargs):
         """(kv_cache (batch, max_seqlen, 2, num_heads_kv, head_dim), conv_state (batch, qkv_dim,
         d_conv) or None), in the weights' dtype or `dtype`."""
-        dtype = self.out_proj.weight.dtype if dtype is None else dtype
+        dtype = self.out_proj.compute_dtype if dtype is None else dtype
         device = self.out_proj.weight.device
         conv_state = None
         if self.d_conv > 0:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .linear import Linear
+
 
 class GatedMLP(nn.Module):
     """fc2(y * activation(gate)) with y, gate = fc1(x).chunk(2); the hidden width is rounded
@@ -17,9 +19,9 @@ class GatedMLP(nn.Module):
         out_features = out_features if out_features is not None else in_features
         hidden = hidden_features if hidden_features is not None else int(8 * in_features / 3)
         hidden = (hidden + multiple_of - 1) // multiple_of * multiple_of
-        self.fc1 = nn.Linear(in_features, 2 * hidden, bias=bias, **factory)
+        self.fc1 = Linear(in_features, 2 * hidden, bias=bias, **factory)
         self.activation = activation
-        self.fc2 = nn.Linear(hidden, out_features, bias=bias, **factory)
+        self.fc2 = Linear(hidden, out_features, bias=bias, **factory)
 
     def forward(self, x: Tensor) -> Tensor:
         y, gate = self.fc1(x).chunk(2, dim=-1)

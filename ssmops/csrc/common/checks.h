@@ -98,7 +98,8 @@ inline void check_tensor_of(const char* op, const char* name, const Tensor& t, c
   STD_TORCH_CHECK(t.is_cpu(), op, ": ", name, " must be on cpu like ", like, ", got another device");
 }
 
-inline Tensor contig(const Tensor& t) { return torch::stable::contiguous(t); }
+// (asks the dispatcher only when t is strided: a decoding step makes ~100 calls per token)
+inline Tensor contig(const Tensor& t) { return t.is_contiguous() ? t : torch::stable::contiguous(t); }
 inline OptTensor contig(const OptTensor& t) { return t ? OptTensor(contig(*t)) : std::nullopt; }
 
 inline Tensor empty_like_shape(const Tensor& like, const std::vector<int64_t>& shape, ST dtype) {

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstdlib>
 
+#include "../common/vexp.h"
 #include "scan_params.h"
 
 #define SSM_CAT2(a, b) a##b
@@ -39,31 +40,9 @@ inline void st(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
 inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
 
-// --- vector math: exp (Cody-Waite + degree-5 polynomial, cephes expf, ~1 ulp) ------
+// --- vector math ---------------------------------------------------------------
 
-inline vf vexp(vf x) {
-  const vf hi = bc(88.3762626647949f), lo = bc(-87.3365447504019f);
-  const vf magic = bc(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-  vf xc = x < lo ? lo : x;
-  xc = xc > hi ? hi : xc;
-  vf fx = xc * bc(1.44269504088896341f) + magic;
-  vi n = (vi)fx - (vi)magic;
-  fx = fx - magic;
-  vf r = xc - fx * bc(0.693359375f);
-  r = r - fx * bc(-2.12194440e-4f);
-  vf p = bc(1.9875691500E-4f);
-  p = p * r + bc(1.3981999507E-3f);
-  p = p * r + bc(8.3334519073E-3f);
-  p = p * r + bc(4.1665795894E-2f);
-  p = p * r + bc(1.6666665459E-1f);
-  p = p * r + bc(5.0000001201E-1f);
-  p = p * (r * r) + r + bc(1.0f);
-  vf scale = (vf)((n + 127) << 23);
-  vf res = p * scale;
-  res = x < lo ? bc(0.0f) : res;
-  res = x > hi ? bc(__builtin_inff()) : res;
-  return res;
-}
+inline vf vexp(vf x) { return vexp_of<vf, vi>(x); }
 
 // log for finite w >= 1 (cephes logf, ~1 ulp): only ever called on 1 + exp(x).
 inline vf vlog_ge1(vf w) {

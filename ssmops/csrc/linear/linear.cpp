@@ -1,0 +1,127 @@
+// The weight-only linear operator's CPU kernel (`weight_only_linear`), on LibTorch's stable ABI
+// only. The schema is in ../library.cpp; the Python checks in ssmops/ops/linear/checks.py say
+// the same things in the same words.
+#include <torch/headeronly/util/BFloat16.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "../common/checks.h"
+#include "../common/isa.h"
+#include "linear_params.h"
+
+namespace ssmops_cpu {
+namespace {
+
+constexpr const char* kOp = "weight_only_linear";
+// Up to this many rows of x, each weight row is read once for all of them (decoding);
+// beyond it the weight is widened to x's dtype once and aten's matmul does the work (prefill).
+constexpr int64_t kMaxStreamedRows = 16;
+
+using RowsKernel = void (*)(const LinearArgs&, int64_t, int64_t);
+
+RowsKernel rows_kernel() {
+  static const RowsKernel kernel = [] {  // the ISA is fixed for the process: choose once
+    switch (selected_isa()) {
+#if defined(__x86_64__)
+      case Isa::kAvx512:
+        return linear_rows_avx512;
+      case Isa::kAvx2:
+        return linear_rows_avx2;
+#endif
+      default:
+        return linear_rows_generic;
+    }
+  }();
+  return kernel;
+}
+
+WeightKind weight_kind(ST t) {
+  switch (t) {
+    case ST::Float:
+      return WeightKind::kFloat32;
+    case ST::BFloat16:
+      return WeightKind::kBFloat16;
+    case ST::Half:
+      return WeightKind::kFloat16;
+    default:
+      return WeightKind::kInt8;
+  }
+}
+
+void check_inputs(const Tensor& x, const Tensor& weight, const OptTensor& weight_scale, const OptTensor& bias) {
+  const ST xt = x.scalar_type();
+  check_dtype_of(kOp, "x", x, {ST::Float, ST::Half, ST::BFloat16});
+  STD_TORCH_CHECK(x.dim() >= 1, kOp, ": x must have shape (..., in_features), got ", shape_of(x));
+  STD_TORCH_CHECK(x.is_cpu(), kOp, ": x must be a CPU tensor");
+  check_dtype_of(kOp, "weight", weight, {ST::Float, ST::Half, ST::BFloat16, ST::Char});
+  const int64_t K = x.size(x.dim() - 1);
+  STD_TORCH_CHECK(weight.dim() == 2 && weight.size(1) == K, kOp,
+                  ": weight must have shape (out_features, in_features) with in_features=", K,
+                  " (x's last size), got ", shape_of(weight));
+  STD_TORCH_CHECK(weight.is_cpu(), kOp, ": weight must be on cpu like x, got another device");
+  const int64_t N = weight.size(0);
+  if (weight.scalar_type() == ST::Char) {
+    STD_TORCH_CHECK(weight_scale.has_value(), kOp,
+                    ": an int8 weight needs weight_scale, its float32 scale per output feature, shape (", N, ",)");
+    check_tensor_of(kOp, "weight_scale", *weight_scale, {ST::Float}, {N}, "weight");
+  } else {
+    STD_TORCH_CHECK(!weight_scale.has_value(), kOp, ": weight_scale is for int8 weights only; weight has dtype ",
+                    dtype_name(weight.scalar_type()));
+  }
+  if (bias) {
+    if (xt == ST::Float)
+      check_tensor_of(kOp, "bias", *bias, {ST::Float}, {N}, "weight");
+    else
+      check_tensor_of(kOp, "bias", *bias, {ST::Float, xt}, {N}, "weight");
+  }
+}
+
+Tensor weight_only_linear(Tensor x, Tensor weight, OptTensor weight_scale, OptTensor bias) {
+  check_inputs(x, weight, weight_scale, bias);
+  const ST xt = x.scalar_type();
+  const int64_t K = weight.size(1), N = weight.size(0);
+  std::vector<int64_t> out_shape;
+  for (int64_t i = 0; i + 1 < x.dim(); ++i) out_shape.push_back(x.size(i));
+  out_shape.push_back(N);
+  const int64_t M = K == 0 ? 0 : x.numel() / K;
+  // decoding calls this ~100 times a token: no dispatcher round trip that the inputs do not need
+  Tensor x2 = x.dim() == 2 ? x : torch::stable::reshape(x, {M, K});
+  if (xt != ST::Float) x2 = torch::stable::to(x2, ST::Float);
+  x2 = contig(x2);
+  Tensor y, scale = weight_scale ? contig(*weight_scale) : x2;
+  Tensor bias32 = !bias ? x2 : bias->scalar_type() == ST::Float ? contig(*bias) : as_f32(*bias);
+  if (M > 0 && K > 0 && M <= kMaxStreamedRows) {
+    weight = contig(weight);
+    y = empty_like_shape(x, out_shape, ST::Float);
+    const LinearArgs a{x2.const_data_ptr<float>(), weight.const_data_ptr(), weight_kind(weight.scalar_type()),
+                       weight_scale ? scale.const_data_ptr<float>() : nullptr,
+                       bias ? bias32.const_data_ptr<float>() : nullptr, y.mutable_data_ptr<float>(), M, N, K};
+    // tasks of 4-row tiles, at least ~32K weights each, so that a small layer stays on one thread
+    const int64_t tiles = (N + 3) / 4, grain = std::max<int64_t>(1, 32768 / (4 * K));
+    torch::stable::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+      rows_kernel()(a, begin * 4, std::min(end * 4, N));
+    });
+  } else {
+    Tensor w32 = torch::stable::to(weight, ST::Float);  // int8: the scale is applied to y below
+    y = contig(torch::stable::matmul(x2, torch::stable::transpose(w32, 0, 1)));
+    if (weight_scale || bias) {
+      float* yp = y.mutable_data_ptr<float>();
+      const float* sp = weight_scale ? scale.const_data_ptr<float>() : nullptr;
+      const float* bp = bias ? bias32.const_data_ptr<float>() : nullptr;
+      torch::stable::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin * N; i < end * N; ++i) {
+          const int64_t n = i % N;
+          yp[i] = (sp ? yp[i] * sp[n] : yp[i]) + (bp ? bp[n] : 0.0f);
+        }
+      });
+    }
+  }
+  if (y.dim() != static_cast<int64_t>(out_shape.size())) y = torch::stable::reshape(y, out_shape);
+  return xt == ST::Float ? y : torch::stable::to(y, xt);
+}
+
+}  // namespace
+}  // namespace ssmops_cpu
+
+STABLE_TORCH_LIBRARY_IMPL(ssmops, CPU, m) { m.impl("weight_only_linear", TORCH_BOX(&ssmops_cpu::weight_only_linear)); }

@@ -1,0 +1,26 @@
+// What linear.cpp hands the weight-only linear kernels (one build per instruction set).
+#pragma once
+
+#include <cstdint>
+
+namespace ssmops_cpu {
+
+// How the weight (N, K), row-major, is stored; the kernels widen it to float32 as they read it.
+enum class WeightKind : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kInt8 = 3 };
+
+struct LinearArgs {
+  const float* x;      // (M, K) float32, contiguous
+  const void* weight;  // (N, K), contiguous, of `kind`
+  WeightKind kind;
+  const float* scale;  // (N,) per-row scale (int8), or null
+  const float* bias;   // (N,), or null
+  float* y;            // (M, N) float32
+  int64_t M, N, K;
+};
+
+// y[:, n_begin:n_end] for every row of x: each weight row is read from memory once.
+void linear_rows_generic(const LinearArgs& a, int64_t n_begin, int64_t n_end);
+void linear_rows_avx2(const LinearArgs& a, int64_t n_begin, int64_t n_end);
+void linear_rows_avx512(const LinearArgs& a, int64_t n_begin, int64_t n_end);
+
+}  // namespace ssmops_cpu

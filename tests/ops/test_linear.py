@@ -1,0 +1,139 @@
+"""The weight-only linear layer of decoding (`weight_only_linear`): every backend against the
+reference, for every weight format and both of the CPU kernel's paths (rows of x streamed against
+each weight row, and the matmul beyond 16 rows); the checks; compile and export.
+
+The reference (`ssmops/ops/linear/reference.py`) is checked against torch's own linear layer on
+the dequantized weight."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ssmops
+from conftest import assert_close, backend_params
+from ssmops.modules.linear import Linear, quantize_int8
+from ssmops.ops.linear.reference import weight_only_linear_ref
+
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8)
+
+
+def linear_inputs(rows, in_features, out_features, weight_dtype, x_dtype=torch.float32, bias=True, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=gen).to(x_dtype)
+    w = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
+    scale = None
+    if weight_dtype == torch.int8:
+        w, scale = quantize_int8(w)
+    else:
+        w = w.to(weight_dtype)
+    b = torch.randn(out_features, generator=gen) if bias else None
+    return x, w, scale, b
+
+
+# rows: 1 (a decoding token), 3 and 5 (partial tiles of x rows), 16 (the last streamed size), 17 and
+# 40 (the matmul path); in_features with and without a vector tail; out_features not a multiple of 4
+SHAPES = [(1, 64, 8), (1, 37, 11), (3, 96, 13), (5, 200, 7), (16, 33, 30), (17, 37, 11), (40, 64, 9)]
+
+
+@pytest.mark.parametrize("backend", backend_params(names=("default", "cpu")))
+@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_backend_matches_reference(backend, weight_dtype, shape):
+    x, w, scale, b = linear_inputs(*shape, weight_dtype)
+    with ssmops.use_backend(backend):
+        y = ssmops.weight_only_linear(x, w, scale, b)
+    assert_close(y, weight_only_linear_ref(x, w, scale, b), 1e-5, "y")
+
+
+@pytest.mark.parametrize("backend", backend_params(names=("default", "cpu")))
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows", [2, 20])
+def test_low_precision_activations(backend, x_dtype, rows):
+    x, w, scale, b = linear_inputs(rows, 48, 10, x_dtype if x_dtype == torch.bfloat16 else torch.int8, x_dtype)
+    with ssmops.use_backend(backend):
+        y = ssmops.weight_only_linear(x, w, scale, b.to(x_dtype))
+    assert_close(y, weight_only_linear_ref(x, w, scale, b.to(x_dtype)), 1e-2, "y")
+
+
+@pytest.mark.parametrize("backend", backend_params(names=("default", "cpu")))
+def test_leading_dims_strided_x_and_no_bias(backend):
+    x, w, _, _ = linear_inputs(6, 24, 5, torch.float32, bias=False)
+    x3 = x.reshape(2, 3, 24).transpose(0, 1)  # (3, 2, 24), not contiguous
+    with ssmops.use_backend(backend):
+        y = ssmops.weight_only_linear(x3, w)
+    assert y.shape == (3, 2, 5)
+    assert_close(y, weight_only_linear_ref(x3, w), 1e-5, "y")
+
+
+def test_reference_is_torch_linear_on_the_dequantized_weight():
+    x, w, scale, b = linear_inputs(4, 32, 6, torch.int8)
+    expected = F.linear(x.double(), w.double() * scale.double()[:, None], b.double()).float()
+    torch.testing.assert_close(weight_only_linear_ref(x, w, scale, b), expected)
+
+
+def test_int8_quantization_is_per_row_and_exact_on_representable_weights():
+    w = torch.randn(5, 40)
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.shape == (5,)
+    assert (q.abs().amax(dim=1) == 127).all()  # each row's largest weight maps to 127
+    assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-7).all()
+    q2, scale2 = quantize_int8(q.float() * scale[:, None])  # already on the grid: nothing lost
+    assert torch.equal(q2, q)
+
+
+def test_opcheck():
+    for dtype in WEIGHT_DTYPES:
+        for rows in (2, 20):
+            torch.library.opcheck(torch.ops.ssmops.weight_only_linear.default, linear_inputs(rows, 16, 6, dtype))
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (lambda a: (a[0].double(), *a[1:]), TypeError, "x must have dtype"),
+        (lambda a: (a[0], a[1].to(torch.int32), *a[2:]), TypeError, "weight must have dtype"),
+        (lambda a: (a[0], a[1][:, :-1], *a[2:]), ValueError, r"weight must have shape \(out_features, in_features\)"),
+        (lambda a: (a[0], a[1], None, a[3]), ValueError, "an int8 weight needs weight_scale"),
+        (lambda a: (a[0], a[1], a[2][:-1], a[3]), ValueError, "weight_scale must have shape"),
+        (lambda a: (a[0], a[1].float(), a[2], a[3]), ValueError, "weight_scale is for int8 weights only"),
+        (lambda a: (*a[:3], a[3][:-1]), ValueError, "bias must have shape"),
+    ],
+)
+@pytest.mark.parametrize("backend", backend_params(names=("default", "cpu")))
+def test_errors_name_the_argument(backend, change, error, match):
+    args = change(linear_inputs(2, 16, 6, torch.int8))
+    with ssmops.use_backend(backend), pytest.raises(error, match=match):
+        ssmops.weight_only_linear(*args)
+    if backend == "cpu":  # the C++ kernel says the same without the Python checks
+        with pytest.raises(RuntimeError, match=match):
+            torch.ops.ssmops.weight_only_linear(*args)
+
+
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "int8"])
+def test_linear_module_compiles_and_exports(weights):
+    layer = Linear(24, 10)
+    layer.convert_weight(weights)
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        expected = layer(x)
+        torch.testing.assert_close(torch.compile(layer, fullgraph=True)(x), expected)
+        ep = torch.export.export(layer, (x,))
+    assert "weight_only_linear" in str(ep.graph)
+    torch.testing.assert_close(ep.module()(x), expected)
+
+
+def test_linear_module_trains_through_aten_and_infers_through_the_operator():
+    layer = Linear(8, 4)
+    x = torch.randn(2, 8, requires_grad=True)
+    layer(x).sum().backward()  # gradients: F.linear
+    assert layer.weight.grad is not None and x.grad is not None
+    with torch.no_grad():
+        expected = F.linear(x, layer.weight, layer.bias)
+        torch.testing.assert_close(layer(x), expected)
+        layer.convert_weight("int8")
+        assert layer.weight.dtype == torch.int8 and layer.compute_dtype == torch.float32
+        torch.testing.assert_close(layer(x), expected, atol=0.02, rtol=0.02)
+    with pytest.raises(ValueError, match="weights must be one of"):
+        layer.convert_weight("int4")
