@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .textgen import GenerateError, add_generate_parser, generate_command, load_checkpoint
+from .textgen import GenerateError, add_generate_parser, add_weights_argument, generate_command, load_checkpoint
 
 FORMATS = ("pt2", "aoti", "torchscript")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64,
@@ -124,7 +124,7 @@ def export_lm_command(args: argparse.Namespace) -> int:
 
     progress = _Progress(total=2)
     with progress.step(f"loading {args.checkpoint_dir}"):
-        model = load_checkpoint(args.checkpoint_dir).to(args.device)
+        model = load_checkpoint(args.checkpoint_dir, args.weights).to(args.device)
     with progress.step(f"exporting and packaging the prefill and the decoding step for {args.device}"):
         written = sx.lm_packages(model, args.out, batch_size=args.batch_size, max_seqlen=args.max_seqlen)
     print("\nwrote:")
@@ -166,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     lm.add_argument("--batch-size", type=int, default=1, help="the packages' batch size")
     lm.add_argument("--max-seqlen", type=int, default=2048, help="the KV caches' length (prompt + generated)")
     lm.add_argument("--device", default="cpu", help="device to export and compile for (cpu, cuda)")
+    add_weights_argument(lm)
     add_generate_parser(sub)
     args = parser.parse_args(argv)
     from .export import ExportError, quiet_torch_deprecations

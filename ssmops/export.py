@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .checkpoint import load_state_dict  # noqa: F401  (part of this module's API: the CLI loads with it)
-from .models.generation import InferenceParams
+from .models.generation import InferenceParams, step_logits
 
 
 class ExportError(RuntimeError):
@@ -166,9 +166,7 @@ class LMDecodingStep(nn.Module):
         updated = iter([c.clone() for c in caches])  # the step writes in place: into copies
         memory = {layer: tuple(next(updated) if present else None for present in presence)
                   for layer, presence in self.layout}
-        params = InferenceParams(max_seqlen=self.max_seqlen, max_batch_size=input_ids.shape[0], seqlen_offset=1,
-                                 key_value_memory_dict=memory, lengths_per_sample=positions)
-        logits = self.model(input_ids, inference_params=params).logits[:, -1]
+        logits = step_logits(self.model, memory, self.max_seqlen, input_ids, positions)
         return (logits, *_flat_caches(memory))
 
 
@@ -178,12 +176,25 @@ def _flat_caches(memory: dict) -> list[torch.Tensor]:
     return [s.contiguous() for layer in sorted(memory) for s in memory[layer] if s is not None]
 
 
+def decoding_step_program(model: nn.Module, batch_size: int, max_seqlen: int,
+                          example_position: int = 16) -> torch.export.ExportedProgram:
+    """`LMDecodingStep` of `model` exported with static shapes (the caches' are fixed by
+    `batch_size` and `max_seqlen`), on the device the model is on."""
+    device = next(model.parameters()).device
+    step = LMDecodingStep(model.eval(), batch_size, max_seqlen)
+    caches = _flat_caches(model.allocate_inference_cache(batch_size, max_seqlen))
+    positions = torch.full((batch_size,), example_position, dtype=torch.long, device=device)
+    token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # contiguous, as callers pass it
+    return export_program(step, (token, positions, *caches), dynamic_shapes=(None, None, (None,) * len(caches)))
+
+
 def lm_packages(model: nn.Module, out_dir: str | Path, *, batch_size: int = 1, max_seqlen: int = 2048,
                 example_prompt_len: int = 16) -> dict[str, Path]:
     """AOTInductor packages of a language model's prefill (prompt length dynamic, 2 ..
     max_seqlen - 1) and one-token decoding step, for the device the model is on:
     {"prefill": out_dir/prefill.pt2, "decode": out_dir/decode.pt2}. A C++ program runs the
-    prefill, then feeds the step its last token, positions and the caches it returned."""
+    prefill, then feeds the step its last token, positions and the caches it returned. A model
+    whose weights were converted (`convert_weights("int8")`, ...) is packaged with them so."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     device = next(model.parameters()).device
@@ -191,11 +202,6 @@ def lm_packages(model: nn.Module, out_dir: str | Path, *, batch_size: int = 1, m
     prompt = torch.zeros(batch_size, example_prompt_len, dtype=torch.long, device=device)
     seqlen = torch.export.Dim("seqlen", min=2, max=max_seqlen - 1)  # leaves room to decode a token
     prefill = export_program(LMPrefill(model, max_seqlen), (prompt,), dynamic_shapes=({1: seqlen},))
-    step = LMDecodingStep(model, batch_size, max_seqlen)
-    caches = _flat_caches(model.allocate_inference_cache(batch_size, max_seqlen))
-    positions = torch.full((batch_size,), example_prompt_len, dtype=torch.long, device=device)
-    token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # contiguous, as callers pass it
-    decode = export_program(step, (token, positions, *caches),
-                            dynamic_shapes=(None, None, (None,) * len(caches)))  # all static
+    decode = decoding_step_program(model, batch_size, max_seqlen, example_prompt_len)
     return {"prefill": aoti_package(prefill, out_dir / "prefill.pt2"),
             "decode": aoti_package(decode, out_dir / "decode.pt2")}

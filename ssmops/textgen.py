@@ -134,9 +134,9 @@ class TextStreamer:
         return overall, (steps / decode_time if steps and decode_time > 0 else overall)
 
 
-def load_checkpoint(checkpoint_dir: str | Path):
-    """`MambaLMHeadModel.from_pretrained(checkpoint_dir)` in eval mode, with every failure as one
-    GenerateError line that names the directory."""
+def load_checkpoint(checkpoint_dir: str | Path, weights: str | None = None):
+    """`MambaLMHeadModel.from_pretrained(checkpoint_dir, weights=weights)` in eval mode, with every
+    failure as one GenerateError line that names the directory."""
     from .models import MambaLMHeadModel
 
     path = Path(checkpoint_dir)
@@ -146,7 +146,7 @@ def load_checkpoint(checkpoint_dir: str | Path):
         raise GenerateError(f"{path} has no config.json: expected mamba_ssm's layout (config.json + "
                               "pytorch_model.bin or model.safetensors) or transformers' MambaForCausalLM layout")
     try:
-        return MambaLMHeadModel.from_pretrained(path).eval()
+        return MambaLMHeadModel.from_pretrained(path, weights=weights).eval()
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, json.JSONDecodeError) as err:
         first = (str(err).strip().splitlines() or [""])[0]
         raise GenerateError(f"cannot load {path}: {type(err).__name__}: {first}") from err
@@ -155,7 +155,7 @@ def load_checkpoint(checkpoint_dir: str | Path):
 def generate_command(args: argparse.Namespace, out: TextIO | None = None, log: TextIO | None = None) -> int:
     """`ssmops generate`: streams the continuation to `out` (stdout), notes and tokens/s to `log` (stderr)."""
     out, log = out or sys.stdout, log or sys.stderr
-    model = load_checkpoint(args.checkpoint_dir)
+    model = load_checkpoint(args.checkpoint_dir, args.weights)
     tokenizer, note = load_tokenizer(args.checkpoint_dir)
     print(note, file=log)
     vocab = model.config.vocab_size
@@ -181,7 +181,7 @@ def generate_command(args: argparse.Namespace, out: TextIO | None = None, log: T
         ids, max_length=len(prompt) + args.max_new_tokens, top_k=args.top_k, top_p=args.top_p,
         temperature=args.temperature, streamer=streamer, eos_token_id=tokenizer.eos_token_id,
         # logits cut to what the tokenizer can decode (bytes: 256) and to the unpadded vocabulary
-        vocab_size=min(vocab, len(tokenizer)),
+        vocab_size=min(vocab, len(tokenizer)), cg=args.compile,
     )
     overall, steps = streamer.rates()
     print(f"[{len(streamer.ids)} tokens after a {len(prompt)}-token prompt: {overall:.1f} tokens/s "
@@ -200,6 +200,16 @@ def add_generate_parser(sub) -> None:
     gen.add_argument("--top-k", type=int, default=1, help="1: greedy (the default); 0: the whole vocabulary")
     gen.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling when in (0, 1)")
     gen.add_argument("--seed", type=int, help="seeds the sampling, for a repeatable continuation")
+    add_weights_argument(gen)
+    gen.add_argument("--compile", action="store_true",
+                     help="compile the one-token step into one graph first (faster tokens after a one-off compile)")
+
+
+def add_weights_argument(parser) -> None:
+    from .modules.linear import WEIGHT_FORMATS
+
+    parser.add_argument("--weights", choices=list(WEIGHT_FORMATS), default=None,
+                        help="store the linear layers' weights in this format (default: the checkpoint's dtype)")
 
 
 def _positive_int(text: str) -> int:

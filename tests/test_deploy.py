@@ -272,3 +272,25 @@ def test_lm_prefill_and_decode_packages_run_in_cpp_like_eager(name, cpp_runner, 
     with torch.no_grad():
         expected = model(torch.cat([prompt, token], dim=1)).logits[:, -1]
     torch.testing.assert_close(step_logits, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_decoding_step_package_with_converted_weights_runs_in_cpp(weights, cpp_runner, tmp_path):
+    """The one-token step of a Mamba LM whose projections are stored as bf16 / int8: the package
+    carries them so, and C++ gives eager's logits and caches."""
+    from test_models import tiny_model
+
+    model = tiny_model(seed=1).convert_weights(weights)
+    ep = sx.decoding_step_program(model, batch_size=2, max_seqlen=16)
+    assert "weight_only_linear" in str(ep.graph)
+    package = sx.aoti_package(ep, tmp_path / "decode.pt2")
+    gen = torch.Generator().manual_seed(0)
+    caches = [torch.randn(t.shape, generator=gen) for states in model.allocate_inference_cache(2, 16).values()
+              for t in states]
+    inputs = [torch.tensor([[5], [7]]), torch.tensor([4, 9]), *caches]
+    outputs = _run_cpp(cpp_runner, "--package", package, inputs, tmp_path)
+    with torch.no_grad():
+        expected = sx.LMDecodingStep(model, 2, 16)(*inputs)
+    for got, want in zip(outputs, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

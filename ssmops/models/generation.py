@@ -1,8 +1,10 @@
 """Decoding for the Mamba language model: prefill through the scan, then one recurrent step per token.
 
 Mirrors `mamba_ssm.utils.generation` (InferenceParams, top-k / top-p / min-p sampling,
-`decode`) without CUDA graphs: the per-token cost is one `selective_state_update` per
-layer, independent of the prompt length.
+`decode`): the per-token cost is one decoding step per layer, independent of the prompt length.
+Where mamba_ssm captures the step in a CUDA graph (`cg=True`), ssmops compiles it: the whole
+one-token step (every layer and the output projection) becomes one `torch.compile` graph that
+advances the caches in place, on any device.
 """
 
 from __future__ import annotations
@@ -83,6 +85,27 @@ def sample(logits: Tensor, top_k: int = 1, top_p: float = 0.0, min_p: float = 0.
     return torch.multinomial(logits.softmax(dim=-1), num_samples=1).squeeze(1)
 
 
+def step_logits(model, memory: dict, max_seqlen: int, input_ids: Tensor, positions: Tensor) -> Tensor:
+    """One decoding token of every sequence: input_ids (batch, 1); positions (batch,) int64, the
+    number of tokens each sequence already has in the caches; `memory` maps each layer to its
+    caches (InferenceParams.key_value_memory_dict), advanced in place. Returns logits (batch, vocab)."""
+    params = InferenceParams(max_seqlen=max_seqlen, max_batch_size=input_ids.shape[0], seqlen_offset=1,
+                             key_value_memory_dict=memory, lengths_per_sample=positions)
+    return model(input_ids, inference_params=params).logits[:, -1]
+
+
+_compiled_step_logits = None
+
+
+def compiled_step_logits():
+    """`step_logits` as one compiled graph per model and batch size (static shapes; compiled on
+    its first call for them, then reused by every later `generate(..., cg=True)`)."""
+    global _compiled_step_logits
+    if _compiled_step_logits is None:
+        _compiled_step_logits = torch.compile(step_logits, fullgraph=True, dynamic=False)
+    return _compiled_step_logits
+
+
 @torch.inference_mode()
 def decode(
     input_ids: Tensor,
@@ -98,6 +121,7 @@ def decode(
     output_scores: bool = False,
     streamer=None,
     ssm_state_dtype: torch.dtype | None = None,
+    cg: bool = False,
 ) -> GenerationOutput:
     """Generates up to `max_length` tokens in all (prompt included).
 
@@ -107,7 +131,9 @@ def decode(
     produced it is padded with it and decoding stops once every sequence has.
     `streamer`, when given, gets `put(tokens)` for the prompt and each new token and
     `end()` at the end (the transformers streamer protocol). The ssm states are kept in the
-    weights' dtype unless `ssm_state_dtype` is given (see InferenceParams).
+    weights' dtype unless `ssm_state_dtype` is given (see InferenceParams). With `cg`, each token
+    after the prompt runs through `compiled_step_logits()`: no Python per layer, no per-token
+    dispatch of dozens of small operators (the first call for a batch size compiles it).
     """
     batch, prompt_len = input_ids.shape
     if max_length <= prompt_len:
@@ -119,8 +145,14 @@ def decode(
     scores = []
     finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
     step_input = input_ids
+    step = compiled_step_logits() if cg else None
+    positions = torch.full((batch,), prompt_len, dtype=torch.long, device=input_ids.device)
     while True:
-        logits = model(step_input, inference_params=params, num_last_tokens=1).logits[:, -1]
+        if step is not None and params.seqlen_offset > 0:
+            logits = step(model, params.key_value_memory_dict, max_length, step_input, positions)
+            positions += 1
+        else:
+            logits = model(step_input, inference_params=params, num_last_tokens=1).logits[:, -1]
         params.seqlen_offset += step_input.shape[1]
         if vocab_size is not None:
             logits = logits[:, :vocab_size]

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from ..checkpoint import load_state_dict
 from ..layernorm_gated import rmsnorm_fn
-from ..modules.linear import Linear
+from ..modules.linear import WEIGHT_FORMATS, Linear
 from ..modules.mlp import GatedMLP
 from .config_mamba import MambaConfig
 from .convert_hf import convert_hf_config, convert_hf_state_dict, is_hf_config
@@ -163,6 +163,24 @@ class MambaLMHeadModel(nn.Module):
     def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, **kwargs):
         return self.backbone.allocate_inference_cache(batch_size, max_seqlen, dtype=dtype, **kwargs)
 
+    @torch.no_grad()
+    def convert_weights(self, weights: str) -> MambaLMHeadModel:
+        """Stores the weights of the linear layers (mixers' in/out projections, MLPs, the output
+        head) in `weights` format for inference: "fp32", "bf16", "fp16" or "int8" (symmetric, a
+        float32 scale per output feature). Activations, norms, the scan and its state keep the
+        model's dtype; Mamba's x_proj and dt_proj (which compute dt) and the embedding (one row
+        read a token) keep theirs. A tied output head gets its own converted copy. In place;
+        returns the model. The converted model is for inference: training needs float weights."""
+        if weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
+        tied = self.lm_head.weight is self.backbone.embedding.weight
+        if tied and self.lm_head.weight.dtype != WEIGHT_FORMATS[weights]:
+            self.lm_head.weight = nn.Parameter(self.lm_head.weight.detach().clone())
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.convert_weight(weights)
+        return self
+
     def forward(self, input_ids: Tensor, position_ids=None, inference_params=None, num_last_tokens: int = 0,
                 **mixer_kwargs) -> CausalLMOutput:
         """`num_last_tokens > 0` computes logits for the last that many positions only.
@@ -188,10 +206,10 @@ class MambaLMHeadModel(nn.Module):
         """mamba_ssm's `generate`: `max_length` tokens in all (prompt included); greedy when
         top_k == 1, else sampling (see `ssmops.models.generation.sample`). Other keyword
         arguments go to `ssmops.models.generation.decode` (eos_token_id, vocab_size,
-        repetition_penalty, streamer); mamba_ssm's CUDA-graph options (`cg`,
-        `enable_timing`) are accepted and ignored. Returns the sequences, or a
-        GenerationOutput when `return_dict_in_generate`."""
-        kwargs.pop("cg", None)
+        repetition_penalty, streamer, and `cg=True`, mamba_ssm's CUDA-graph flag, which here
+        compiles the one-token step into one graph, on any device); mamba_ssm's
+        `enable_timing` is accepted and ignored. Returns the sequences, or a GenerationOutput
+        when `return_dict_in_generate`."""
         kwargs.pop("enable_timing", None)
         out = decode(
             input_ids, self, max_length, top_k=top_k, top_p=top_p, min_p=min_p, temperature=temperature,
@@ -202,9 +220,11 @@ class MambaLMHeadModel(nn.Module):
     # --- loading ----------------------------------------------------------------------
 
     @classmethod
-    def from_state_dict(cls, config: MambaConfig | dict, state_dict: dict, device=None, dtype=None):
+    def from_state_dict(cls, config: MambaConfig | dict, state_dict: dict, device=None, dtype=None,
+                        weights: str | None = None):
         """A model with `config` (a MambaConfig or mamba_ssm's config dict) holding
-        `state_dict` (mamba_ssm's key names; `lm_head.weight` may be absent when tied)."""
+        `state_dict` (mamba_ssm's key names; `lm_head.weight` may be absent when tied), its
+        linear layers' weights converted to `weights` format when given (see convert_weights)."""
         if isinstance(config, dict):
             config = MambaConfig.from_dict(config)
         model = cls(config, device=device, dtype=dtype)
@@ -212,26 +232,28 @@ class MambaLMHeadModel(nn.Module):
         if config.tie_embeddings and "lm_head.weight" not in state_dict:
             state_dict["lm_head.weight"] = state_dict.get("backbone.embedding.weight")
         model.load_state_dict(state_dict, strict=True)
-        return model
+        return model.convert_weights(weights) if weights is not None else model
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device=None, dtype=None):
+    def from_pretrained(cls, path: str | Path, device=None, dtype=None, weights: str | None = None):
         """Loads a local checkpoint directory (nothing is downloaded): mamba_ssm's
         (config.json with d_model/n_layer/... + pytorch_model.bin or model.safetensors) or
         transformers' (config.json with model_type mamba, mamba2 or bamba, hidden_size, ...
-        + model.safetensors, sharded or not, or pytorch_model.bin), told apart by config.json."""
+        + model.safetensors, sharded or not, or pytorch_model.bin), told apart by config.json.
+        `weights="bf16"` / `"int8"` / ... converts the linear layers for decoding (convert_weights)."""
         path = Path(path)
         config = json.loads((path / "config.json").read_text())
         state_dict = _load_checkpoint_dir(path)
         if is_hf_config(config):
             config, state_dict = convert_hf_config(config), convert_hf_state_dict(state_dict)
-        return cls.from_state_dict(config, state_dict, device=device, dtype=dtype)
+        return cls.from_state_dict(config, state_dict, device=device, dtype=dtype, weights=weights)
 
     @classmethod
-    def from_hf(cls, hf_model, device=None, dtype=None):
+    def from_hf(cls, hf_model, device=None, dtype=None, weights: str | None = None):
         """From a live transformers Mamba/Mamba2/BambaForCausalLM (duck-typed: `.config` and `.state_dict()`)."""
         return cls.from_state_dict(
-            convert_hf_config(hf_model.config), convert_hf_state_dict(hf_model.state_dict()), device=device, dtype=dtype
+            convert_hf_config(hf_model.config), convert_hf_state_dict(hf_model.state_dict()), device=device,
+            dtype=dtype, weights=weights,
         )
 
     def save_pretrained(self, path: str | Path) -> None:

@@ -1,0 +1,97 @@
+"""Decoding at the weights' read bandwidth: weight formats for inference (`convert_weights`,
+`from_pretrained(..., weights=...)`) and the compiled one-token step (`generate(..., cg=True)`).
+
+The weight formats are checked on a model trained here on a task with one right answer (count up
+by one), so that greedy decoding has clear margins: every format must give fp32's tokens, and its
+logits within a bound that says how much the format loses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ssmops.models import MambaLMHeadModel
+from ssmops.modules.linear import Linear
+from test_models import tiny_config, train
+from test_models_mamba2 import tiny_model as tiny_mamba2_model
+
+VOCAB = 16
+
+
+@pytest.fixture(scope="module")
+def counting_model():
+    """A 2-layer Mamba LM trained to continue t, t+1, t+2, ... (mod 16)."""
+    torch.manual_seed(0)
+    model = MambaLMHeadModel(tiny_config(vocab_size=VOCAB))
+    gen = torch.Generator().manual_seed(0)
+
+    def loss_of_batch():
+        ids = (torch.randint(0, VOCAB, (16, 1), generator=gen) + torch.arange(12)) % VOCAB
+        logits = model(ids[:, :-1]).logits[..., :VOCAB]
+        return F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+    train(model, loss_of_batch, steps=80)
+    return model.eval()
+
+
+def _counting_prompts():
+    return (torch.tensor([[3], [9]]) + torch.arange(4)) % VOCAB
+
+
+def test_the_counting_model_counts(counting_model):
+    out = counting_model.generate(_counting_prompts(), max_length=16, vocab_size=VOCAB)
+    expected = (out[:, :1] + torch.arange(16)) % VOCAB
+    assert torch.equal(out, expected)
+
+
+# largest relative logits error each format may add (bf16/fp16 weights: 8/11-bit mantissas; int8: 127 levels a row)
+LOGIT_TOLERANCE = {"bf16": 2e-2, "fp16": 3e-3, "int8": 3e-2}
+
+
+@pytest.mark.parametrize("weights", list(LOGIT_TOLERANCE))
+def test_weight_formats_give_fp32s_greedy_tokens(counting_model, weights, tmp_path):
+    counting_model.save_pretrained(tmp_path)
+    converted = MambaLMHeadModel.from_pretrained(tmp_path, weights=weights).eval()
+    prompts = _counting_prompts()
+    expected = counting_model.generate(prompts, max_length=16, vocab_size=VOCAB)
+    assert torch.equal(converted.generate(prompts, max_length=16, vocab_size=VOCAB), expected)
+    with torch.no_grad():
+        ref, got = counting_model(expected).logits, converted(expected).logits
+    err = ((got - ref).abs().max() / ref.abs().max()).item()
+    assert err < LOGIT_TOLERANCE[weights], f"{weights}: relative logits error {err:.2e}"
+    assert err > 0  # the weights did change
+
+
+def test_convert_weights_converts_the_projections_only():
+    model = tiny_mamba2_model("hybrid")
+    embedding = model.backbone.embedding.weight
+    assert model.lm_head.weight is embedding
+    model.convert_weights("int8")
+    assert model.lm_head.weight is not embedding and embedding.dtype == torch.float32
+    converted = {name for name, m in model.named_modules() if isinstance(m, Linear) and m.weight.dtype == torch.int8}
+    assert "lm_head" in converted
+    layers = "backbone.layers"
+    assert {f"{layers}.0.mixer.in_proj", f"{layers}.1.mixer.out_proj", f"{layers}.1.mlp.fc1"} <= converted
+    assert model.state_dict()["lm_head.weight_scale"].shape == (model.config.padded_vocab_size,)
+    caches = model.allocate_inference_cache(2, 8)
+    assert all(t.dtype == torch.float32 for states in caches.values() for t in states if t is not None)
+    mamba1 = MambaLMHeadModel(tiny_config()).convert_weights("bf16")
+    mixer = mamba1.backbone.layers[0].mixer
+    assert mixer.in_proj.weight.dtype == torch.bfloat16
+    assert mixer.x_proj.weight.dtype == mixer.dt_proj.weight.dtype == torch.float32  # they compute dt
+    with pytest.raises(ValueError, match="weights must be one of"):
+        mamba1.convert_weights("int4")
+
+
+@pytest.mark.parametrize("name", ["mamba1", pytest.param("mamba2", marks=pytest.mark.slow),
+                                  pytest.param("hybrid", marks=pytest.mark.slow)])
+def test_compiled_step_generates_the_eager_tokens(name):
+    """cg=True: every token after the prompt from one compiled graph, caches advanced in place."""
+    torch.manual_seed(0)
+    model = MambaLMHeadModel(tiny_config()).eval() if name == "mamba1" else tiny_mamba2_model(name)
+    prompt = torch.randint(0, 61, (2, 5), generator=torch.Generator().manual_seed(1))
+    eager = model.generate(prompt, max_length=14, return_dict_in_generate=True, output_scores=True)
+    compiled = model.generate(prompt, max_length=14, cg=True, return_dict_in_generate=True, output_scores=True)
+    assert torch.equal(compiled.sequences, eager.sequences)
+    torch.testing.assert_close(torch.stack(compiled.scores), torch.stack(eager.scores), rtol=1e-5, atol=1e-5)
