@@ -166,7 +166,7 @@ class LMDecodingStep(nn.Module):
         updated = iter([c.clone() for c in caches])  # the step writes in place: into copies
         memory = {layer: tuple(next(updated) if present else None for present in presence)
                   for layer, presence in self.layout}
-        logits = step_logits(self.model, memory, self.max_seqlen, input_ids, positions)
+        logits = step_logits(self.model, memory, input_ids, positions)
         return (logits, *_flat_caches(memory))
 
 

@@ -230,6 +230,12 @@ for case in cases:
         assert_close(got[1], ref[1], tol, "last")
         for k in ref[2]:
             assert_close(got[2][k], ref[2][k], tol, k)
+from ssmops.modules.linear import quantize_int8
+from ssmops.ops.linear.reference import weight_only_linear_ref
+for rows in (1, 3, 5):  # the decoding GEMV's tiles of x rows, with a tail along in_features
+    x, w, b = torch.randn(rows, 45), torch.randn(10, 45), torch.randn(10)
+    for q, scale in ((w, None), (w.bfloat16(), None), (w.half(), None), quantize_int8(w)):
+        assert_close(ssmops.weight_only_linear(x, q, scale, b), weight_only_linear_ref(x, q, scale, b), 1e-5, "linear")
 print("OK")
 """
 

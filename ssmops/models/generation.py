@@ -85,21 +85,25 @@ def sample(logits: Tensor, top_k: int = 1, top_p: float = 0.0, min_p: float = 0.
     return torch.multinomial(logits.softmax(dim=-1), num_samples=1).squeeze(1)
 
 
-def step_logits(model, memory: dict, max_seqlen: int, input_ids: Tensor, positions: Tensor) -> Tensor:
+def step_logits(model, memory: dict, input_ids: Tensor, positions: Tensor) -> Tensor:
     """One decoding token of every sequence: input_ids (batch, 1); positions (batch,) int64, the
     number of tokens each sequence already has in the caches; `memory` maps each layer to its
-    caches (InferenceParams.key_value_memory_dict), advanced in place. Returns logits (batch, vocab)."""
-    params = InferenceParams(max_seqlen=max_seqlen, max_batch_size=input_ids.shape[0], seqlen_offset=1,
+    caches (InferenceParams.key_value_memory_dict), advanced in place. Returns logits (batch, vocab).
+    (The caches exist, so nothing is allocated and no max_seqlen is needed.)"""
+    params = InferenceParams(max_seqlen=0, max_batch_size=input_ids.shape[0], seqlen_offset=1,
                              key_value_memory_dict=memory, lengths_per_sample=positions)
     return model(input_ids, inference_params=params).logits[:, -1]
 
 
+# One graph per model, batch size and cache layout is expected: more than dynamo's default of 8.
+COMPILED_STEP_LIMIT = 64
 _compiled_step_logits = None
 
 
 def compiled_step_logits():
-    """`step_logits` as one compiled graph per model and batch size (static shapes; compiled on
-    its first call for them, then reused by every later `generate(..., cg=True)`)."""
+    """`step_logits` as one compiled graph per model, batch size and cache size (static shapes;
+    compiled on its first call for them, then reused by every later `generate(..., cg=True)`).
+    Call it inside `torch._dynamo.config.patch(recompile_limit=COMPILED_STEP_LIMIT)`."""
     global _compiled_step_logits
     if _compiled_step_logits is None:
         _compiled_step_logits = torch.compile(step_logits, fullgraph=True, dynamic=False)
@@ -149,7 +153,8 @@ def decode(
     positions = torch.full((batch,), prompt_len, dtype=torch.long, device=input_ids.device)
     while True:
         if step is not None and params.seqlen_offset > 0:
-            logits = step(model, params.key_value_memory_dict, max_length, step_input, positions)
+            with torch._dynamo.config.patch(recompile_limit=COMPILED_STEP_LIMIT):
+                logits = step(model, params.key_value_memory_dict, step_input, positions)
             positions += 1
         else:
             logits = model(step_input, inference_params=params, num_last_tokens=1).logits[:, -1]

@@ -23,8 +23,8 @@ namespace ssmops_cpu {
 namespace {
 
 constexpr int W = LIN_W;
-constexpr int kRows = 4;   // weight rows per tile: kRows * kXRows accumulators in registers
-constexpr int kXRows = 4;  // rows of x per pass over a tile
+constexpr int kRows = 4;        // weight rows per tile: kRows * kXRows accumulators in registers,
+constexpr int kXRows = LIN_XR;  // rows of x per pass over a tile (2 with 16 vector registers, 4 with 32)
 typedef float vf __attribute__((vector_size(W * 4)));
 typedef uint16_t vu16 __attribute__((vector_size(W * 2)));
 typedef uint32_t vu32 __attribute__((vector_size(W * 4)));
@@ -151,24 +151,23 @@ inline void tile(const LinearArgs& a, int64_t n, int64_t n_end, int64_t m0) {
   }
 }
 
+// The last `left` (< kXRows) rows of x: the tile for exactly that many.
+template <WeightKind kind, int xr>
+inline void last_rows(const LinearArgs& a, int64_t n, int64_t n_end, int64_t m, int64_t left) {
+  if constexpr (xr > 0) {
+    if (left == xr)
+      tile<kind, xr>(a, n, n_end, m);
+    else
+      last_rows<kind, xr - 1>(a, n, n_end, m, left);
+  }
+}
+
 template <WeightKind kind>
 void rows(const LinearArgs& a, int64_t n_begin, int64_t n_end) {
   for (int64_t n = n_begin; n < n_end; n += kRows) {
     int64_t m = 0;
     for (; m + kXRows <= a.M; m += kXRows) tile<kind, kXRows>(a, n, n_end, m);
-    switch (a.M - m) {  // the last 1..3 rows of x
-      case 3:
-        tile<kind, 3>(a, n, n_end, m);
-        break;
-      case 2:
-        tile<kind, 2>(a, n, n_end, m);
-        break;
-      case 1:
-        tile<kind, 1>(a, n, n_end, m);
-        break;
-      default:
-        break;
-    }
+    last_rows<kind, kXRows - 1>(a, n, n_end, m, a.M - m);
   }
 }
 

@@ -1,0 +1,195 @@
+"""Decoding on CPU against the memory's read bandwidth: the Mamba LM's token loop with fp32, bf16 and
+int8 weights, against transformers' PyTorch path with the same weights.
+
+    python benchmarks/decode.py [--family mamba1|mamba2] [--threads 2] [--quick] [--no-compile]
+
+A decoding token reads every weight once, so its time is bounded below by (weight bytes read per
+token) / (read bandwidth). The script measures the bandwidth in the same run (the fastest of five
+`torch.sum`s over 512 MiB, which reads at the memory's speed: a hand-written AVX2 loop read 28.5 GB/s
+where it read 28.0 on the machine this was written on), then for each weight format
+(`MambaLMHeadModel.convert_weights`) and batch size:
+
+* decode tokens/s per sequence: greedy generation of N new tokens after a 64-token prompt, timed as
+  (time for N tokens - time for 1 token) / (N - 1), so prefill is excluded; "eager" runs the
+  step layer by layer, "compiled" is `generate(..., cg=True)` (one graph per token; compiled once
+  before timing);
+* its share of the bound: tokens/s * weight bytes per token / bandwidth;
+* prefill tokens/s (512-token prompt, batch 1);
+
+and transformers' `MambaForCausalLM` / `Mamba2ForCausalLM` (random weights, converted to ssmops
+with `from_hf`, so both run the same function) with fp32 weights. Then a profile of one compiled
+fp32 token: where its time goes.
+
+Model: mamba-130m's shape (d_model 768, 24 layers, d_state 16, vocab 50280, tied embeddings), or
+with --family mamba2 mamba2-130m's (d_state 128, headdim 64); --quick: d_model 256, 4 layers.
+Needs transformers (a test-only dependency of ssmops).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import time_call  # noqa: E402
+from models import build  # noqa: E402
+from ssmops.models import InferenceParams, MambaLMHeadModel  # noqa: E402
+from ssmops.models.generation import COMPILED_STEP_LIMIT, compiled_step_logits  # noqa: E402
+
+
+def read_bandwidth(mib: int = 512, tries: int = 5) -> float:
+    """Bytes per second: the fastest of `tries` sums over `mib` MiB of float32."""
+    x = torch.ones(mib * 2**20 // 4)
+    x.sum()
+    best = min(_seconds(x.sum) for _ in range(tries))
+    return x.numel() * 4 / best
+
+
+def _seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def weight_bytes_per_token(model: MambaLMHeadModel) -> int:
+    """Bytes a decoding token reads: every parameter and buffer once (a tied head is the embedding,
+    read whole by the head), but an untied embedding only for its one row per sequence."""
+    embedding = model.backbone.embedding.weight
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() in seen or (t is embedding and model.lm_head.weight is not embedding):
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def decode_rate(generate, prompt, new_tokens: int, repeats: int) -> float:
+    """Tokens per second per sequence, prefill excluded."""
+    t_one = time_call(lambda: generate(prompt, 1), repeats)
+    t_many = time_call(lambda: generate(prompt, new_tokens), repeats)
+    return (new_tokens - 1) / max(t_many - t_one, 1e-9)
+
+
+def profile_compiled_token(model, prompt, tokens: int = 8, top: int = 8) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    batch, prompt_len = prompt.shape
+    params = InferenceParams(max_seqlen=prompt_len + tokens + 1, max_batch_size=batch)
+    step = compiled_step_logits()
+    with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=COMPILED_STEP_LIMIT):
+        model(prompt, inference_params=params, num_last_tokens=1)
+        positions = torch.full((batch,), prompt_len)
+        token = prompt[:, -1:]
+        step(model, params.key_value_memory_dict, token, positions)  # compiled already
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(tokens):
+                step(model, params.key_value_memory_dict, token, positions)
+        wall = (time.perf_counter() - t0) / tokens
+    events = [e for e in prof.key_averages() if not e.key.startswith(("Torch-Compiled Region", "CompiledFunction"))]
+    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) / tokens / 1e3
+    print(f"  one compiled fp32 token: {wall * 1e3:.2f} ms under the profiler, {total:.2f} ms of it in operators "
+          "and kernels; the largest:")
+    for e in events[:top]:
+        ms = e.self_cpu_time_total / tokens / 1e3
+        print(f"    {e.key[:48]:48s} {ms:7.2f} ms  {100 * ms / total:5.1f}%  ({e.count // tokens} calls)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=["mamba1", "mamba2"], default="mamba1")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="a smaller model, fewer tokens")
+    parser.add_argument("--no-compile", action="store_true", help="eager decoding only (no compiled rows)")
+    parser.add_argument("--batches", default="1,8", help="batch sizes to decode (comma-separated)")
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs after a warm-up (median)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    try:
+        import transformers
+    except ImportError:
+        sys.exit("benchmarks/decode.py compares with transformers: pip install transformers")
+    hf, fp32_model, _ = build(args.family, args.quick)
+    state = fp32_model.state_dict()
+    batches = [int(b) for b in args.batches.split(",")]
+    new_tokens, prompt_len, prefill_len = (12, 32, 128) if args.quick else (33, 64, 512)
+    gen = torch.Generator().manual_seed(0)
+    bandwidth = read_bandwidth(128 if args.quick else 512)
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads, "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(f"read bandwidth, measured now: {bandwidth / 1e9:.1f} GB/s")
+    cfg = fp32_model.config
+    print(f"model: {cfg.ssm_cfg.get('layer', 'Mamba1')}, d_model {cfg.d_model}, {cfg.n_layer} layers, vocab "
+          f"{cfg.vocab_size}; decode: {new_tokens - 1} tokens after a {prompt_len}-token prompt (greedy); "
+          f"prefill: {prefill_len} tokens, batch 1")
+    print(f"\n  {'':28s} {'batch':>5s} {'MB/token':>9s} {'bound tok/s':>11s} {'decode tok/s':>12s} "
+          f"{'of bound':>8s} {'prefill tok/s':>13s}")
+
+    def row(name, weight_bytes, batch, rate, prefill=None):
+        bound = bandwidth / weight_bytes
+        pre = f"{prefill:13.1f}" if prefill is not None else f"{'':13s}"
+        print(f"  {name:28s} {batch:5d} {weight_bytes / 1e6:9.1f} {bound:11.1f} {rate:12.1f} "
+              f"{100 * rate / bound:7.0f}% {pre}", flush=True)
+        return rate
+
+    long_prompt = torch.randint(0, cfg.vocab_size, (1, prefill_len), generator=gen)
+    results = {}
+    with torch.inference_mode():
+        hf_bytes = weight_bytes_per_token(fp32_model)
+        for batch in batches:
+            prompt = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=gen)
+
+            def hf_generate(ids, n):
+                return hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+            prefill = None
+            if batch == batches[0]:
+                prefill = prefill_len / time_call(lambda: hf(long_prompt, use_cache=True, logits_to_keep=1),
+                                                  args.repeats)
+            results["transformers", batch] = row("transformers (fp32)", hf_bytes, batch,
+                                                 decode_rate(hf_generate, prompt, new_tokens, args.repeats), prefill)
+        for weights in ("fp32", "bf16", "int8"):
+            model = MambaLMHeadModel(cfg).eval()
+            model.load_state_dict(state)
+            model.convert_weights(weights)
+            nbytes = weight_bytes_per_token(model)
+            prefill = prefill_len / time_call(
+                lambda: model(long_prompt, inference_params=InferenceParams(prefill_len + 1, 1), num_last_tokens=1),
+                args.repeats)
+            for batch in batches:
+                prompt = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=gen)
+                for cg in (False,) if args.no_compile else (False, True):
+                    def ours(ids, n, cg=cg):
+                        return model.generate(ids, max_length=ids.shape[1] + n, cg=cg)
+
+                    if cg:
+                        ours(prompt, 2)  # compiles the step for this batch size
+                    name = f"ssmops {weights} {'compiled' if cg else 'eager'}"
+                    results[weights, cg, batch] = row(name, nbytes, batch,
+                                                      decode_rate(ours, prompt, new_tokens, args.repeats),
+                                                      prefill if batch == batches[0] and not cg else None)
+            if weights == "fp32" and not args.no_compile:
+                fp32_model = model
+    b = batches[0]
+    cg = not args.no_compile
+    fp32 = results["fp32", cg, b]
+    print(f"\nbatch {b}, {'compiled' if cg else 'eager'}: fp32 {fp32 / results['transformers', b]:.2f}x transformers; "
+          f"bf16 {results['bf16', cg, b] / fp32:.2f}x fp32; int8 {results['int8', cg, b] / fp32:.2f}x fp32 "
+          "(goals at batch 1: fp32 >= 80% of its bound, int8 >= 2.5x fp32)")
+    for batch in batches[1:]:
+        print(f"batch {batch}: tokens/s per sequence {results['fp32', cg, batch] / fp32:.2f}x batch {b}'s (fp32), "
+              f"{results['int8', cg, batch] / results['int8', cg, b]:.2f}x (int8)")
+    if cg:
+        profile_compiled_token(fp32_model, torch.randint(0, cfg.vocab_size, (b, prompt_len), generator=gen))
+
+
+if __name__ == "__main__":
+    main()
