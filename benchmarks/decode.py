@@ -9,7 +9,8 @@ token) / (read bandwidth). The script measures the bandwidth in the same run (th
 where it read 28.0 on the machine this was written on), then for each weight format
 (`MambaLMHeadModel.convert_weights`) and batch size:
 
-* decode tokens/s per sequence: greedy generation of N new tokens after a 64-token prompt, timed as
+* decode tokens/s per sequence: greedy generation of N new tokens after a 64-token prompt (ssmops,
+  batch > 1: prompts of 64, 61, 58, ... tokens, decoded together, each at its own position), timed as
   (time for N tokens - time for 1 token) / (N - 1), so prefill is excluded; "eager" runs the
   step layer by layer, "compiled" is `generate(..., cg=True)` (one graph per token; compiled once
   before timing);
@@ -165,10 +166,11 @@ def main() -> None:
                 lambda: model(long_prompt, inference_params=InferenceParams(prefill_len + 1, 1), num_last_tokens=1),
                 args.repeats)
             for batch in batches:
-                prompt = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=gen)
+                # several prompts at once, each with its own length (prefilled one by one)
+                prompt = [torch.randint(0, cfg.vocab_size, (prompt_len - 3 * i,), generator=gen) for i in range(batch)]
                 for cg in (False,) if args.no_compile else (False, True):
                     def ours(ids, n, cg=cg):
-                        return model.generate(ids, max_length=ids.shape[1] + n, cg=cg)
+                        return model.generate(ids, max_length=prompt_len + n, cg=cg)
 
                     if cg:
                         ours(prompt, 2)  # compiles the step for this batch size

@@ -95,3 +95,38 @@ def test_compiled_step_generates_the_eager_tokens(name):
     compiled = model.generate(prompt, max_length=14, cg=True, return_dict_in_generate=True, output_scores=True)
     assert torch.equal(compiled.sequences, eager.sequences)
     torch.testing.assert_close(torch.stack(compiled.scores), torch.stack(eager.scores), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["mamba1", "hybrid"])
+def test_prompts_of_different_lengths_decode_as_if_alone(name):
+    """A list of prompts: each is prefilled into its own cache row, then all decode together at
+    their own positions (attention masks by position); every sequence is what it is alone."""
+    torch.manual_seed(0)
+    model = MambaLMHeadModel(tiny_config()).eval() if name == "mamba1" else tiny_mamba2_model(name)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 61, (n,), generator=gen) for n in (3, 7, 5)]
+    out = model.generate(prompts, max_length=7 + 6, return_dict_in_generate=True, output_scores=True)
+    assert [s.numel() for s in out.sequences] == [3 + 6, 7 + 6, 5 + 6] and len(out.scores) == 6
+    for row, (prompt, seq) in enumerate(zip(prompts, out.sequences, strict=True)):
+        alone = model.generate(prompt[None], max_length=prompt.numel() + 6, return_dict_in_generate=True,
+                               output_scores=True)
+        assert torch.equal(seq, alone.sequences[0])
+        torch.testing.assert_close(torch.stack(out.scores)[:, row], torch.stack(alone.scores)[:, 0],
+                                   rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="at least one token"):
+        model.generate([prompts[0], prompts[0][:0]], max_length=10)
+
+
+@pytest.mark.slow
+def test_decode_benchmark_runs():
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    pytest.importorskip("transformers", reason="the benchmark compares with transformers (a test-only dependency)")
+    out = subprocess.run([sys.executable, "benchmarks/decode.py", "--quick", "--no-compile", "--batches", "1,2",
+                          "--repeats", "1"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "read bandwidth, measured now" in out.stdout and "ssmops int8 eager" in out.stdout
+    assert "x transformers" in out.stdout

@@ -42,10 +42,10 @@ class InferenceParams:
 
 @dataclasses.dataclass
 class GenerationOutput:
-    """`sequences`: (batch, prompt + generated) token ids; `scores`: one (batch, vocab)
-    logits tensor per generated token (when asked for)."""
+    """`sequences`: (batch, prompt + generated) token ids (a list of 1-D tensors for prompts of
+    different lengths); `scores`: one (batch, vocab) logits tensor per generated token (when asked for)."""
 
-    sequences: Tensor
+    sequences: Tensor | list[Tensor]
     scores: tuple[Tensor, ...] | None = None
 
 
@@ -110,9 +110,25 @@ def compiled_step_logits():
     return _compiled_step_logits
 
 
+def _prefill(model, input_ids: Tensor | list[Tensor], memory: dict, max_length: int) -> Tensor:
+    """Runs the prompt(s) through the model, filling `memory`; returns the last logits (batch, vocab).
+    Prompts of different lengths go one at a time into their own rows of the caches."""
+    if isinstance(input_ids, Tensor):
+        params = InferenceParams(max_seqlen=max_length, max_batch_size=input_ids.shape[0],
+                                 key_value_memory_dict=memory)
+        return model(input_ids, inference_params=params, num_last_tokens=1).logits[:, -1]
+    logits = []
+    for row, prompt in enumerate(input_ids):
+        rows = {layer: tuple(None if s is None else s[row : row + 1] for s in states)
+                for layer, states in memory.items()}
+        params = InferenceParams(max_seqlen=max_length, max_batch_size=1, key_value_memory_dict=rows)
+        logits.append(model(prompt[None], inference_params=params, num_last_tokens=1).logits[:, -1])
+    return torch.cat(logits)
+
+
 @torch.inference_mode()
 def decode(
-    input_ids: Tensor,
+    input_ids: Tensor | list[Tensor],
     model,
     max_length: int,
     top_k: int = 1,
@@ -130,39 +146,49 @@ def decode(
     """Generates up to `max_length` tokens in all (prompt included).
 
     The prompt goes through the model once (the scan fills every layer's conv and ssm
-    states); each further token is one recurrent step per layer. `vocab_size` cuts the
-    logits (e.g. to drop the vocabulary padding); with `eos_token_id`, a sequence that
-    produced it is padded with it and decoding stops once every sequence has.
+    states); each further token is one recurrent step per layer, for every sequence at once.
+    `input_ids` is (batch, prompt_len), or a list of 1-D prompts of different lengths: each
+    is prefilled into its own row of the caches, then all are decoded together, each at its
+    own position, for `max_length - longest prompt` new tokens; `sequences` is then a list.
+    `vocab_size` cuts the logits (e.g. to drop the vocabulary padding); with `eos_token_id`,
+    a sequence that produced it is padded with it and decoding stops once every sequence has.
     `streamer`, when given, gets `put(tokens)` for the prompt and each new token and
     `end()` at the end (the transformers streamer protocol). The ssm states are kept in the
     weights' dtype unless `ssm_state_dtype` is given (see InferenceParams). With `cg`, each token
     after the prompt runs through `compiled_step_logits()`: no Python per layer, no per-token
     dispatch of dozens of small operators (the first call for a batch size compiles it).
     """
-    batch, prompt_len = input_ids.shape
+    ragged = not isinstance(input_ids, Tensor)
+    if ragged:
+        input_ids = [torch.as_tensor(p).reshape(-1) for p in input_ids]
+        if not input_ids or min(p.numel() for p in input_ids) == 0:
+            raise ValueError("input_ids: a list of prompts needs at least one prompt, each of at least one token")
+        if streamer is not None:
+            raise ValueError("a streamer takes one batch of equal-length prompts, not a list of prompts")
+        lengths = [p.numel() for p in input_ids]
+        device = input_ids[0].device
+    else:
+        lengths = [input_ids.shape[1]] * input_ids.shape[0]
+        device = input_ids.device
+    batch, prompt_len = len(lengths), max(lengths)
     if max_length <= prompt_len:
         return GenerationOutput(input_ids, () if output_scores else None)
     if streamer is not None:
         streamer.put(input_ids.cpu())
-    params = InferenceParams(max_seqlen=max_length, max_batch_size=batch, ssm_state_dtype=ssm_state_dtype)
-    tokens = [input_ids]
-    scores = []
-    finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
-    step_input = input_ids
-    step = compiled_step_logits() if cg else None
-    positions = torch.full((batch,), prompt_len, dtype=torch.long, device=input_ids.device)
+    memory = model.allocate_inference_cache(batch, max_length, ssm_state_dtype=ssm_state_dtype)
+    logits = _prefill(model, input_ids, memory, max_length)
+    # what the repetition penalty has seen: the prompts, right-padded with their first token
+    seen = input_ids
+    if ragged:
+        seen = torch.stack([torch.cat([p, p[:1].expand(prompt_len - p.numel())]) for p in input_ids])
+    positions = torch.tensor(lengths, dtype=torch.long, device=device)
+    step = compiled_step_logits() if cg else step_logits
+    new_tokens, scores = [], []
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
     while True:
-        if step is not None and params.seqlen_offset > 0:
-            with torch._dynamo.config.patch(recompile_limit=COMPILED_STEP_LIMIT):
-                logits = step(model, params.key_value_memory_dict, step_input, positions)
-            positions += 1
-        else:
-            logits = model(step_input, inference_params=params, num_last_tokens=1).logits[:, -1]
-        params.seqlen_offset += step_input.shape[1]
         if vocab_size is not None:
             logits = logits[:, :vocab_size]
         if repetition_penalty != 1.0:
-            seen = torch.cat(tokens, dim=1)
             picked = logits.gather(1, seen)
             picked = torch.where(picked < 0, picked * repetition_penalty, picked / repetition_penalty)
             logits = logits.scatter(1, seen, picked)
@@ -172,12 +198,20 @@ def decode(
         if eos_token_id is not None:
             token = token.masked_fill(finished, eos_token_id)
             finished |= token == eos_token_id
-        tokens.append(token.unsqueeze(1))
+        new_tokens.append(token.unsqueeze(1))
+        seen = torch.cat([seen, new_tokens[-1]], dim=1)
         if streamer is not None:
             streamer.put(token.cpu())
-        if params.seqlen_offset + 1 >= max_length or (eos_token_id is not None and bool(finished.all())):
+        if prompt_len + len(new_tokens) >= max_length or (eos_token_id is not None and bool(finished.all())):
             break
-        step_input = token.unsqueeze(1)
+        with torch._dynamo.config.patch(recompile_limit=COMPILED_STEP_LIMIT):
+            logits = step(model, memory, new_tokens[-1], positions)
+        positions += 1
     if streamer is not None:
         streamer.end()
-    return GenerationOutput(torch.cat(tokens, dim=1), tuple(scores) if output_scores else None)
+    generated = torch.cat(new_tokens, dim=1)
+    if ragged:
+        sequences = [torch.cat([p, g]) for p, g in zip(input_ids, generated, strict=True)]
+    else:
+        sequences = torch.cat([input_ids, generated], dim=1)
+    return GenerationOutput(sequences, tuple(scores) if output_scores else None)
