@@ -398,18 +398,32 @@ class _ComplexScan(torch.nn.Module):
         return _complex_scan(u, delta, A, B, C, D, z, delta_bias, initial_state)
 
 
-def test_complex_A_exports_with_dynamic_seqlen(tmp_path):
+_SCAN_ARGS = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state")
+
+
+def _export_complex_scan() -> torch.export.ExportedProgram:
     kw = _complex_kw(B="var", seqlen=11)
-    names = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state")
     seqlen = torch.export.Dim("seqlen", min=2, max=1 << 16)
-    dynamic = {k: None for k in names} | {"u": {2: seqlen}, "delta": {2: seqlen}, "z": {2: seqlen},
-                                          "B": {2: 2 * seqlen}}  # B (batch, dstate, 2 * seqlen): (re, im) pairs
-    ep = torch.export.export(_ComplexScan(), tuple(kw[k] for k in names), dynamic_shapes=dynamic)
-    path = tmp_path / "complex_scan.pt2"
-    torch.export.save(ep, path)
-    loaded = torch.export.load(path).module()
+    dynamic = {k: None for k in _SCAN_ARGS} | {"u": {2: seqlen}, "delta": {2: seqlen}, "z": {2: seqlen},
+                                               "B": {2: 2 * seqlen}}  # B (batch, dstate, 2 * seqlen): (re, im) pairs
+    return torch.export.export(_ComplexScan(), tuple(kw[k] for k in _SCAN_ARGS), dynamic_shapes=dynamic)
+
+
+def _check_runs_like_eager(run) -> None:
     for L in (11, 40):
-        kw_L = _complex_kw(B="var", seqlen=L)
-        args = tuple(kw_L[k] for k in names)
-        for a, b in zip(loaded(*args), _ComplexScan()(*args)):
+        kw = _complex_kw(B="var", seqlen=L)
+        args = tuple(kw[k] for k in _SCAN_ARGS)
+        for a, b in zip(run(*args), _ComplexScan()(*args)):
             torch.testing.assert_close(a, b)
+
+
+def test_complex_A_exports_with_dynamic_seqlen(tmp_path):
+    path = tmp_path / "complex_scan.pt2"
+    torch.export.save(_export_complex_scan(), path)
+    _check_runs_like_eager(torch.export.load(path).module())
+
+
+@pytest.mark.slow
+def test_complex_A_aoti_package_on_cpu(tmp_path):
+    path = torch._inductor.aoti_compile_and_package(_export_complex_scan(), package_path=str(tmp_path / "scan.pt2"))
+    _check_runs_like_eager(torch._inductor.aoti_load_package(path))
