@@ -33,8 +33,8 @@ class _SelectiveScanExtension:
     ) -> list[Tensor]:
         """Returns `[out, x]`, then `out_z` when z is given.
 
-        x: float32 (batch, dim, n_chunks, 2 * dstate) with 2048-step chunks; the last
-        state is `x[:, :, -1, 1::2]`.
+        x: (batch, dim, n_chunks, 2 * dstate) with 2048-step chunks, float32, or complex64
+        when A is (as mamba_ssm's); the last state is `x[:, :, -1, 1::2]`.
         """
         check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, None)
         out, x, out_z, _ = torch.ops.ssmops.selective_scan_fwd(

@@ -71,6 +71,15 @@ def _check_activation(activation: str | None) -> None:
         raise ValueError(f"activation must be None or 'silu', got {activation!r}")
 
 
+def _scan_layout(M: Tensor, A: Tensor) -> Tensor:
+    """x_proj's B or C columns (batch, seqlen, d_state) as the scan's variable B/C: (batch, d_state,
+    seqlen), or, for complex A, (batch, d_state / 2, 2 * seqlen) with each step's (re, im) adjacent."""
+    if not A.is_complex():
+        return M.transpose(1, 2)
+    batch, seqlen, _ = M.shape
+    return M.unflatten(-1, (-1, 2)).permute(0, 2, 1, 3).reshape(batch, -1, 2 * seqlen)
+
+
 def mamba_inner_fn(
     xz: Tensor,
     conv1d_weight: Tensor,
@@ -102,9 +111,13 @@ def mamba_inner_fn(
         dt, B, C = split(x_proj(x), [dt_rank, d_state, d_state])
         y     = selective_scan_fn(x, delta_proj(dt), A, B, C, D, z, delta_bias, delta_softplus)
         out   = out_proj(y)
+
+    With complex A (d_inner, n) complex64, as in mamba_ssm, d_state = 2 * n: x_proj's B and C
+    columns are n (re, im) pairs, and become (batch, n, 2 * seqlen) with each step's pair
+    interleaved along time, the layout `selective_scan_fn` takes for a complex A's B/C.
     """
     dt_rank = delta_proj_weight.shape[1]
-    d_state = A.shape[-1]
+    d_state = A.shape[-1] * (2 if A.is_complex() else 1)
     x, z = xz.chunk(2, dim=1)
     x = causal_conv1d(x, conv1d_weight, conv1d_bias, activation="silu")
     x_dbl = F.linear(x.transpose(1, 2), x_proj_weight)  # (batch, seqlen, dt_rank + 2 * d_state)
@@ -113,12 +126,12 @@ def mamba_inner_fn(
         B = x_dbl[..., dt_rank : dt_rank + d_state]
         if B_proj_bias is not None:
             B = B + B_proj_bias.to(B.dtype)
-        B = B.transpose(1, 2)  # (batch, d_state, seqlen)
+        B = _scan_layout(B, A)
     if C is None:
         C = x_dbl[..., x_dbl.shape[-1] - d_state :]
         if C_proj_bias is not None:
             C = C + C_proj_bias.to(C.dtype)
-        C = C.transpose(1, 2)
+        C = _scan_layout(C, A)
     y = selective_scan_fn(
         x, delta, A, B, C,
         D=None if D is None else D.float(),

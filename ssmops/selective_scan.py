@@ -24,12 +24,17 @@ def selective_scan_fn(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Selective scan; a drop-in for `mamba_ssm.ops.selective_scan_interface.selective_scan_fn`.
 
-    u, delta, z: (batch, dim, seqlen) in fp32/fp16/bf16; A: (dim, dstate) float32;
+    u, delta, z: (batch, dim, seqlen) in fp32/fp16/bf16; A: (dim, dstate) float32 or complex64;
     B, C: (dim, dstate) | (batch, dstate, seqlen) | (batch, groups, dstate, seqlen);
-    D, delta_bias: (dim,) float32; initial_state: (batch, dim, dstate) float32
+    D, delta_bias: (dim,) float32; initial_state: (batch, dim, dstate) of A's dtype
     (an ssmops extension). Computes in float32; returns y in u's dtype, gated by
-    SiLU(z) when z is given, plus the float32 last state `(batch, dim, dstate)` when
+    SiLU(z) when z is given, plus the last state `(batch, dim, dstate)` (A's dtype) when
     `return_last_state`. Differentiable in every tensor argument, last state included.
+
+    With complex A (mamba_ssm's complex mode) the state is complex, a constant B/C is
+    complex64 and a variable one is real with `2 * seqlen` steps along time (the real and
+    imaginary parts of each step, interleaved), and y = 2 Re(sum_n h[n] C[n]) + D u.
+    The cpu and default backends serve it; the Triton kernels do not (NotImplementedError).
     """
     check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
     # GPU tensors call the Triton operator itself, so compiled graphs launch its kernels

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import subprocess
 import sys
@@ -21,7 +22,8 @@ TOLERANCES = {torch.float32: 2e-4, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One selective-scan configuration. B/C layout: 'const' | 'var' | 'g<groups>'."""
+    """One selective-scan configuration. B/C layout: 'const' | 'var' | 'g<groups>'. complex_A: mamba_ssm's
+    complex mode (complex A, state and constant B/C; variable B/C real with re/im interleaved in time)."""
 
     batch: int = 2
     dim: int = 4
@@ -35,19 +37,32 @@ class Case:
     softplus: bool = True
     initial_state: bool = False
     dtype: torch.dtype = torch.float32
+    complex_A: bool = False
 
     def __str__(self):
         flags = "".join(k[0] for k in ("D", "z", "delta_bias", "softplus", "initial_state") if getattr(self, k))
         return (
             f"b{self.batch}d{self.dim}l{self.seqlen}n{self.dstate}-B{self.B}-C{self.C}-{flags}-"
-            f"{str(self.dtype).replace('torch.', '')}"
+            f"{str(self.dtype).replace('torch.', '')}{'-complexA' if self.complex_A else ''}"
         )
 
 
 def _bc(layout: str, case: Case, gen: torch.Generator, dtype) -> torch.Tensor:
-    b, d, L, n = case.batch, case.dim, case.seqlen, case.dstate
+    b, d, n = case.batch, case.dim, case.dstate
+    L = 2 * case.seqlen if case.complex_A else case.seqlen  # complex A: re/im pairs along time
     shape = {"const": (d, n), "var": (b, n, L)}.get(layout) or (b, int(layout[1:]), n, L)
-    return torch.randn(shape, generator=gen).to(dtype if layout != "const" else torch.float32)
+    if layout == "const":
+        return torch.randn(shape, generator=gen, dtype=torch.complex64 if case.complex_A else torch.float32)
+    return torch.randn(shape, generator=gen).to(dtype)
+
+
+def _A(case: Case, gen: torch.Generator) -> torch.Tensor:
+    """Decaying A; for complex A also rotating, with S4D-Lin-like frequencies (pi * n)."""
+    d, n = case.dim, case.dstate
+    decay = -torch.rand(d, n, generator=gen) * 2 - 0.1
+    if not case.complex_A:
+        return decay
+    return torch.complex(decay * 0.5, torch.randn(d, n, generator=gen) * math.pi)
 
 
 def make_inputs(case: Case, seed: int = 0, device="cpu") -> dict:
@@ -60,14 +75,16 @@ def make_inputs(case: Case, seed: int = 0, device="cpu") -> dict:
         delta=(torch.randn(b, d, L, generator=gen) * 0.5 - 1.0).to(dt)
         if case.softplus
         else (torch.rand(b, d, L, generator=gen) * 0.3 + 0.01).to(dt),
-        A=-torch.rand(d, n, generator=gen) * 2 - 0.1,
+        A=_A(case, gen),
         B=_bc(case.B, case, gen, dt),
         C=_bc(case.C, case, gen, dt),
         D=torch.randn(d, generator=gen) if case.D else None,
         z=torch.randn(b, d, L, generator=gen).to(dt) if case.z else None,
         delta_bias=torch.randn(d, generator=gen) * 0.1 if case.delta_bias else None,
         delta_softplus=case.softplus,
-        initial_state=torch.randn(b, d, n, generator=gen) if case.initial_state else None,
+        initial_state=torch.randn(b, d, n, generator=gen, dtype=torch.complex64 if case.complex_A else torch.float32)
+        if case.initial_state
+        else None,
     )
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
 
@@ -78,7 +95,7 @@ def tensor_args(kw: dict) -> dict:
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """Max abs error relative to the reference's magnitude (fla's measure)."""
-    actual, expected = actual.double(), expected.double()
+    actual, expected = (x.to(torch.complex128 if x.is_complex() else torch.float64) for x in (actual, expected))
     return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-6)).item()
 
 
@@ -95,8 +112,9 @@ def run_scan_with_grads(fn, kw: dict, seed: int = 1):
     y, last = fn(**kw, return_last_state=True)
     gen = torch.Generator().manual_seed(seed)
     gy = torch.randn(y.shape, generator=gen).to(y.device, y.dtype)
-    gl = torch.randn(last.shape, generator=gen).to(last.device)
-    loss = (y.float() * gy.float()).sum() + (last * gl).sum()
+    gl = torch.randn(last.shape, generator=gen, dtype=last.dtype).to(last.device)
+    # <last, gl> as a real inner product (the real one when the state is real)
+    loss = (y.float() * gy.float()).sum() + (last.conj() * gl).real.sum()
     tensors = tensor_args(kw)
     grads = torch.autograd.grad(loss, list(tensors.values()))
     return y.detach(), last.detach(), dict(zip(tensors, grads))

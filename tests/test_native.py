@@ -97,7 +97,7 @@ def test_check_error_names_the_argument():
         FWD(*args, True)
     args, _ = _raw_args(Case(dstate=4))
     args[2] = args[2].double()
-    with pytest.raises(RuntimeError, match=r"A must have dtype float32, got float64"):
+    with pytest.raises(RuntimeError, match=r"A must have dtype float32 or complex64, got float64"):
         FWD(*args, True)
     args, _ = _raw_args(Case(dstate=4, B="g2", C="g2"))
     args[3] = torch.randn(2, 3, 4, 7)  # 3 groups do not divide dim=4

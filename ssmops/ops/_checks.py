@@ -42,8 +42,9 @@ def check_leading(name: str, x, layout: str) -> None:
         raise TypeError(f"{name} must have dtype {dtype_name(INPUT_DTYPES)}, got {x.dtype}")
 
 
-def check_A(A, dim: int, device, like: str = "u") -> int:
-    """Checks A (dim, dstate) float32; returns dstate, which A sets for every other argument."""
+def check_A(A, dim: int, device, like: str = "u", dtypes=(torch.float32,)) -> int:
+    """Checks A (dim, dstate) of one of `dtypes` (float32 unless the family accepts complex A);
+    returns dstate, which A sets for every other argument."""
     if not isinstance(A, Tensor):
         raise TypeError(f"A must be a Tensor, got {type(A).__name__}")
     if A.dim() != 2 or A.shape[0] != dim:
@@ -51,5 +52,5 @@ def check_A(A, dim: int, device, like: str = "u") -> int:
     dstate = A.shape[1]
     if not 1 <= dstate <= MAX_DSTATE:
         raise ValueError(f"A must have 1 <= dstate <= {MAX_DSTATE}, got dstate={dstate}")
-    check_tensor("A", A, (torch.float32,), (dim, dstate), device, like=like)
+    check_tensor("A", A, dtypes, (dim, dstate), device, like=like)
     return dstate

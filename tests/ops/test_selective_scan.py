@@ -7,6 +7,7 @@ arguments, seqlens around the 2048-step chunk, dtypes.
 from __future__ import annotations
 
 import dataclasses
+import cmath
 import math
 
 import numpy as np
@@ -32,21 +33,23 @@ from conftest import (
 
 
 def _formulas(kw: dict) -> tuple[np.ndarray, np.ndarray]:
-    """the contract (docs/design.md)'s equations, one scalar at a time, in float64."""
-    f = {k: v.double().numpy() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    """the contract (docs/design.md)'s equations, one scalar at a time, in float64 (complex128 for complex A)."""
+    f = {k: v.to(torch.complex128 if v.is_complex() else torch.float64).numpy() if isinstance(v, torch.Tensor)
+         else v for k, v in kw.items()}
     u, delta, A = f["u"], f["delta"], f["A"]
     batch, dim, seqlen = u.shape
     dstate = A.shape[1]
+    complex_A = np.iscomplexobj(A)
+    exp = cmath.exp if complex_A else math.exp
 
     def bc(M, b, d, n, t):
         if M.ndim == 2:
             return M[d, n]
-        if M.ndim == 3:
-            return M[b, n, t]
-        return M[b, d // (dim // M.shape[1]), n, t]
+        row = M[b, n] if M.ndim == 3 else M[b, d // (dim // M.shape[1]), n]
+        return complex(row[2 * t], row[2 * t + 1]) if complex_A else row[t]
 
     y = np.zeros_like(u)
-    last = np.zeros((batch, dim, dstate))
+    last = np.zeros((batch, dim, dstate), dtype=A.dtype)
     for b in range(batch):
         for d in range(dim):
             h = [f["initial_state"][b, d, n] if f["initial_state"] is not None else 0.0 for n in range(dstate)]
@@ -56,8 +59,10 @@ def _formulas(kw: dict) -> tuple[np.ndarray, np.ndarray]:
                     dt = math.log1p(math.exp(dt))
                 acc = 0.0
                 for n in range(dstate):
-                    h[n] = math.exp(dt * A[d, n]) * h[n] + dt * bc(f["B"], b, d, n, t) * u[b, d, t]
+                    h[n] = exp(dt * A[d, n]) * h[n] + dt * bc(f["B"], b, d, n, t) * u[b, d, t]
                     acc += h[n] * bc(f["C"], b, d, n, t)
+                if complex_A:  # h's conjugate pair adds the conjugate term
+                    acc = 2 * acc.real
                 if f["D"] is not None:
                     acc += f["D"][d] * u[b, d, t]
                 if f["z"] is not None:
@@ -75,13 +80,23 @@ FORMULA_CASES = [
     Case(B="const", C="g2", D=False, initial_state=True),
     Case(B="var", C="const", z=False, softplus=False),
 ]
+# mamba_ssm's complex mode: complex A, state and constant B/C, variable B/C as interleaved re/im pairs
+COMPLEX_FORMULA_CASES = [
+    Case(B="var", C="var", complex_A=True),
+    Case(B="const", C="g2", initial_state=True, complex_A=True),
+    Case(B="g2", C="const", D=False, z=False, softplus=False, initial_state=True, complex_A=True),
+]
 
 
-@pytest.mark.parametrize("case", FORMULA_CASES, ids=str)
+def _wide(x):
+    """float64, or complex128 for a complex tensor (the precision the formulas are checked in)."""
+    return x.to(torch.complex128 if x.is_complex() else torch.float64) if isinstance(x, torch.Tensor) else x
+
+
+@pytest.mark.parametrize("case", FORMULA_CASES + COMPLEX_FORMULA_CASES, ids=str)
 def test_reference_matches_formulas(case):
     kw = make_inputs(case)
-    y, last = ssmops.selective_scan_ref(**{k: v.double() if isinstance(v, torch.Tensor) else v for k, v in kw.items()},
-                                        return_last_state=True)
+    y, last = ssmops.selective_scan_ref(**{k: _wide(v) for k, v in kw.items()}, return_last_state=True)
     y_expected, last_expected = _formulas(kw)
     np.testing.assert_allclose(y.numpy(), y_expected, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(last.numpy(), last_expected, rtol=1e-10, atol=1e-12)
@@ -95,11 +110,11 @@ def test_reference_computes_in_float32_and_returns_input_dtype():
     assert torch.equal(y, y32.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("case", FORMULA_CASES[1:4], ids=str)
+@pytest.mark.parametrize("case", FORMULA_CASES[1:4] + COMPLEX_FORMULA_CASES[:2], ids=str)
 def test_reference_gradcheck(case):
     kw = make_inputs(dataclasses.replace(case, batch=1, dim=2, seqlen=4, dstate=2))
     names = list(tensor_args(kw))
-    inputs = tuple(kw[k].double().requires_grad_() for k in names)
+    inputs = tuple(_wide(kw[k]).requires_grad_() for k in names)
 
     def fn(*tensors):
         args = {**kw, **dict(zip(names, tensors))}
@@ -129,7 +144,19 @@ SWEEP = [
 ]
 
 
-@pytest.mark.parametrize("backend, case", backend_params(SWEEP))
+# mamba_ssm's complex mode; the Triton kernels reject it (test_triton_rejects_complex_A)
+COMPLEX_SWEEP = [
+    *(Case(B=b, C=c, complex_A=True) for b, c in [("const", "const"), ("var", "var"), ("g2", "g2"), ("const", "g2"),
+                                                  ("var", "const")]),
+    Case(B="g2", C="const", D=False, z=False, delta_bias=False, softplus=False, initial_state=True, complex_A=True),
+    Case(batch=1, dim=2, dstate=4, seqlen=CHUNK_LEN + 3, B="g2", C="g2", initial_state=True, complex_A=True),
+    Case(batch=1, dim=3, dstate=17, seqlen=9, B="const", C="var", initial_state=True, complex_A=True),
+    Case(dtype=torch.bfloat16, B="g2", C="const", initial_state=True, complex_A=True),
+]
+CPU_BACKENDS = ("default", "cpu")
+
+
+@pytest.mark.parametrize("backend, case", backend_params(SWEEP) + backend_params(COMPLEX_SWEEP, names=CPU_BACKENDS))
 def test_backend_matches_reference(backend, case):
     kw = make_inputs(case)
     y_ref, last_ref, g_ref = run_scan_with_grads(ssmops.selective_scan_ref, kw)
@@ -184,6 +211,7 @@ def _op_args(case: Case, with_dlast: bool = True):
 
 OPCHECK_CASES = [
     Case(B="g2", C="g2", initial_state=True),
+    Case(B="var", C="const", initial_state=True, complex_A=True),
     Case(B="const", C="const", D=False, z=False, delta_bias=False, softplus=False),
     Case(dtype=torch.bfloat16, B="g2", C="g2", seqlen=CHUNK_LEN + 1, batch=1, dim=2, dstate=2),
 ]
@@ -240,3 +268,162 @@ def test_selective_scan_fn_returns_like_mamba_ssm():
     positional = ssmops.selective_scan_fn(kw["u"], kw["delta"], kw["A"], kw["B"], kw["C"], kw["D"], kw["z"],
                                           kw["delta_bias"], True, False)
     assert torch.equal(y, positional)
+
+
+# --- complex A: what the other sections do not cover --------------------------------------
+
+
+def _complex_kw(**changes) -> dict:
+    return make_inputs(dataclasses.replace(Case(B="g2", C="const", initial_state=True, complex_A=True), **changes))
+
+
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        (lambda kw: {"B": kw["B"][..., : kw["u"].shape[-1]]}, ValueError,
+         r"B must have shape .*\(batch, dstate, 2 \* seqlen\)=\(2, 3, 14\).* got \(2, 2, 3, 7\)"),
+        (lambda kw: {"C": kw["C"].real}, TypeError, r"C must have dtype complex64 \(a constant B/C is complex"),
+        (lambda kw: {"B": torch.complex(kw["B"], kw["B"])}, TypeError,
+         r"B must have dtype float32 \(a variable B/C holds re/im pairs when A is complex\), got torch.complex64"),
+        (lambda kw: {"initial_state": kw["initial_state"].real}, TypeError,
+         "initial_state must have dtype complex64, got torch.float32"),
+        (lambda kw: {"A": kw["A"].to(torch.complex128)}, TypeError,
+         "A must have dtype float32 or complex64, got torch.complex128"),
+        (lambda kw: {"A": kw["A"].real, "B": kw["B"][..., ::2], "C": kw["C"].real}, TypeError,
+         "initial_state must have dtype float32, got torch.complex64"),
+        (lambda kw: {"D": kw["A"][:, 0]}, TypeError, "D must have dtype float32, got torch.complex64"),
+    ],
+    ids=["B-time-not-doubled", "constant-C-real", "variable-B-complex", "initial-state-real", "A-complex128",
+         "real-A-complex-state", "D-complex"],
+)
+def test_complex_A_argument_errors_name_argument_and_expectation(change, error, message):
+    kw = _complex_kw()
+    kw.update(change(kw))
+    with pytest.raises(error, match=message):
+        ssmops.selective_scan_fn(**kw)
+
+
+def test_triton_rejects_complex_A():
+    triton_backend = pytest.importorskip("ssmops.ops.selective_scan.triton", exc_type=ImportError)
+    fwd_args, bwd_args = _op_args(Case(complex_A=True))
+    with pytest.raises(NotImplementedError, match=r"triton backend: A must be float32, got torch.complex64"):
+        triton_backend.selective_scan_fwd(*fwd_args)
+    with pytest.raises(NotImplementedError, match=r"triton backend: A must be float32, got torch.complex64"):
+        triton_backend.selective_scan_bwd(*bwd_args)
+
+
+def test_complex_A_scan_intermediates_are_mamba_ssm_s_complex_x():
+    kw = _complex_kw(batch=1, dim=2, seqlen=CHUNK_LEN + 5)
+    _, x, _, last = torch.ops.ssmops.selective_scan_fwd(
+        kw["u"], kw["delta"], kw["A"], kw["B"], kw["C"], kw["D"], kw["z"], kw["delta_bias"], kw["initial_state"], True
+    )
+    assert x.dtype == torch.complex64 and x.shape == (1, 2, 2 * 2 * 3)
+    x = x.view(1, 2, 2, 6)
+    dt = F.softplus(kw["delta"] + kw["delta_bias"][:, None])
+    torch.testing.assert_close(x[:, :, 0, 0::2], torch.exp(dt[..., :CHUNK_LEN].sum(-1, keepdim=True) * kw["A"]))
+    torch.testing.assert_close(x[:, :, -1, 1::2], last, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", backend_params(names=CPU_BACKENDS))
+def test_mamba_inner_fn_complex_A_matches_a_reference_composition(backend):
+    from einops import rearrange
+
+    gen = torch.Generator().manual_seed(0)
+    batch, d_inner, d_model, n, dt_rank, width, L = 2, 8, 6, 3, 2, 4, 9
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).requires_grad_()
+
+    params = dict(
+        xz=randn(batch, 2 * d_inner, L), conv1d_weight=randn(d_inner, 1, width, scale=0.5),
+        conv1d_bias=randn(d_inner), x_proj_weight=randn(dt_rank + 4 * n, d_inner, scale=0.3),
+        delta_proj_weight=randn(d_inner, dt_rank, scale=0.5), out_proj_weight=randn(d_model, d_inner),
+        out_proj_bias=randn(d_model),
+        A=torch.complex(-torch.rand(d_inner, n, generator=gen) - 0.1, torch.randn(d_inner, n, generator=gen))
+        .requires_grad_(),
+        D=randn(d_inner), delta_bias=randn(d_inner, scale=0.1),
+        B_proj_bias=randn(2 * n), C_proj_bias=randn(2 * n),  # d_state = 2 * n columns: n (re, im) pairs
+    )
+
+    def reference(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_weight, out_proj_weight,
+                  out_proj_bias, A, D, delta_bias, B_proj_bias, C_proj_bias):
+        x, z = xz.chunk(2, dim=1)
+        x = F.silu(F.conv1d(x, conv1d_weight, conv1d_bias, padding=width - 1, groups=d_inner)[..., :L])
+        x_dbl = rearrange(x, "b d l -> (b l) d") @ x_proj_weight.t()
+        delta = rearrange(delta_proj_weight @ x_dbl[:, :dt_rank].t(), "d (b l) -> b d l", l=L)
+        B, C = (rearrange(cols + bias, "(b l) (dstate two) -> b dstate (l two)", l=L, two=2)
+                for cols, bias in ((x_dbl[:, dt_rank:dt_rank + 2 * n], B_proj_bias), (x_dbl[:, -2 * n:], C_proj_bias)))
+        y = ssmops.selective_scan_ref(x, delta, A, B, C, D, z, delta_bias, delta_softplus=True)
+        return F.linear(rearrange(y, "b d l -> b l d"), out_proj_weight, out_proj_bias)
+
+    expected = reference(**params)
+    with ssmops.use_backend(backend):
+        out = ssmops.mamba_inner_fn(**params)
+        g = torch.randn(out.shape, generator=gen)
+        grads = torch.autograd.grad((out * g).sum(), list(params.values()))
+    assert_close(out, expected, 2e-5, "out")
+    grads_ref = torch.autograd.grad((expected * g).sum(), list(params.values()))
+    for name, a, b in zip(params, grads, grads_ref):
+        assert_close(a, b, 2e-4, f"d{name}")
+
+
+def _complex_scan(u, delta, A, B, C, D, z, delta_bias, initial_state):
+    return ssmops.selective_scan_fn(u, delta, A, B, C, D, z, delta_bias, delta_softplus=True, return_last_state=True,
+                                    initial_state=initial_state)
+
+
+def test_complex_A_compiles_fullgraph_forward_and_backward():
+    torch._dynamo.reset()
+    kw = _complex_kw(B="var", seqlen=11)
+    args = [kw[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state")]
+    compiled = torch.compile(_complex_scan, fullgraph=True)
+    eager_args = [a.clone().requires_grad_() for a in args]
+    comp_args = [a.clone().requires_grad_() for a in args]
+    y, last = _complex_scan(*eager_args)
+    y_c, last_c = compiled(*comp_args)
+    torch.testing.assert_close(y_c, y)
+    torch.testing.assert_close(last_c, last)
+    g_last = torch.randn_like(last)
+
+    def loss(y, last):
+        return y.square().sum() + (last.conj() * g_last).real.sum()
+
+    grads = torch.autograd.grad(loss(y_c, last_c), comp_args)
+    for a, b in zip(grads, torch.autograd.grad(loss(y, last), eager_args)):
+        assert_close(a, b, 1e-4, "grad")
+
+
+class _ComplexScan(torch.nn.Module):
+    def forward(self, u, delta, A, B, C, D, z, delta_bias, initial_state):
+        return _complex_scan(u, delta, A, B, C, D, z, delta_bias, initial_state)
+
+
+_SCAN_ARGS = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state")
+
+
+def _export_complex_scan() -> torch.export.ExportedProgram:
+    kw = _complex_kw(B="var", seqlen=11)
+    seqlen = torch.export.Dim("seqlen", min=2, max=1 << 16)
+    dynamic = {k: None for k in _SCAN_ARGS} | {"u": {2: seqlen}, "delta": {2: seqlen}, "z": {2: seqlen},
+                                               "B": {2: 2 * seqlen}}  # B (batch, dstate, 2 * seqlen): (re, im) pairs
+    return torch.export.export(_ComplexScan(), tuple(kw[k] for k in _SCAN_ARGS), dynamic_shapes=dynamic)
+
+
+def _check_runs_like_eager(run) -> None:
+    for L in (11, 40):
+        kw = _complex_kw(B="var", seqlen=L)
+        args = tuple(kw[k] for k in _SCAN_ARGS)
+        for a, b in zip(run(*args), _ComplexScan()(*args)):
+            torch.testing.assert_close(a, b)
+
+
+def test_complex_A_exports_with_dynamic_seqlen(tmp_path):
+    path = tmp_path / "complex_scan.pt2"
+    torch.export.save(_export_complex_scan(), path)
+    _check_runs_like_eager(torch.export.load(path).module())
+
+
+@pytest.mark.slow
+def test_complex_A_aoti_package_on_cpu(tmp_path):
+    path = torch._inductor.aoti_compile_and_package(_export_complex_scan(), package_path=str(tmp_path / "scan.pt2"))
+    _check_runs_like_eager(torch._inductor.aoti_load_package(path))

@@ -48,6 +48,10 @@ inline const char* dtype_name(ST t) {
       return "bfloat16";
     case ST::Double:
       return "float64";
+    case ST::ComplexFloat:
+      return "complex64";
+    case ST::ComplexDouble:
+      return "complex128";
     case ST::Int:
       return "int32";
     case ST::Long:

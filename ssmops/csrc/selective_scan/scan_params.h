@@ -14,12 +14,17 @@ enum DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 using RangeFn = void (*)(void* ctx, int64_t begin, int64_t end);
 using ParallelFor = void (*)(int64_t n, RangeFn fn, void* ctx);
 
-// Every tensor is contiguous. B and C are (dim, dstate) when groups_* == 0, else
-// (batch, groups_*, dstate, seqlen) (a rank-3 B/C counts as one group).
+// Every tensor is contiguous. B and C are (dim, dstate) when constant, else
+// (batch, groups, dstate, seqlen) (a rank-3 B/C counts as one group).
+//
+// complex_A (mamba_ssm's complex mode): A, a constant B/C, the states (initial_state,
+// last_state, scan_intermediates, dlast_state, dinitial_state), dA and a constant dB/dC are
+// complex64, read and written through their float pointers as (re, im) pairs; a variable
+// B/C (and its gradient) is real with 2 * seqlen steps, each step's (re, im) adjacent.
 struct ScanArgs {
   int64_t batch, dim, seqlen, dstate;
   int64_t groups;  // channel groups of the variable B/C, 1 when both are constant
-  bool B_variable, C_variable, delta_softplus;
+  bool B_variable, C_variable, delta_softplus, complex_A;
   int dtype_in, dtype_B, dtype_C;  // DType of u/delta/z/dout/out, of B, of C
   const void *u, *delta, *z, *B, *C;
   const float *A, *D, *delta_bias, *initial_state;  // D, delta_bias, initial_state may be null
@@ -41,6 +46,9 @@ struct ScanArgs {
 // 1 when a scratch allocation failed.
 int scan_fwd_generic(const ScanArgs& a);
 int scan_bwd_generic(const ScanArgs& a);
+// complex_A: one portable, scalar build (scan_kernel_complex.cpp).
+int scan_fwd_complex(const ScanArgs& a);
+int scan_bwd_complex(const ScanArgs& a);
 #if defined(__x86_64__)
 int scan_fwd_avx2(const ScanArgs& a);
 int scan_bwd_avx2(const ScanArgs& a);

@@ -30,29 +30,32 @@ int dtype_code(ST t) {
 
 struct Dims {
   int64_t batch, dim, seqlen, dstate, groups;
-  bool B_variable, C_variable;
+  bool B_variable, C_variable, complex_A;
 };
 
 // B or C: (dim, dstate), (batch, dstate, seqlen) or (batch, groups, dstate, seqlen).
-// Returns its group count, 0 when constant.
+// Returns its group count, 0 when constant. With complex A (mamba_ssm's complex mode) a
+// constant B/C is complex64 and a variable one has 2 * seqlen steps: (re, im) pairs.
 int64_t check_bc(const char* name, const Tensor& M, const Dims& d, ST u_dtype) {
   check_cpu(name, M);
-  const std::string layouts = "(dim, dstate)=" + shape_str({d.dim, d.dstate}) +
-                              ", (batch, dstate, seqlen)=" + shape_str({d.batch, d.dstate, d.seqlen}) +
-                              " or (batch, groups, dstate, seqlen) with groups dividing dim=" +
-                              std::to_string(d.dim);
+  const int64_t time = d.complex_A ? 2 * d.seqlen : d.seqlen;
+  const std::string time_name = d.complex_A ? "2 * seqlen" : "seqlen";
+  const std::string layouts = "(dim, dstate)=" + shape_str({d.dim, d.dstate}) + ", (batch, dstate, " + time_name +
+                              ")=" + shape_str({d.batch, d.dstate, time}) + " or (batch, groups, dstate, " +
+                              time_name + ") with groups dividing dim=" + std::to_string(d.dim) +
+                              (d.complex_A ? " (re, im interleaved along time, as A is complex)" : "");
   int64_t groups = 0;
   std::vector<int64_t> expected;
   if (M.dim() == 2) {
     expected = {d.dim, d.dstate};
   } else if (M.dim() == 3) {
-    expected = {d.batch, d.dstate, d.seqlen};
+    expected = {d.batch, d.dstate, time};
     groups = 1;
   } else if (M.dim() == 4) {
     groups = M.size(1);
     STD_TORCH_CHECK(groups >= 1 && d.dim % groups == 0, "selective_scan: ", name, " has ", groups,
                     " groups, which does not divide dim=", d.dim);
-    expected = {d.batch, groups, d.dstate, d.seqlen};
+    expected = {d.batch, groups, d.dstate, time};
   } else {
     STD_TORCH_CHECK(false, "selective_scan: ", name, " must have shape ", layouts, ", got rank ", M.dim(),
                     " ", shape_of(M));
@@ -68,8 +71,15 @@ int64_t check_bc(const char* name, const Tensor& M, const Dims& d, ST u_dtype) {
     STD_TORCH_CHECK(false, "selective_scan: ", name, " must have shape ", layouts, ", got ", shape_of(M));
   }
   const ST t = M.scalar_type();
-  STD_TORCH_CHECK(t == ST::Float || t == u_dtype, "selective_scan: ", name, " must have dtype float32 or ",
-                  dtype_name(u_dtype), " (u's dtype), got ", dtype_name(t));
+  if (d.complex_A && groups == 0) {
+    STD_TORCH_CHECK(t == ST::ComplexFloat, "selective_scan: ", name,
+                    " must have dtype complex64 (a constant B/C is complex when A is), got ", dtype_name(t));
+  } else {
+    STD_TORCH_CHECK(t == ST::Float || t == u_dtype, "selective_scan: ", name, " must have dtype float32 or ",
+                    dtype_name(u_dtype), " (u's dtype)",
+                    d.complex_A ? " (a variable B/C holds re/im pairs when A is complex)" : "", ", got ",
+                    dtype_name(t));
+  }
   return groups;
 }
 
@@ -81,7 +91,7 @@ Dims check_inputs(const Tensor& u, const Tensor& delta, const Tensor& A, const T
   const ST dt = u.scalar_type();
   STD_TORCH_CHECK(dt == ST::Float || dt == ST::Half || dt == ST::BFloat16,
                   "selective_scan: u must have dtype float32, float16 or bfloat16, got ", dtype_name(dt));
-  Dims d{u.size(0), u.size(1), u.size(2), 0, 1, false, false};
+  Dims d{u.size(0), u.size(1), u.size(2), 0, 1, false, false, false};
   STD_TORCH_CHECK(d.seqlen >= 1, "selective_scan: u must have seqlen >= 1, got shape ", shape_of(u));
   check_tensor("delta", delta, {d.batch, d.dim, d.seqlen}, dt);
   check_cpu("A", A);
@@ -90,7 +100,9 @@ Dims check_inputs(const Tensor& u, const Tensor& delta, const Tensor& A, const T
   d.dstate = A.size(1);
   STD_TORCH_CHECK(d.dstate >= 1 && d.dstate <= kMaxDstate, "selective_scan: A must have 1 <= dstate <= ",
                   kMaxDstate, ", got dstate=", d.dstate);
-  check_tensor("A", A, {d.dim, d.dstate}, ST::Float);
+  STD_TORCH_CHECK(A.scalar_type() == ST::Float || A.scalar_type() == ST::ComplexFloat,
+                  "selective_scan: A must have dtype float32 or complex64, got ", dtype_name(A.scalar_type()));
+  d.complex_A = A.scalar_type() == ST::ComplexFloat;
   const int64_t gB = check_bc("B", B, d, dt), gC = check_bc("C", C, d, dt);
   STD_TORCH_CHECK(!(gB && gC && gB != gC), "selective_scan: B has ", gB, " groups but C has ", gC,
                   "; they must agree");
@@ -100,7 +112,7 @@ Dims check_inputs(const Tensor& u, const Tensor& delta, const Tensor& A, const T
   if (D) check_tensor("D", *D, {d.dim}, ST::Float);
   if (delta_bias) check_tensor("delta_bias", *delta_bias, {d.dim}, ST::Float);
   if (z) check_tensor("z", *z, {d.batch, d.dim, d.seqlen}, dt);
-  if (initial_state) check_tensor("initial_state", *initial_state, {d.batch, d.dim, d.dstate}, ST::Float);
+  if (initial_state) check_tensor("initial_state", *initial_state, {d.batch, d.dim, d.dstate}, A.scalar_type());
   return d;
 }
 
@@ -111,6 +123,11 @@ void parallel_for_torch(int64_t n, RangeFn fn, void* ctx) {
 }
 
 const float* fptr(const OptTensor& t) { return t ? t->const_data_ptr<float>() : nullptr; }
+
+// A tensor of A's dtype (float32, or complex64 read as (re, im) float pairs).
+const float* state_ptr(const Tensor& t) { return static_cast<const float*>(t.const_data_ptr()); }
+const float* state_ptr(const OptTensor& t) { return t ? state_ptr(*t) : nullptr; }
+float* mutable_state_ptr(const Tensor& t) { return static_cast<float*>(t.mutable_data_ptr()); }
 
 
 // Fills the inputs shared by forward and backward; the tensors must outlive the call.
@@ -126,6 +143,7 @@ ScanArgs make_args(const Dims& d, const Tensor& u, const Tensor& delta, const Te
   a.B_variable = d.B_variable;
   a.C_variable = d.C_variable;
   a.delta_softplus = delta_softplus;
+  a.complex_A = d.complex_A;
   a.dtype_in = dtype_code(u.scalar_type());
   a.dtype_B = dtype_code(B.scalar_type());
   a.dtype_C = dtype_code(C.scalar_type());
@@ -134,17 +152,19 @@ ScanArgs make_args(const Dims& d, const Tensor& u, const Tensor& delta, const Te
   a.z = z ? z->const_data_ptr() : nullptr;
   a.B = B.const_data_ptr();
   a.C = C.const_data_ptr();
-  a.A = A.const_data_ptr<float>();
+  a.A = state_ptr(A);
   a.D = fptr(D);
   a.delta_bias = fptr(delta_bias);
-  a.initial_state = fptr(initial_state);
+  a.initial_state = state_ptr(initial_state);
   a.parallel_for = parallel_for_torch;
   return a;
 }
 
 using FwdKernel = int (*)(const ScanArgs&);
 
-FwdKernel fwd_kernel(Isa isa) {
+// Complex A has one scalar kernel; the real scan one per instruction set.
+FwdKernel fwd_kernel(Isa isa, bool complex_A) {
+  if (complex_A) return scan_fwd_complex;
   switch (isa) {
 #if defined(__x86_64__)
     case Isa::kAvx512:
@@ -157,7 +177,8 @@ FwdKernel fwd_kernel(Isa isa) {
   }
 }
 
-FwdKernel bwd_kernel(Isa isa) {
+FwdKernel bwd_kernel(Isa isa, bool complex_A) {
+  if (complex_A) return scan_bwd_complex;
   switch (isa) {
 #if defined(__x86_64__)
     case Isa::kAvx512:
@@ -181,19 +202,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> selective_scan_fwd(
   const Dims d = check_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state);
   u = contig(u), delta = contig(delta), A = contig(A), B = contig(B), C = contig(C);
   D = contig(D), z = contig(z), delta_bias = contig(delta_bias), initial_state = contig(initial_state);
-  const ST dt = u.scalar_type();
+  const ST dt = u.scalar_type(), state = A.scalar_type();
   Tensor out = empty_like_shape(u, {d.batch, d.dim, d.seqlen}, dt);
-  // mamba_ssm's (batch, dim, n_chunks, 2 * dstate), flattened over its last two dims
-  Tensor x = empty_like_shape(u, {d.batch, d.dim, num_chunks(d.seqlen) * 2 * d.dstate}, ST::Float);
+  // mamba_ssm's (batch, dim, n_chunks, 2 * dstate), flattened over its last two dims; A's dtype
+  Tensor x = empty_like_shape(u, {d.batch, d.dim, num_chunks(d.seqlen) * 2 * d.dstate}, state);
   Tensor out_z = empty_like_shape(u, z ? std::vector<int64_t>{d.batch, d.dim, d.seqlen} : std::vector<int64_t>{0}, dt);
-  Tensor last_state = empty_like_shape(u, {d.batch, d.dim, d.dstate}, ST::Float);
+  Tensor last_state = empty_like_shape(u, {d.batch, d.dim, d.dstate}, state);
 
   ScanArgs a = make_args(d, u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus);
   a.out = out.mutable_data_ptr();
   a.out_z = z ? out_z.mutable_data_ptr() : nullptr;
-  a.scan_intermediates = x.mutable_data_ptr<float>();
-  a.last_state = last_state.mutable_data_ptr<float>();
-  STD_TORCH_CHECK(fwd_kernel(selected_isa())(a) == 0, "selective_scan_fwd: out of memory for scratch");
+  a.scan_intermediates = mutable_state_ptr(x);
+  a.last_state = mutable_state_ptr(last_state);
+  STD_TORCH_CHECK(fwd_kernel(selected_isa(), d.complex_A)(a) == 0, "selective_scan_fwd: out of memory for scratch");
   return {out, x, out_z, last_state};
 }
 
@@ -202,11 +223,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
     OptTensor initial_state, Tensor dout, Tensor scan_intermediates, OptTensor dlast_state,
     bool delta_softplus) {
   const Dims d = check_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state);
-  const ST dt = u.scalar_type();
+  const ST dt = u.scalar_type(), state = A.scalar_type();
   check_tensor("dout", dout, {d.batch, d.dim, d.seqlen}, dt);
   check_tensor("scan_intermediates", scan_intermediates,
-               {d.batch, d.dim, num_chunks(d.seqlen) * 2 * d.dstate}, ST::Float);
-  if (dlast_state) check_tensor("dlast_state", *dlast_state, {d.batch, d.dim, d.dstate}, ST::Float);
+               {d.batch, d.dim, num_chunks(d.seqlen) * 2 * d.dstate}, state);
+  if (dlast_state) check_tensor("dlast_state", *dlast_state, {d.batch, d.dim, d.dstate}, state);
   u = contig(u), delta = contig(delta), A = contig(A), B = contig(B), C = contig(C);
   D = contig(D), z = contig(z), delta_bias = contig(delta_bias), initial_state = contig(initial_state);
   dout = contig(dout), scan_intermediates = contig(scan_intermediates), dlast_state = contig(dlast_state);
@@ -219,29 +240,29 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
   };
   Tensor du = empty_like_shape(u, bdl, dt);
   Tensor ddelta = empty_like_shape(u, bdl, dt);
-  Tensor dA = empty_like_shape(u, {d.dim, d.dstate}, ST::Float);
+  Tensor dA = empty_like_shape(u, {d.dim, d.dstate}, state);
   Tensor dB = empty_like_shape(u, shape(B), B.scalar_type());
   Tensor dC = empty_like_shape(u, shape(C), C.scalar_type());
   Tensor dD = empty_like_shape(u, D ? std::vector<int64_t>{d.dim} : none, ST::Float);
   Tensor ddelta_bias = empty_like_shape(u, delta_bias ? std::vector<int64_t>{d.dim} : none, ST::Float);
   Tensor dz = empty_like_shape(u, z ? bdl : none, dt);
   Tensor dinit = empty_like_shape(u, initial_state ? std::vector<int64_t>{d.batch, d.dim, d.dstate} : none,
-                                  ST::Float);
+                                  initial_state ? state : ST::Float);
 
   ScanArgs a = make_args(d, u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus);
   a.dout = dout.const_data_ptr();
-  a.scan_intermediates = const_cast<float*>(scan_intermediates.const_data_ptr<float>());
-  a.dlast_state = fptr(dlast_state);
+  a.scan_intermediates = const_cast<float*>(state_ptr(scan_intermediates));
+  a.dlast_state = state_ptr(dlast_state);
   a.du = du.mutable_data_ptr();
   a.ddelta = ddelta.mutable_data_ptr();
   a.dz = z ? dz.mutable_data_ptr() : nullptr;
-  a.dA = dA.mutable_data_ptr<float>();
+  a.dA = mutable_state_ptr(dA);
   a.dB = dB.mutable_data_ptr();
   a.dC = dC.mutable_data_ptr();
   a.dD = D ? dD.mutable_data_ptr<float>() : nullptr;
   a.ddelta_bias = delta_bias ? ddelta_bias.mutable_data_ptr<float>() : nullptr;
-  a.dinitial_state = initial_state ? dinit.mutable_data_ptr<float>() : nullptr;
-  STD_TORCH_CHECK(bwd_kernel(selected_isa())(a) == 0, "selective_scan_bwd: out of memory for scratch");
+  a.dinitial_state = initial_state ? mutable_state_ptr(dinit) : nullptr;
+  STD_TORCH_CHECK(bwd_kernel(selected_isa(), d.complex_A)(a) == 0, "selective_scan_bwd: out of memory for scratch");
   return {du, ddelta, dA, dB, dC, dD, ddelta_bias, dz, dinit};
 }
 

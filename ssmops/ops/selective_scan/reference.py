@@ -12,7 +12,9 @@ from torch import Tensor
 
 
 def _expand_bc(M: Tensor, batch: int, dim: int, seqlen: int, dtype: torch.dtype) -> Tensor:
-    """B or C in any accepted layout, as `(batch, dim, dstate, seqlen)`."""
+    """B or C in any accepted layout, as `(batch, dim, dstate, seqlen)` of `dtype`."""
+    if dtype.is_complex and M.dim() > 2:  # real, (re, im) pairs interleaved along 2 * seqlen
+        M = torch.view_as_complex(M.to(dtype.to_real()).unflatten(-1, (seqlen, 2)).contiguous())
     M = M.to(dtype)
     if M.dim() == 2:  # (dim, dstate): the same for every batch and timestep
         return M[None, :, :, None].expand(batch, dim, M.shape[1], seqlen)
@@ -39,16 +41,24 @@ def selective_scan_ref(
 
     u, delta, z: (batch, dim, seqlen); A: (dim, dstate);
     B, C: (dim, dstate) | (batch, dstate, seqlen) | (batch, groups, dstate, seqlen);
-    D, delta_bias: (dim,); initial_state: (batch, dim, dstate) float32.
-    Returns y (dtype of u), and the float32 last state when `return_last_state`.
-    Computes in float32 (float64 when u is float64, for gradcheck).
+    D, delta_bias: (dim,); initial_state: (batch, dim, dstate) of A's dtype.
+    Returns y (dtype of u), and the last state (float32, complex64 for complex A) when
+    `return_last_state`. Computes in float32 (float64 when u is float64, for gradcheck).
+
+    Complex A (mamba_ssm's complex mode): the state, a constant B/C and initial_state are
+    complex; a variable B/C is real with `2 * seqlen` entries along time, the real and
+    imaginary parts of each step interleaved; y_t = 2 Re(sum_n h_t[n] C_t[n]) (the state's
+    conjugate pair is implied), then D and the gate as in the real case.
     """
     dtype_in = u.dtype
     compute = torch.float64 if dtype_in == torch.float64 else torch.float32
+    if A.is_complex():
+        compute = compute.to_complex()  # the state's dtype; u, delta, D and z stay real
     batch, dim, seqlen = u.shape
-    u, delta = u.to(compute), delta.to(compute)
+    real = compute.to_real()
+    u, delta = u.to(real), delta.to(real)
     if delta_bias is not None:
-        delta = delta + delta_bias.to(compute)[:, None]
+        delta = delta + delta_bias.to(real)[:, None]
     if delta_softplus:
         delta = F.softplus(delta)
     Bx = _expand_bc(B, batch, dim, seqlen, compute)
@@ -66,9 +76,11 @@ def selective_scan_ref(
         h = decay[:, :, t] * h + drive[:, :, t]
         ys.append((h * Cx[:, :, :, t]).sum(-1))
     y = torch.stack(ys, dim=2)
+    if y.is_complex():
+        y = 2 * y.real
     if D is not None:
-        y = y + D.to(compute)[:, None] * u
+        y = y + D.to(real)[:, None] * u
     if z is not None:
-        y = y * F.silu(z.to(compute))
+        y = y * F.silu(z.to(real))
     y = y.to(dtype_in)
     return (y, h) if return_last_state else y

@@ -7,12 +7,17 @@ is loaded they come from it, otherwise the registry defines them from here, and
 Conventions that the schemas cannot express:
 * an absent optional output (`out_z` without z, `dD` without D, ...) is an empty
   tensor (numel 0), because a custom operator cannot return `Tensor?`;
-* `scan_intermediates` is float32 `(batch, dim, n_chunks * 2 * dstate)` with
+* `scan_intermediates` has A's dtype (float32, or complex64 for complex A, as mamba_ssm's
+  `x` does) and shape `(batch, dim, n_chunks * 2 * dstate)` with
   `n_chunks = ceil(seqlen / 2048)`: mamba_ssm's `x` of shape `(batch, dim, n_chunks,
   2 * dstate)`, flattened over its last two dims (so that no dimension of it can be
   1 for some seqlen and not others, which would stop export from keeping seqlen
   symbolic). At the end of each chunk: the cumulative decay `exp(A * sum dt)` since
-  t=0 in even entries, the state in odd entries;
+  t=0 in even entries, the state in odd entries (both complex when A is);
+* the states (`initial_state`, `last_state`, `dlast_state`) have A's dtype too;
+* the gradient of a complex input (A, a constant B/C, initial_state) is PyTorch's for a
+  real loss L: dL/d(re) + i dL/d(im), what autograd gives; that of a variable B/C (real,
+  re/im interleaved along time) has its layout;
 * `dout` of the backward is the gradient of the final output: `out_z` when z is
   given, else `out`.
 """
@@ -47,9 +52,9 @@ def _empty(like: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
 def fwd_fake(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus):
     batch, dim, seqlen, dstate, _ = check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
     out = u.new_empty(u.shape)
-    x = u.new_empty(batch, dim, num_chunks(seqlen) * 2 * dstate, dtype=torch.float32)
+    x = u.new_empty(batch, dim, num_chunks(seqlen) * 2 * dstate, dtype=A.dtype)
     out_z = u.new_empty(u.shape) if z is not None else _empty(u, u.dtype)
-    return out, x, out_z, u.new_empty(batch, dim, dstate, dtype=torch.float32)
+    return out, x, out_z, u.new_empty(batch, dim, dstate, dtype=A.dtype)
 
 
 def bwd_fake(
@@ -57,7 +62,7 @@ def bwd_fake(
     delta_softplus,
 ):
     dims = check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
-    check_scan_grad_inputs(dims, u, dout, scan_intermediates, dlast_state)
+    check_scan_grad_inputs(dims, u, A, dout, scan_intermediates, dlast_state)
 
     def like(x, dtype=torch.float32):
         return x.new_empty(x.shape) if x is not None else _empty(u, dtype)

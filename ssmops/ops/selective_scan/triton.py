@@ -69,6 +69,15 @@ def _flags(B, C, D, z, delta_bias, initial_state, delta_softplus) -> dict:
                 B_VAR=B.dim() > 2, C_VAR=C.dim() > 2)
 
 
+def _check_real_A(A: Tensor) -> None:
+    """The kernels scan real states; complex A (mamba_ssm's complex mode) is not theirs."""
+    if A.is_complex():
+        raise NotImplementedError(
+            f"selective_scan on the triton backend: A must be float32, got {A.dtype}; complex A runs on the "
+            "default backend (with ssmops.use_backend('default'), on any device) and the cpu backend"
+        )
+
+
 def _groups(M: Tensor) -> int:
     """B/C groups (1 when B or C is shared by all channels or constant)."""
     return M.shape[1] if M.dim() == 4 else 1
@@ -80,6 +89,7 @@ def selective_scan_fwd(
     delta_softplus: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     dims = check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    _check_real_A(A)
     batch, dim, seqlen, dstate, _ = dims
     cfg = _config(seqlen, dstate, backward=False)
     out = torch.empty((batch, dim, seqlen), dtype=u.dtype, device=u.device)
@@ -109,7 +119,8 @@ def selective_scan_bwd(
     dout: Tensor, scan_intermediates: Tensor, dlast_state: Optional[Tensor], delta_softplus: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     dims = check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
-    check_scan_grad_inputs(dims, u, dout, scan_intermediates, dlast_state)
+    check_scan_grad_inputs(dims, u, A, dout, scan_intermediates, dlast_state)
+    _check_real_A(A)
     batch, dim, seqlen, dstate, groups = dims
     cfg = _config(seqlen, dstate, backward=True)
     # variable dB/dC: each channel's added atomically (fast, order not fixed), or, to be deterministic,
