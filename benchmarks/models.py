@@ -17,7 +17,8 @@ fp32, batch 1, inference mode. Measured:
   CPU without mamba_ssm kernels is its pure-PyTorch scan);
 * decode tokens/s: greedy generation of N new tokens after that prompt, timed as
   (time for N tokens - time for 1 token) / (N - 1), so prefill is excluded;
-  ours is one `selective_state_update` per layer per token.
+  ours is one decoding step per layer per token, eager, and with `cg=True` (the whole step one
+  compiled graph, compiled before timing).
 
 `--profile` adds, for each model, where one ssmops decoding token's time goes (torch.profiler,
 the operators with the most self time over 8 tokens).
@@ -117,8 +118,8 @@ def compare(family: str, args) -> None:
     def hf_prefill(ids):
         return hf(ids, use_cache=True, logits_to_keep=1).logits
 
-    def ours_generate(ids, n):
-        return ours.generate(ids, max_length=ids.shape[1] + n)
+    def ours_generate(ids, n, cg=False):
+        return ours.generate(ids, max_length=ids.shape[1] + n, cg=cg)
 
     def hf_generate(ids, n):
         return hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
@@ -137,6 +138,10 @@ def compare(family: str, args) -> None:
             t_one = time_call(lambda: generate(prompt, 1), args.repeats)
             t_many = time_call(lambda: generate(prompt, new_tokens), args.repeats)
             rows[name] = (prompt_len / t_prefill, (new_tokens - 1) / max(t_many - t_one, 1e-9))
+        ours_generate(prompt, 2, cg=True)  # compiles the step
+        t_one = time_call(lambda: ours_generate(prompt, 1, cg=True), args.repeats)
+        t_many = time_call(lambda: ours_generate(prompt, new_tokens, cg=True), args.repeats)
+        compiled_decode = (new_tokens - 1) / max(t_many - t_one, 1e-9)
         short = prompt[:, :16]
         t_one = time_call(lambda: ours_generate(short, 1), args.repeats)
         t_many = time_call(lambda: ours_generate(short, new_tokens), args.repeats)
@@ -148,6 +153,8 @@ def compare(family: str, args) -> None:
             print(f"  {name:14s} {pre:14.1f} {dec:13.1f}")
         (op, od), (hp, hd) = rows["ssmops"], rows["transformers"]
         print(f"  {'ratio':14s} {op / hp:13.2f}x {od / hd:12.2f}x   (ssmops / transformers)")
+        print(f"ssmops decode with cg=True (the step as one compiled graph): {compiled_decode:.1f} tok/s, "
+              f"{compiled_decode / hd:.2f}x transformers")
         print(f"ssmops decode after a 16-token prompt: {ours_short_decode:.1f} tok/s (after {prompt_len}: {od:.1f}); "
               "the decode step does not read the prompt, so a gap here is timing noise (see the load average)")
         if args.profile:

@@ -34,17 +34,21 @@ def causal_conv1d(
     # Shift and add over a time-major view: the mixers pass x as the transpose of in_proj's
     # (batch, seqlen, dim) output, where this reads contiguous rows (faster than F.conv1d's
     # depthwise path on that layout, and no transposing copies). Tap k reads input
-    # t - (width - 1 - k); with seq_idx, only when that input is in t's sequence.
+    # t - (width - 1 - k); with seq_idx, only when that input is in t's sequence. Every window
+    # has seqlen rows (so export keeps seqlen symbolic), and the taps accumulate in place into
+    # one output (a new (batch, seqlen, dim) tensor per tap cost more in page faults than in
+    # arithmetic).
     padded = F.pad(x.transpose(1, 2), (0, 0, width - 1, 0))  # (batch, width - 1 + seqlen, dim)
     if seq_idx is not None:
         padded_idx = F.pad(seq_idx, (width - 1, 0), value=-1)
-    taps = weight.t().contiguous()  # (width, dim): each tap's weights contiguous, like the rows
-    out = bias if bias is not None else x.new_zeros(())
-    for k in range(width):
+    taps = weight.t().contiguous()  # (width, dim): each tap contiguous, like the rows
+    last = padded[:, width - 1:]  # the current input: always in t's sequence
+    out = last * taps[-1] if bias is None else torch.addcmul(bias, last, taps[-1])
+    for k in range(width - 1):
         window = padded[:, k:k + seqlen]
         if seq_idx is not None:
             window = window * (padded_idx[:, k:k + seqlen] == seq_idx).unsqueeze(-1)
-        out = torch.addcmul(out, window, taps[k])
+        out.addcmul_(window, taps[k])
     out = out.transpose(1, 2)
     return F.silu(out) if activation is not None else out
 
