@@ -103,5 +103,17 @@ void par(const ScanArgs& a, int64_t n, const F& f) {
       const_cast<F*>(&f));
 }
 
+// dD[d] and ddelta_bias[d] from the backward's per-(batch, channel) partial sums (batch, dim),
+// added in batch order so that the result does not depend on the threads.
+inline void reduce_channel_sums(const ScanArgs& a, const float* dD_rows, const float* dbias_rows, int64_t d) {
+  float sD = 0.0f, sb = 0.0f;
+  for (int64_t b = 0; b < a.batch; ++b) {
+    sD += dD_rows[b * a.dim + d];
+    sb += dbias_rows[b * a.dim + d];
+  }
+  if (a.dD) a.dD[d] = sD;
+  if (a.ddelta_bias) a.ddelta_bias[d] = sb;
+}
+
 }  // namespace
 }  // namespace ssmops_cpu

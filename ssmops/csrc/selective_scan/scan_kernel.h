@@ -15,7 +15,7 @@
 #include <cstdint>
 #include <cstdlib>
 
-#include "../common/vexp.h"
+#include "../common/vmath.h"
 #include "scan_dtypes.h"
 #include "scan_params.h"
 
@@ -45,43 +45,8 @@ inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
 
 inline vf vexp(vf x) { return vexp_of<vf, vi>(x); }
 
-// log for finite w >= 1 (cephes logf, ~1 ulp): only ever called on 1 + exp(x).
-inline vf vlog_ge1(vf w) {
-  vi bits = (vi)w;
-  vi e = (bits >> 23) - 126;
-  vf m = (vf)((bits & 0x007fffff) | 0x3f000000);  // w = m * 2^e, m in [0.5, 1)
-  vi small = m < bc(0.707106781186547524f);
-  e = small ? e - 1 : e;
-  m = small ? m + m - bc(1.0f) : m - bc(1.0f);
-  vf z = m * m;
-  vf y = bc(7.0376836292E-2f);
-  y = y * m + bc(-1.1514610310E-1f);
-  y = y * m + bc(1.1676998740E-1f);
-  y = y * m + bc(-1.2420140846E-1f);
-  y = y * m + bc(1.4249322787E-1f);
-  y = y * m + bc(-1.6668057665E-1f);
-  y = y * m + bc(2.0000714765E-1f);
-  y = y * m + bc(-2.4999993993E-1f);
-  y = y * m + bc(3.3333331174E-1f);
-  y = y * m * z;
-  vf fe = __builtin_convertvector(e, vf);
-  y = y + fe * bc(-2.12194440e-4f);
-  y = y - bc(0.5f) * z;
-  return m + y + fe * bc(0.693359375f);
-}
-
-// softplus as torch computes it (beta 1, threshold 20): x > 20 ? x : log1p(exp(x)).
-inline vf vsoftplus(vf x) {
-  vf e = vexp(x < bc(20.0f) ? x : bc(20.0f));
-  vf w = bc(1.0f) + e;
-  // log1p(e) = log(w) * e / (w - 1) recovers the bits of e lost in 1 + e
-  vf den = w - bc(1.0f);
-  vf l1p = vlog_ge1(w) * e / (den == bc(0.0f) ? bc(1.0f) : den);
-  l1p = den == bc(0.0f) ? e : l1p;
-  return x > bc(20.0f) ? x : l1p;
-}
-
-inline vf vsigmoid(vf x) { return bc(1.0f) / (bc(1.0f) + vexp(-x)); }
+inline vf vsoftplus(vf x) { return vsoftplus_of<vf, vi>(x); }
+inline vf vsigmoid(vf x) { return vsigmoid_of<vf, vi>(x); }
 
 // Lane sums of K vectors at once, stored to dst[0..K): pairs of vectors are folded
 // into one (each half holding the pairwise sums of one of them) until one vector is
@@ -686,13 +651,7 @@ int bwd(const ScanArgs& a) {
         if (!VB) SSM_DTYPE_SWITCH(a.dtype_B, DT, put<DT>(a.dB, d * NS + n, sB));
         if (!VC) SSM_DTYPE_SWITCH(a.dtype_C, DT, put<DT>(a.dC, d * NS + n, sC));
       }
-      float sD = 0.0f, sb = 0.0f;
-      for (int64_t b = 0; b < a.batch; ++b) {
-        sD += sh.dD_rows[b * a.dim + d];
-        sb += sh.dbias_rows[b * a.dim + d];
-      }
-      if (a.dD) a.dD[d] = sD;
-      if (a.ddelta_bias) a.ddelta_bias[d] = sb;
+      reduce_channel_sums(a, sh.dD_rows, sh.dbias_rows, d);
     }
   }
   std::free(mem);

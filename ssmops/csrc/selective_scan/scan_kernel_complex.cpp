@@ -367,13 +367,7 @@ int bwd(const ScanArgs& a) {
         if (!VB) stc(static_cast<float*>(a.dB), d * N + n, sB);
         if (!VC) stc(static_cast<float*>(a.dC), d * N + n, sC);
       }
-      float sD = 0.0f, sb = 0.0f;
-      for (int64_t b = 0; b < a.batch; ++b) {
-        sD += sh.dD_rows[b * a.dim + d];
-        sb += sh.dbias_rows[b * a.dim + d];
-      }
-      if (a.dD) a.dD[d] = sD;
-      if (a.ddelta_bias) a.ddelta_bias[d] = sb;
+      reduce_channel_sums(a, sh.dD_rows, sh.dbias_rows, d);
     }
   }
   std::free(mem);

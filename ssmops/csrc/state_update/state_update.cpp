@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "../common/checks.h"
-#include "../common/vexp.h"
+#include "../common/vmath.h"
 
 namespace ssmops_cpu {
 namespace {
@@ -20,16 +20,32 @@ float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }  // 
 typedef float v4f __attribute__((vector_size(16)));
 typedef int32_t v4i __attribute__((vector_size(16)));
 
-// out[k] = exp(s * A[k]), four at a time: one by one, std::exp was most of a Mamba-1 step's time.
-void exp_scaled(const float* A, float s, float* out, int64_t n) {
+// f over v[0..n) in place, four at a time (the last n % 4 through a padded vector): one by one,
+// libm's exp and log1p were most of a Mamba-1 step's time.
+template <v4f (*f)(v4f)>
+inline void apply4(float* v, int64_t n) {
   int64_t k = 0;
   for (; k + 4 <= n; k += 4) {
     v4f a;
-    __builtin_memcpy(&a, A + k, sizeof a);
-    const v4f e = vexp_of<v4f, v4i>(a * s);
-    __builtin_memcpy(out + k, &e, sizeof e);
+    __builtin_memcpy(&a, v + k, sizeof a);
+    a = f(a);
+    __builtin_memcpy(v + k, &a, sizeof a);
   }
-  for (; k < n; ++k) out[k] = std::exp(s * A[k]);
+  if (k < n) {
+    v4f a{};
+    for (int64_t i = k; i < n; ++i) a[i - k] = v[i];
+    a = f(a);
+    for (int64_t i = k; i < n; ++i) v[i] = a[i - k];
+  }
+}
+
+inline v4f softplus4(v4f x) { return vsoftplus_of<v4f, v4i>(x); }
+inline v4f silu4(v4f x) { return x * vsigmoid_of<v4f, v4i>(x); }
+
+// out[k] = exp(s * A[k])
+inline void exp_scaled(const float* A, float s, float* out, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) out[k] = s * A[k];
+  apply4<vexp_of<v4f, v4i>>(out, n);
 }
 
 // --- selective_state_update: one decoding step ------------------------------------------
@@ -91,25 +107,33 @@ Tensor selective_state_update(Tensor state, Tensor x, Tensor dt, Tensor A, Tenso
   const float* zp = z32 ? z32->const_data_ptr<float>() : nullptr;
   const float* biasp = bias32 ? bias32->const_data_ptr<float>() : nullptr;
   const int64_t per_group = dim / groups;
-  torch::stable::parallel_for(0, batch * dim, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t b = row / dim, c = row % dim;
-      const float* Bg = Bp + (b * groups + c / per_group) * dstate;
-      const float* Cg = Cp + (b * groups + c / per_group) * dstate;
-      float delta = dtp[row] + (biasp ? biasp[c] : 0.0f);
-      if (dt_softplus) delta = softplus(delta);
-      const float xv = xp[row];
-      float decay[kMaxDstate];
-      exp_scaled(Ap + c * dstate, delta, decay, dstate);
-      float acc = 0.0f;
-      for (int64_t n = 0; n < dstate; ++n) {
-        float& hn = hp[row * dstate + n];
-        hn = decay[n] * hn + delta * Bg[n] * xv;
-        acc += hn * Cg[n];
+  constexpr int64_t kRowBlock = 64;  // rows whose dt and gate are computed together, vectorised
+  torch::stable::parallel_for(0, batch * dim, kRowBlock, [&](int64_t begin, int64_t end) {
+    for (int64_t r0 = begin; r0 < end; r0 += kRowBlock) {
+      const int64_t rows = std::min(kRowBlock, end - r0);
+      float delta[kRowBlock], gate[kRowBlock];
+      for (int64_t i = 0; i < rows; ++i) delta[i] = dtp[r0 + i] + (biasp ? biasp[(r0 + i) % dim] : 0.0f);
+      if (dt_softplus) apply4<softplus4>(delta, rows);
+      if (zp) {
+        __builtin_memcpy(gate, zp + r0, sizeof(float) * rows);
+        apply4<silu4>(gate, rows);
       }
-      if (Dp) acc += Dp[c] * xv;
-      if (zp) acc *= zp[row] / (1.0f + std::exp(-zp[row]));
-      yp[row] = acc;
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t row = r0 + i, b = row / dim, c = row % dim;
+        const float* Bg = Bp + (b * groups + c / per_group) * dstate;
+        const float* Cg = Cp + (b * groups + c / per_group) * dstate;
+        const float xv = xp[row];
+        float decay[kMaxDstate];
+        exp_scaled(Ap + c * dstate, delta[i], decay, dstate);
+        float acc = 0.0f;
+        for (int64_t n = 0; n < dstate; ++n) {
+          float& hn = hp[row * dstate + n];
+          hn = decay[n] * hn + delta[i] * Bg[n] * xv;
+          acc += hn * Cg[n];
+        }
+        if (Dp) acc += Dp[c] * xv;
+        yp[row] = zp ? acc * gate[i] : acc;
+      }
     }
   });
   if (h.data_ptr() != state.data_ptr()) torch::stable::copy_(state, h);

@@ -1,0 +1,80 @@
+// exp, softplus and sigmoid for GCC float vectors of any width (`vf`, with `vi` its int32 vector):
+// the scan kernels' and the decoding step's. Internal linkage, so that each file compiles its
+// own copy for its own instruction set and none reaches a caller built for another.
+#pragma once
+
+namespace ssmops_cpu {
+namespace {
+
+// exp: Cody-Waite + degree-5 polynomial (cephes expf, ~1 ulp).
+template <class vf, class vi>
+inline vf vexp_of(vf x) {
+  const vf hi = (vf{} + 88.3762626647949f), lo = (vf{} + -87.3365447504019f);
+  const vf magic = (vf{} + 12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  vf xc = x < lo ? lo : x;
+  xc = xc > hi ? hi : xc;
+  vf fx = xc * (vf{} + 1.44269504088896341f) + magic;
+  vi n = (vi)fx - (vi)magic;
+  fx = fx - magic;
+  vf r = xc - fx * (vf{} + 0.693359375f);
+  r = r - fx * (vf{} + -2.12194440e-4f);
+  vf p = (vf{} + 1.9875691500E-4f);
+  p = p * r + (vf{} + 1.3981999507E-3f);
+  p = p * r + (vf{} + 8.3334519073E-3f);
+  p = p * r + (vf{} + 4.1665795894E-2f);
+  p = p * r + (vf{} + 1.6666665459E-1f);
+  p = p * r + (vf{} + 5.0000001201E-1f);
+  p = p * (r * r) + r + (vf{} + 1.0f);
+  vf scale = (vf)((n + 127) << 23);
+  vf res = p * scale;
+  res = x < lo ? (vf{} + 0.0f) : res;
+  res = x > hi ? (vf{} + __builtin_inff()) : res;
+  return res;
+}
+
+// log for finite w >= 1 (cephes logf, ~1 ulp): only ever called on 1 + exp(x).
+template <class vf, class vi>
+inline vf vlog_ge1_of(vf w) {
+  vi bits = (vi)w;
+  vi e = (bits >> 23) - 126;
+  vf m = (vf)((bits & 0x007fffff) | 0x3f000000);  // w = m * 2^e, m in [0.5, 1)
+  vi small = m < (vf{} + 0.707106781186547524f);
+  e = small ? e - 1 : e;
+  m = small ? m + m - (vf{} + 1.0f) : m - (vf{} + 1.0f);
+  vf z = m * m;
+  vf y = (vf{} + 7.0376836292E-2f);
+  y = y * m + (vf{} + -1.1514610310E-1f);
+  y = y * m + (vf{} + 1.1676998740E-1f);
+  y = y * m + (vf{} + -1.2420140846E-1f);
+  y = y * m + (vf{} + 1.4249322787E-1f);
+  y = y * m + (vf{} + -1.6668057665E-1f);
+  y = y * m + (vf{} + 2.0000714765E-1f);
+  y = y * m + (vf{} + -2.4999993993E-1f);
+  y = y * m + (vf{} + 3.3333331174E-1f);
+  y = y * m * z;
+  vf fe = __builtin_convertvector(e, vf);
+  y = y + fe * (vf{} + -2.12194440e-4f);
+  y = y - (vf{} + 0.5f) * z;
+  return m + y + fe * (vf{} + 0.693359375f);
+}
+
+// softplus as torch computes it (beta 1, threshold 20): x > 20 ? x : log1p(exp(x)).
+template <class vf, class vi>
+inline vf vsoftplus_of(vf x) {
+  const vf one = vf{} + 1.0f, twenty = vf{} + 20.0f;
+  vf e = vexp_of<vf, vi>(x < twenty ? x : twenty);
+  vf w = one + e;
+  // log1p(e) = log(w) * e / (w - 1) recovers the bits of e lost in 1 + e
+  vf den = w - one;
+  vf l1p = vlog_ge1_of<vf, vi>(w) * e / (den == vf{} ? one : den);
+  l1p = den == vf{} ? e : l1p;
+  return x > twenty ? x : l1p;
+}
+
+template <class vf, class vi>
+inline vf vsigmoid_of(vf x) {
+  return (vf{} + 1.0f) / ((vf{} + 1.0f) + vexp_of<vf, vi>(-x));
+}
+
+}  // namespace
+}  // namespace ssmops_cpu
