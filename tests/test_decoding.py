@@ -82,6 +82,17 @@ def test_convert_weights_converts_the_projections_only():
     assert mixer.x_proj.weight.dtype == mixer.dt_proj.weight.dtype == torch.float32  # they compute dt
     with pytest.raises(ValueError, match="weights must be one of"):
         mamba1.convert_weights("int4")
+    mamba1.convert_weights("int8")  # from bf16: the activations stay float32
+    assert mixer.in_proj.weight.dtype == torch.int8 and mixer.in_proj.compute_dtype == torch.float32
+    with pytest.raises(ValueError, match="the weight is int8 already"):
+        mamba1.convert_weights("bf16")
+
+
+def test_a_converted_state_dict_is_refused_by_name(tmp_path):
+    model = MambaLMHeadModel(tiny_config()).convert_weights("int8")
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"holds int8 weights written after convert_weights \(backbone"):
+        MambaLMHeadModel.from_pretrained(tmp_path)
 
 
 @pytest.mark.parametrize("name", ["mamba1", pytest.param("mamba2", marks=pytest.mark.slow),

@@ -227,6 +227,10 @@ class MambaLMHeadModel(nn.Module):
         linear layers' weights converted to `weights` format when given (see convert_weights)."""
         if isinstance(config, dict):
             config = MambaConfig.from_dict(config)
+        converted = sorted(k for k in state_dict if k.endswith(".weight_scale"))
+        if converted:
+            raise ValueError(f"the state_dict holds int8 weights written after convert_weights ({converted[0]}, ...): "
+                             "load the float checkpoint with weights='int8' instead")
         model = cls(config, device=device, dtype=dtype)
         state_dict = dict(state_dict)
         if config.tie_embeddings and "lm_head.weight" not in state_dict:

@@ -60,7 +60,7 @@ class Linear(nn.Linear):
             return
         if self.weight_scale is not None:
             raise ValueError("the weight is int8 already; load the float checkpoint to convert it again")
-        self.converted_from = self.weight.dtype
+        self.converted_from = self.compute_dtype
         if weights == "int8":
             q, self.weight_scale = quantize_int8(self.weight)
             self.weight = nn.Parameter(q, requires_grad=False)
