@@ -326,8 +326,6 @@ def test_complex_A_scan_intermediates_are_mamba_ssm_s_complex_x():
 
 @pytest.mark.parametrize("backend", backend_params(names=CPU_BACKENDS))
 def test_mamba_inner_fn_complex_A_matches_a_reference_composition(backend):
-    from einops import rearrange
-
     gen = torch.Generator().manual_seed(0)
     batch, d_inner, d_model, n, dt_rank, width, L = 2, 8, 6, 3, 2, 4, 9
 
@@ -349,12 +347,16 @@ def test_mamba_inner_fn_complex_A_matches_a_reference_composition(backend):
                   out_proj_bias, A, D, delta_bias, B_proj_bias, C_proj_bias):
         x, z = xz.chunk(2, dim=1)
         x = F.silu(F.conv1d(x, conv1d_weight, conv1d_bias, padding=width - 1, groups=d_inner)[..., :L])
-        x_dbl = rearrange(x, "b d l -> (b l) d") @ x_proj_weight.t()
-        delta = rearrange(delta_proj_weight @ x_dbl[:, :dt_rank].t(), "d (b l) -> b d l", l=L)
-        B, C = (rearrange(cols + bias, "(b l) (dstate two) -> b dstate (l two)", l=L, two=2)
-                for cols, bias in ((x_dbl[:, dt_rank:dt_rank + 2 * n], B_proj_bias), (x_dbl[:, -2 * n:], C_proj_bias)))
+        x_dbl = x.transpose(1, 2).reshape(batch * L, d_inner) @ x_proj_weight.t()  # rows (b, l)
+        delta = (delta_proj_weight @ x_dbl[:, :dt_rank].t()).reshape(d_inner, batch, L).transpose(0, 1)
+
+        def interleaved(cols):  # (b l, (dstate two)) -> (b, dstate, (l two)): mamba_ssm's layout
+            return cols.reshape(batch, L, n, 2).permute(0, 2, 1, 3).reshape(batch, n, 2 * L)
+
+        B = interleaved(x_dbl[:, dt_rank:dt_rank + 2 * n] + B_proj_bias)
+        C = interleaved(x_dbl[:, -2 * n:] + C_proj_bias)
         y = ssmops.selective_scan_ref(x, delta, A, B, C, D, z, delta_bias, delta_softplus=True)
-        return F.linear(rearrange(y, "b d l -> b l d"), out_proj_weight, out_proj_bias)
+        return F.linear(y.transpose(1, 2), out_proj_weight, out_proj_bias)
 
     expected = reference(**params)
     with ssmops.use_backend(backend):

@@ -1,8 +1,6 @@
 // The weight-only linear operator's CPU kernel (`weight_only_linear`), on LibTorch's stable ABI
 // only. The schema is in ../library.cpp; the Python checks in ssmops/ops/linear/checks.py say
 // the same things in the same words.
-#include <torch/headeronly/util/BFloat16.h>
-
 #include <algorithm>
 #include <vector>
 
