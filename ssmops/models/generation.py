@@ -9,6 +9,7 @@ advances the caches in place, on any device.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -177,36 +178,37 @@ def decode(
         streamer.put(input_ids.cpu())
     memory = model.allocate_inference_cache(batch, max_length, ssm_state_dtype=ssm_state_dtype)
     logits = _prefill(model, input_ids, memory, max_length)
-    # what the repetition penalty has seen: the prompts, right-padded with their first token
+    # what the repetition penalty has seen: the prompts (right-padded with their first token), then each new token
     seen = input_ids
-    if ragged:
+    if ragged and repetition_penalty != 1.0:
         seen = torch.stack([torch.cat([p, p[:1].expand(prompt_len - p.numel())]) for p in input_ids])
     positions = torch.tensor(lengths, dtype=torch.long, device=device)
     step = compiled_step_logits() if cg else step_logits
     new_tokens, scores = [], []
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    while True:
-        if vocab_size is not None:
-            logits = logits[:, :vocab_size]
-        if repetition_penalty != 1.0:
-            picked = logits.gather(1, seen)
-            picked = torch.where(picked < 0, picked * repetition_penalty, picked / repetition_penalty)
-            logits = logits.scatter(1, seen, picked)
-        if output_scores:
-            scores.append(logits.clone())
-        token = sample(logits, top_k=top_k, top_p=top_p, min_p=min_p, temperature=temperature)
-        if eos_token_id is not None:
-            token = token.masked_fill(finished, eos_token_id)
-            finished |= token == eos_token_id
-        new_tokens.append(token.unsqueeze(1))
-        seen = torch.cat([seen, new_tokens[-1]], dim=1)
-        if streamer is not None:
-            streamer.put(token.cpu())
-        if prompt_len + len(new_tokens) >= max_length or (eos_token_id is not None and bool(finished.all())):
-            break
-        with torch._dynamo.config.patch(recompile_limit=COMPILED_STEP_LIMIT):
+    with torch._dynamo.config.patch(recompile_limit=COMPILED_STEP_LIMIT) if cg else contextlib.nullcontext():
+        while True:
+            if vocab_size is not None:
+                logits = logits[:, :vocab_size]
+            if repetition_penalty != 1.0:
+                picked = logits.gather(1, seen)
+                picked = torch.where(picked < 0, picked * repetition_penalty, picked / repetition_penalty)
+                logits = logits.scatter(1, seen, picked)
+            if output_scores:
+                scores.append(logits.clone())
+            token = sample(logits, top_k=top_k, top_p=top_p, min_p=min_p, temperature=temperature)
+            if eos_token_id is not None:
+                token = token.masked_fill(finished, eos_token_id)
+                finished |= token == eos_token_id
+            new_tokens.append(token.unsqueeze(1))
+            if repetition_penalty != 1.0:
+                seen = torch.cat([seen, new_tokens[-1]], dim=1)
+            if streamer is not None:
+                streamer.put(token.cpu())
+            if prompt_len + len(new_tokens) >= max_length or (eos_token_id is not None and bool(finished.all())):
+                break
             logits = step(model, memory, new_tokens[-1], positions)
-        positions += 1
+            positions += 1
     if streamer is not None:
         streamer.end()
     generated = torch.cat(new_tokens, dim=1)
