@@ -135,8 +135,12 @@ inline void tile(const LinearArgs& a, int64_t n, int64_t n_end, int64_t m0) {
   const int64_t tiles_ahead = tile_bytes >= kAheadBytes ? 1 : (kAheadBytes + tile_bytes - 1) / tile_bytes;
   const char* ahead =
       static_cast<const char*>(a.weight) + (n + tiles_ahead * kRows) * K * sizeof(WeightT<kind>);
-  vf acc[xr][kRows] = {};
-  for (int64_t k = 0; k < k_vec; k += W) {
+  // Fewer rows of x leave registers free: U accumulators per (row of x, weight row) over
+  // interleaved k-steps, so that kXRows * kRows FMA chains are in flight whatever xr is (with 4
+  // chains, the FMA latency bounded int8 weights at ~8 Gweights/s on one thread).
+  constexpr int U = kXRows / xr;
+  vf acc[xr][kRows][U] = {};
+  auto step = [&](int64_t k, int u) {
     if (k % kLine == 0)
       for (int r = 0; r < kRows; ++r) __builtin_prefetch(ahead + (r * K + k) * sizeof(WeightT<kind>));
     vf w[kRows];
@@ -144,13 +148,21 @@ inline void tile(const LinearArgs& a, int64_t n, int64_t n_end, int64_t m0) {
     for (int m = 0; m < xr; ++m) {
       vf xv;
       __builtin_memcpy(&xv, a.x + (m0 + m) * K + k, sizeof xv);
-      for (int r = 0; r < kRows; ++r) acc[m][r] += xv * w[r];
+      for (int r = 0; r < kRows; ++r) acc[m][r][u] += xv * w[r];
     }
-  }
+  };
+  const int64_t k_unrolled = K - K % (W * U);
+  int64_t k = 0;
+  for (; k < k_unrolled; k += W * U)
+    for (int u = 0; u < U; ++u) step(k + u * W, u);
+  for (; k < k_vec; k += W) step(k, 0);
+  for (int m = 0; m < xr; ++m)
+    for (int r = 0; r < kRows; ++r)
+      for (int u = 1; u < U; ++u) acc[m][r][0] += acc[m][r][u];
   for (int m = 0; m < xr; ++m) {
     const float* xm = a.x + (m0 + m) * K;
     for (int r = 0; r < kRows && n + r < n_end; ++r) {
-      float s = hsum(acc[m][r]);
+      float s = hsum(acc[m][r][0]);
       for (int64_t k = k_vec; k < K; ++k) s += xm[k] * load_w1<kind>(a.weight, row[r] + k);
       if (a.scale) s *= a.scale[n + r];
       if (a.bias) s += a.bias[n + r];
