@@ -115,15 +115,17 @@ inline float load_w1(const void* w, int64_t i) {
   }
 }
 
+// lane l + w onto lane l, halving w: log2(W) adds deep (a chain of W adds cost more than the
+// dot itself when K is small, e.g. dt_proj's 48)
 inline float hsum(vf v) {
-  float s = 0.0f;
-  for (int l = 0; l < W; ++l) s += v[l];
-  return s;
+  for (int w = W / 2; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) v[l] += v[l + w];
+  return v[0];
 }
 
 // y[m0:m0+xr, n:n+kRows] (rows past n_end are computed from a repeated row and dropped).
 template <WeightKind kind, int xr>
-inline void tile(const LinearArgs& a, int64_t n, int64_t n_end, int64_t m0) {
+inline void tile(const LinearArgs& a, int64_t n, int64_t n_end, int64_t m0, int64_t rows_ahead) {
   const int64_t K = a.K, k_vec = K - K % W;
   int64_t row[kRows];
   for (int r = 0; r < kRows; ++r) row[r] = (n + r < n_end ? n + r : n_end - 1) * K;
@@ -131,10 +133,7 @@ inline void tile(const LinearArgs& a, int64_t n, int64_t n_end, int64_t m0) {
   // prefetcher to catch (768 bytes a row in int8): prefetch kAheadBytes ahead (whole tiles), one
   // line per row per line read here, so that those rows are in cache when their tile starts.
   constexpr int64_t kLine = 64 / sizeof(WeightT<kind>);
-  const int64_t tile_bytes = kRows * K * static_cast<int64_t>(sizeof(WeightT<kind>));
-  const int64_t tiles_ahead = tile_bytes >= kAheadBytes ? 1 : (kAheadBytes + tile_bytes - 1) / tile_bytes;
-  const char* ahead =
-      static_cast<const char*>(a.weight) + (n + tiles_ahead * kRows) * K * sizeof(WeightT<kind>);
+  const char* ahead = static_cast<const char*>(a.weight) + (n + rows_ahead) * K * sizeof(WeightT<kind>);
   // Fewer rows of x leave registers free: U accumulators per (row of x, weight row) over
   // interleaved k-steps, so that kXRows * kRows FMA chains are in flight whatever xr is (with 4
   // chains, the FMA latency bounded int8 weights at ~8 Gweights/s on one thread).
@@ -173,21 +172,24 @@ inline void tile(const LinearArgs& a, int64_t n, int64_t n_end, int64_t m0) {
 
 // The last `left` (< kXRows) rows of x: the tile for exactly that many.
 template <WeightKind kind, int xr>
-inline void last_rows(const LinearArgs& a, int64_t n, int64_t n_end, int64_t m, int64_t left) {
+inline void last_rows(const LinearArgs& a, int64_t n, int64_t n_end, int64_t m, int64_t left, int64_t rows_ahead) {
   if constexpr (xr > 0) {
     if (left == xr)
-      tile<kind, xr>(a, n, n_end, m);
+      tile<kind, xr>(a, n, n_end, m, rows_ahead);
     else
-      last_rows<kind, xr - 1>(a, n, n_end, m, left);
+      last_rows<kind, xr - 1>(a, n, n_end, m, left, rows_ahead);
   }
 }
 
 template <WeightKind kind>
 void rows(const LinearArgs& a, int64_t n_begin, int64_t n_end) {
+  // the prefetch distance in weight rows: whole tiles, at least one, at least kAheadBytes
+  const int64_t tile_bytes = kRows * a.K * static_cast<int64_t>(sizeof(WeightT<kind>));
+  const int64_t rows_ahead = kRows * (tile_bytes >= kAheadBytes ? 1 : (kAheadBytes + tile_bytes - 1) / tile_bytes);
   for (int64_t n = n_begin; n < n_end; n += kRows) {
     int64_t m = 0;
-    for (; m + kXRows <= a.M; m += kXRows) tile<kind, kXRows>(a, n, n_end, m);
-    last_rows<kind, kXRows - 1>(a, n, n_end, m, a.M - m);
+    for (; m + kXRows <= a.M; m += kXRows) tile<kind, kXRows>(a, n, n_end, m, rows_ahead);
+    last_rows<kind, kXRows - 1>(a, n, n_end, m, a.M - m, rows_ahead);
   }
 }
 

@@ -10,7 +10,9 @@
 #include <vector>
 
 #include "../common/checks.h"
+#include "../common/isa.h"
 #include "../common/vmath.h"
+#include "state_update_params.h"
 
 namespace ssmops_cpu {
 namespace {
@@ -42,10 +44,20 @@ inline void apply4(float* v, int64_t n) {
 inline v4f softplus4(v4f x) { return vsoftplus_of<v4f, v4i>(x); }
 inline v4f silu4(v4f x) { return x * vsigmoid_of<v4f, v4i>(x); }
 
-// out[k] = exp(s * A[k])
-inline void exp_scaled(const float* A, float s, float* out, int64_t n) {
-  for (int64_t k = 0; k < n; ++k) out[k] = s * A[k];
-  apply4<vexp_of<v4f, v4i>>(out, n);
+AdvanceRow advance_row() {
+  static const AdvanceRow kernel = [] {  // the ISA is fixed for the process: choose once
+    switch (selected_isa()) {
+#if defined(__x86_64__)
+      case Isa::kAvx512:
+        return advance_row_avx512;
+      case Isa::kAvx2:
+        return advance_row_avx2;
+#endif
+      default:
+        return advance_row_generic;
+    }
+  }();
+  return kernel;
 }
 
 // --- selective_state_update: one decoding step ------------------------------------------
@@ -107,30 +119,26 @@ Tensor selective_state_update(Tensor state, Tensor x, Tensor dt, Tensor A, Tenso
   const float* zp = z32 ? z32->const_data_ptr<float>() : nullptr;
   const float* biasp = bias32 ? bias32->const_data_ptr<float>() : nullptr;
   const int64_t per_group = dim / groups;
+  const AdvanceRow advance = advance_row();
   constexpr int64_t kRowBlock = 64;  // rows whose dt and gate are computed together, vectorised
   torch::stable::parallel_for(0, batch * dim, kRowBlock, [&](int64_t begin, int64_t end) {
     for (int64_t r0 = begin; r0 < end; r0 += kRowBlock) {
       const int64_t rows = std::min(kRowBlock, end - r0);
       float delta[kRowBlock], gate[kRowBlock];
-      for (int64_t i = 0; i < rows; ++i) delta[i] = dtp[r0 + i] + (biasp ? biasp[(r0 + i) % dim] : 0.0f);
+      const int64_t c0 = r0 % dim;  // (batch, channel) of row r0 + i, counted on: no division a row
+      for (int64_t i = 0, c = c0; i < rows; ++i, c = c + 1 == dim ? 0 : c + 1)
+        delta[i] = dtp[r0 + i] + (biasp ? biasp[c] : 0.0f);
       if (dt_softplus) apply4<softplus4>(delta, rows);
       if (zp) {
         __builtin_memcpy(gate, zp + r0, sizeof(float) * rows);
         apply4<silu4>(gate, rows);
       }
-      for (int64_t i = 0; i < rows; ++i) {
-        const int64_t row = r0 + i, b = row / dim, c = row % dim;
+      for (int64_t i = 0, b = r0 / dim, c = c0; i < rows; ++i, b += c + 1 == dim, c = c + 1 == dim ? 0 : c + 1) {
+        const int64_t row = r0 + i;
         const float* Bg = Bp + (b * groups + c / per_group) * dstate;
         const float* Cg = Cp + (b * groups + c / per_group) * dstate;
         const float xv = xp[row];
-        float decay[kMaxDstate];
-        exp_scaled(Ap + c * dstate, delta[i], decay, dstate);
-        float acc = 0.0f;
-        for (int64_t n = 0; n < dstate; ++n) {
-          float& hn = hp[row * dstate + n];
-          hn = decay[n] * hn + delta[i] * Bg[n] * xv;
-          acc += hn * Cg[n];
-        }
+        float acc = advance(hp + row * dstate, dstate, Ap + c * dstate, delta[i], 0.0f, delta[i] * xv, Bg, Cg);
         if (Dp) acc += Dp[c] * xv;
         yp[row] = zp ? acc * gate[i] : acc;
       }
@@ -167,20 +175,6 @@ struct MultiheadArgs {
   float* y;
 };
 
-// sum_k a[k] * b[k] in kLanes independent partial sums (a fixed order, so the same bits on every
-// run and thread count), which the compiler vectorises where a single accumulator would not be.
-float dot(const float* a, const float* b, int64_t n) {
-  constexpr int kLanes = 16;
-  float lanes[kLanes] = {};
-  int64_t k = 0;
-  for (; k + kLanes <= n; k += kLanes)
-    for (int l = 0; l < kLanes; ++l) lanes[l] += a[k + l] * b[k + l];
-  for (; k < n; ++k) lanes[k % kLanes] += a[k] * b[k];
-  float sum = 0.0f;
-  for (int l = 0; l < kLanes; ++l) sum += lanes[l];
-  return sum;
-}
-
 // dt of (batch row, head) bh, channel i: plus dt_bias, through softplus
 float step_size(const MultiheadArgs& a, int64_t bh, int64_t h, int64_t i) {
   const int64_t p = a.headdim;
@@ -194,10 +188,11 @@ void multihead_step(const MultiheadArgs& a, T* state, const int64_t* st) {
   const int64_t p = a.headdim, n = a.dstate, per_group = a.nheads / a.ngroups;
   // a thread takes >= ~256K states: below that, waking a second thread costs more than it saves
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / (p * n));
+  const AdvanceRow advance = advance_row();
   torch::stable::parallel_for(0, a.batch * a.nheads, grain, [&](int64_t begin, int64_t end) {
     // one state row (dstate values) at a time in float32 scratch, so that every loop below runs
     // over contiguous floats whatever the state's dtype and strides
-    std::vector<float> row(n), decay(a.A_tied ? 0 : n);
+    std::vector<float> row(n);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / a.nheads, h = bh % a.nheads;
       float* yrow = a.y + bh * p;
@@ -221,17 +216,11 @@ void multihead_step(const MultiheadArgs& a, T* state, const int64_t* st) {
         float* h32 = std::is_same<T, float>::value && st[3] == 1 ? reinterpret_cast<float*>(hrow) : row.data();
         if (h32 == row.data())
           for (int64_t k = 0; k < n; ++k) row[k] = static_cast<float>(hrow[k * st[3]]);
-        if (a.A_tied) {  // one decay for the whole head
-          const float head_decay = head_dt ? decay_head : std::exp(dt * a.A[h]);
-          for (int64_t k = 0; k < n; ++k) h32[k] = h32[k] * head_decay + dtx * Bg[k];
-        } else {
-          const float* Arow = a.A + (h * p + i) * n;
-          exp_scaled(Arow, dt, decay.data(), n);
-          for (int64_t k = 0; k < n; ++k) h32[k] = h32[k] * decay[k] + dtx * Bg[k];
-        }
+        const float head_decay = !a.A_tied ? 0.0f : head_dt ? decay_head : std::exp(dt * a.A[h]);
+        const float* Arow = a.A_tied ? nullptr : a.A + (h * p + i) * n;
+        float acc = advance(h32, n, Arow, dt, head_decay, dtx, Bg, Cg);
         if (h32 == row.data())
           for (int64_t k = 0; k < n; ++k) hrow[k * st[3]] = static_cast<T>(row[k]);
-        float acc = dot(h32, Cg, n);
         if (a.D) acc += a.D[a.D_tied ? h : h * p + i] * xv;
         if (a.z) {
           const float zv = a.z[bh * p + i];

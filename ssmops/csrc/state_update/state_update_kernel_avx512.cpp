@@ -1,0 +1,9 @@
+// state_update_kernel.h for AVX-512 (F, DQ, BW, VL). Chosen at run time only on CPUs that have them.
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma,bmi,bmi2,popcnt")
+#define SU_W 16
+#define SU_ISA avx512
+#include "state_update_kernel.h"
+#pragma GCC pop_options
+#endif
