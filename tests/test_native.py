@@ -236,6 +236,16 @@ for rows in (1, 3, 5):  # the decoding GEMV's tiles of x rows, with a tail along
     x, w, b = torch.randn(rows, 45), torch.randn(10, 45), torch.randn(10)
     for q, scale in ((w, None), (w.bfloat16(), None), (w.half(), None), quantize_int8(w)):
         assert_close(ssmops.weight_only_linear(x, q, scale, b), weight_only_linear_ref(x, q, scale, b), 1e-5, "linear")
+from conftest import state_update_inputs
+from ssmops.ops.state_update.reference import selective_state_update_ref
+for dstate in (5, 37):  # the decoding step's row kernel: a tail alone, vectors of 16 and a tail
+    kw = state_update_inputs(dstate=dstate, groups=1)
+    expected_state = kw["state"].clone()
+    expected = selective_state_update_ref(**{**kw, "state": expected_state})
+    with ssmops.use_backend("cpu"):
+        y = ssmops.selective_state_update(**kw)
+    assert_close(kw["state"], expected_state, 1e-5, "state")
+    assert_close(y, expected, 1e-5, "y")
 print("OK")
 """
 

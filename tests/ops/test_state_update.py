@@ -188,6 +188,8 @@ MULTIHEAD_CASES = [
     dict(state_dtype=torch.bfloat16, dtype=torch.bfloat16, ngroups=4),
     dict(state_dtype=torch.float16, cache=5),
     dict(tied=False, cache=4, state_dtype=torch.bfloat16),
+    dict(dstate=35, headdim=3),  # the row kernel's vectors of 16 states, then a tail
+    dict(dstate=35, tied=False, state_dtype=torch.bfloat16),
 ]
 
 
