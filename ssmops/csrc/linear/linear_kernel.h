@@ -115,12 +115,11 @@ inline float load_w1(const void* w, int64_t i) {
   }
 }
 
-// lane l + w onto lane l, halving w: log2(W) adds deep (a chain of W adds cost more than the
-// dot itself when K is small, e.g. dt_proj's 48)
+// In lane order: a tree of lane shuffles measured slower here on int8 weights streamed from memory.
 inline float hsum(vf v) {
-  for (int w = W / 2; w >= 1; w /= 2)
-    for (int l = 0; l < w; ++l) v[l] += v[l + w];
-  return v[0];
+  float s = 0.0f;
+  for (int l = 0; l < W; ++l) s += v[l];
+  return s;
 }
 
 // y[m0:m0+xr, n:n+kRows] (rows past n_end are computed from a repeated row and dropped).
