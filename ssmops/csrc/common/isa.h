@@ -55,4 +55,16 @@ inline Isa selected_isa() {
   return isa;
 }
 
+// One kernel among a family's builds name_generic, name_avx2 and name_avx512 (the AVX builds
+// exist on x86-64 only): SSMOPS_ISA_KERNEL(isa, scan_fwd).
+template <class Kernel>
+Kernel kernel_for(Isa isa, Kernel generic, Kernel avx2, Kernel avx512) {
+  return isa == Isa::kAvx512 ? avx512 : isa == Isa::kAvx2 ? avx2 : generic;
+}
+#if defined(__x86_64__)
+#define SSMOPS_ISA_KERNEL(isa, name) ::ssmops_cpu::kernel_for(isa, name##_generic, name##_avx2, name##_avx512)
+#else
+#define SSMOPS_ISA_KERNEL(isa, name) name##_generic
+#endif
+
 }  // namespace ssmops_cpu

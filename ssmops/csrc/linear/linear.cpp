@@ -19,18 +19,7 @@ constexpr int64_t kMaxStreamedRows = 16;
 using RowsKernel = void (*)(const LinearArgs&, int64_t, int64_t);
 
 RowsKernel rows_kernel() {
-  static const RowsKernel kernel = [] {  // the ISA is fixed for the process: choose once
-    switch (selected_isa()) {
-#if defined(__x86_64__)
-      case Isa::kAvx512:
-        return linear_rows_avx512;
-      case Isa::kAvx2:
-        return linear_rows_avx2;
-#endif
-      default:
-        return linear_rows_generic;
-    }
-  }();
+  static const RowsKernel kernel = SSMOPS_ISA_KERNEL(selected_isa(), linear_rows);  // fixed for the process
   return kernel;
 }
 

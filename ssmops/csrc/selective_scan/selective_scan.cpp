@@ -164,33 +164,12 @@ using FwdKernel = int (*)(const ScanArgs&);
 
 // Complex A has one scalar kernel; the real scan one per instruction set.
 FwdKernel fwd_kernel(Isa isa, bool complex_A) {
-  if (complex_A) return scan_fwd_complex;
-  switch (isa) {
-#if defined(__x86_64__)
-    case Isa::kAvx512:
-      return scan_fwd_avx512;
-    case Isa::kAvx2:
-      return scan_fwd_avx2;
-#endif
-    default:
-      return scan_fwd_generic;
-  }
+  return complex_A ? scan_fwd_complex : SSMOPS_ISA_KERNEL(isa, scan_fwd);
 }
 
 FwdKernel bwd_kernel(Isa isa, bool complex_A) {
-  if (complex_A) return scan_bwd_complex;
-  switch (isa) {
-#if defined(__x86_64__)
-    case Isa::kAvx512:
-      return scan_bwd_avx512;
-    case Isa::kAvx2:
-      return scan_bwd_avx2;
-#endif
-    default:
-      return scan_bwd_generic;
-  }
+  return complex_A ? scan_bwd_complex : SSMOPS_ISA_KERNEL(isa, scan_bwd);
 }
-
 
 int64_t num_chunks(int64_t seqlen) { return (seqlen + kChunkLen - 1) / kChunkLen; }
 

@@ -45,18 +45,7 @@ inline v4f softplus4(v4f x) { return vsoftplus_of<v4f, v4i>(x); }
 inline v4f silu4(v4f x) { return x * vsigmoid_of<v4f, v4i>(x); }
 
 AdvanceRow advance_row() {
-  static const AdvanceRow kernel = [] {  // the ISA is fixed for the process: choose once
-    switch (selected_isa()) {
-#if defined(__x86_64__)
-      case Isa::kAvx512:
-        return advance_row_avx512;
-      case Isa::kAvx2:
-        return advance_row_avx2;
-#endif
-      default:
-        return advance_row_generic;
-    }
-  }();
+  static const AdvanceRow kernel = SSMOPS_ISA_KERNEL(selected_isa(), advance_row);  // fixed for the process
   return kernel;
 }
 
