@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import run_python
 from ssmops.models import MambaLMHeadModel
 from ssmops.modules.linear import Linear
 from test_models import tiny_config, train
@@ -106,6 +107,30 @@ def test_compiled_step_generates_the_eager_tokens(name):
     compiled = model.generate(prompt, max_length=14, cg=True, return_dict_in_generate=True, output_scores=True)
     assert torch.equal(compiled.sequences, eager.sequences)
     torch.testing.assert_close(torch.stack(compiled.scores), torch.stack(eager.scores), rtol=1e-5, atol=1e-5)
+
+
+_CPP_WRAPPER_CHECK = """
+import torch
+from ssmops.models import MambaLMHeadModel
+from test_models import tiny_config
+torch.manual_seed(0)
+model = MambaLMHeadModel(tiny_config()).eval()
+prompt = torch.randint(0, 61, (2, 5), generator=torch.Generator().manual_seed(1))
+eager = model.generate(prompt, max_length=10, return_dict_in_generate=True, output_scores=True)
+compiled = model.generate(prompt, max_length=10, cg=True, return_dict_in_generate=True, output_scores=True)
+assert torch._inductor.config.cpp_wrapper
+assert torch.equal(compiled.sequences, eager.sequences)
+torch.testing.assert_close(torch.stack(compiled.scores), torch.stack(eager.scores), rtol=1e-5, atol=1e-5)
+print("OK")
+"""
+
+
+@pytest.mark.slow
+def test_compiled_step_under_inductors_cpp_wrapper():
+    """What the README offers for long generations: TORCHINDUCTOR_CPP_WRAPPER=1 (the step's
+    kernels and ssmops' operators called from C++) gives the eager tokens too."""
+    res = run_python(_CPP_WRAPPER_CHECK, env={"TORCHINDUCTOR_CPP_WRAPPER": "1", "PYTHONPATH": "tests"})
+    assert res.returncode == 0 and "OK" in res.stdout, res.stdout + res.stderr
 
 
 @pytest.mark.parametrize("name", ["mamba1", "hybrid"])
