@@ -114,16 +114,23 @@ Tensor selective_state_update(Tensor state, Tensor x, Tensor dt, Tensor A, Tenso
     for (int64_t r0 = begin; r0 < end; r0 += kRowBlock) {
       const int64_t rows = std::min(kRowBlock, end - r0);
       float delta[kRowBlock], gate[kRowBlock];
-      const int64_t c0 = r0 % dim;  // (batch, channel) of row r0 + i, counted on: no division a row
-      for (int64_t i = 0, c = c0; i < rows; ++i, c = c + 1 == dim ? 0 : c + 1)
+      int64_t bat[kRowBlock], chan[kRowBlock];  // (batch, channel) of row r0 + i, counted on: no division a row
+      for (int64_t i = 0, b = r0 / dim, c = r0 % dim; i < rows; ++i) {
+        bat[i] = b;
+        chan[i] = c;
         delta[i] = dtp[r0 + i] + (biasp ? biasp[c] : 0.0f);
+        if (++c == dim) {
+          c = 0;
+          ++b;
+        }
+      }
       if (dt_softplus) apply4<softplus4>(delta, rows);
       if (zp) {
         __builtin_memcpy(gate, zp + r0, sizeof(float) * rows);
         apply4<silu4>(gate, rows);
       }
-      for (int64_t i = 0, b = r0 / dim, c = c0; i < rows; ++i, b += c + 1 == dim, c = c + 1 == dim ? 0 : c + 1) {
-        const int64_t row = r0 + i;
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t row = r0 + i, b = bat[i], c = chan[i];
         const float* Bg = Bp + (b * groups + c / per_group) * dstate;
         const float* Cg = Cp + (b * groups + c / per_group) * dstate;
         const float xv = xp[row];
