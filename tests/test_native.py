@@ -232,10 +232,15 @@ for case in cases:
             assert_close(got[2][k], ref[2][k], tol, k)
 from ssmops.modules.linear import quantize_int8
 from ssmops.ops.linear.reference import weight_only_linear_ref
+from conftest import assert_within_int16_rounding
 for rows in (1, 3, 5):  # the decoding GEMV's tiles of x rows, with a tail along in_features
-    x, w, b = torch.randn(rows, 45), torch.randn(10, 45), torch.randn(10)
-    for q, scale in ((w, None), (w.bfloat16(), None), (w.half(), None), quantize_int8(w)):
-        assert_close(ssmops.weight_only_linear(x, q, scale, b), weight_only_linear_ref(x, q, scale, b), 1e-5, "linear")
+    for in_features in (45, 1100):  # int8: within one block of integer sums and past it
+        x, w, b = torch.randn(rows, in_features), torch.randn(10, in_features), torch.randn(10)
+        for q, scale in ((w, None), (w.bfloat16(), None), (w.half(), None)):
+            assert_close(ssmops.weight_only_linear(x, q, scale, b), weight_only_linear_ref(x, q, scale, b), 1e-5, "linear")
+        q, scale = quantize_int8(w)
+        y, expected = ssmops.weight_only_linear(x, q, scale, b), weight_only_linear_ref(x, q, scale, b)
+        assert_within_int16_rounding(y, expected, x, q, scale)
 from conftest import state_update_inputs
 from ssmops.ops.state_update.reference import selective_state_update_ref
 for dstate in (5, 37):  # the decoding step's row kernel: a tail alone, vectors of 16 and a tail

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import ssmops
-from conftest import assert_close, backend_params
+from conftest import assert_close, assert_within_int16_rounding, backend_params
 from ssmops.modules.linear import Linear, quantize_int8
 from ssmops.ops.linear.reference import weight_only_linear_ref
 
@@ -33,8 +33,9 @@ def linear_inputs(rows, in_features, out_features, weight_dtype, x_dtype=torch.f
 
 
 # rows: 1 (a decoding token), 3 and 5 (partial tiles of x rows), 16 (the last streamed size), 17 and
-# 40 (the matmul path); in_features with and without a vector tail; out_features not a multiple of 4
-SHAPES = [(1, 64, 8), (1, 37, 11), (3, 96, 13), (5, 200, 7), (16, 33, 30), (17, 37, 11), (40, 64, 9)]
+# 40 (the matmul path); in_features with and without a vector tail, and past one block of int8 sums
+# (1024); out_features not a multiple of a tile's rows
+SHAPES = [(1, 64, 8), (1, 37, 11), (2, 1100, 5), (3, 96, 13), (5, 200, 7), (16, 33, 30), (17, 37, 11), (40, 64, 9)]
 
 
 @pytest.mark.parametrize("backend", backend_params(names=("default", "cpu")))
@@ -44,7 +45,37 @@ def test_backend_matches_reference(backend, weight_dtype, shape):
     x, w, scale, b = linear_inputs(*shape, weight_dtype)
     with ssmops.use_backend(backend):
         y = ssmops.weight_only_linear(x, w, scale, b)
-    assert_close(y, weight_only_linear_ref(x, w, scale, b), 1e-5, "y")
+    expected = weight_only_linear_ref(x, w, scale, b)
+    if backend == "cpu" and weight_dtype == torch.int8 and shape[0] <= 16:
+        assert_within_int16_rounding(y, expected, x, w, scale)
+    else:
+        assert_close(y, expected, 1e-5, "y")
+
+
+@pytest.mark.parametrize("backend", backend_params(names=("cpu",)))
+@pytest.mark.parametrize("in_features", [1024, 2100, 4500])
+def test_int8_extreme_values_do_not_overflow(backend, in_features):
+    """Every x at the row's largest |x| against weights of -128: the integer products at their
+    largest, summed in blocks of 1024 (past in_features 4096 a single int32 sum would overflow)."""
+    x = torch.full((2, in_features), 3.0)
+    x[1, ::2] = -3.0
+    w = torch.full((5, in_features), -128, dtype=torch.int8)
+    scale = torch.rand(5) + 0.5
+    with ssmops.use_backend(backend):
+        y = ssmops.weight_only_linear(x, w, scale)
+    assert_close(y, weight_only_linear_ref(x, w, scale), 1e-6, "y")
+
+
+@pytest.mark.parametrize("backend", backend_params(names=("cpu",)))
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_int8_row_of_x_with_nan_or_inf_gives_nans_in_its_row_only(backend, bad):
+    x, w, scale, b = linear_inputs(3, 40, 9, torch.int8)
+    x[1, 5] = bad
+    with ssmops.use_backend(backend):
+        y = ssmops.weight_only_linear(x, w, scale, b)
+    assert bool(y[1].isnan().all()), "a row of x with a NaN or an infinity must give NaNs"
+    rest = torch.tensor([0, 2])
+    assert_within_int16_rounding(y[rest], weight_only_linear_ref(x[rest], w, scale, b), x[rest], w, scale)
 
 
 @pytest.mark.parametrize("backend", backend_params(names=("default", "cpu")))

@@ -4,8 +4,8 @@
 // LIN_ISA (the entry point's suffix).
 //
 // Decoding reads every weight once per token and does 2 flops per weight per row of x, so
-// the speed is the weights' read bandwidth: the kernel streams kRows weight rows at a time,
-// widening bf16/f16/int8 to float32 in registers, and keeps those rows in L1 while it
+// the speed is the weights' read bandwidth: the kernel streams a tile of weight rows at a time,
+// widening bf16/f16 to float32 (int8 to int16) in registers, and keeps those rows in L1 while it
 // multiplies them with up to kXRows rows of x at once (more rows: another pass over the
 // same cached weight rows). No STL and no libm, as in scan_kernel.h; x86 intrinsics only where
 // the file's target allows them.
@@ -25,15 +25,22 @@ namespace ssmops_cpu {
 namespace {
 
 constexpr int W = LIN_W;
-constexpr int kRows = 4;        // weight rows per tile: kRows * kXRows accumulators in registers,
 constexpr int kXRows = LIN_XR;  // rows of x per pass over a tile (2 with 16 vector registers, 4 with 32)
+// Independent accumulation chains a tile keeps in flight: with fewer, the FMA latency bounds the
+// speed (4 chains held int8 weights to ~8 Gweights/s on one thread).
+constexpr int kChains = 4 * kXRows;
+// Weight rows per tile (a divisor of kTaskRows). Measured here (2 threads, weights streamed from
+// memory, against a plain sum over the same bytes in the same run): with one row of x, float32 weights
+// stream at ~0.95 of the sum's rate 8 rows a tile against ~0.85 with 4, and int8 weights at ~0.77
+// one row a tile against ~0.58 with 4; with more rows of x, 4 rows keep the accumulators in registers.
+template <WeightKind kind, int xr>
+constexpr int kTileRows = xr > 1 ? 4 : kind == WeightKind::kInt8 ? 1 : 8;
 // How far ahead to prefetch (at least one tile): measured here, 4 KiB gave int8 weights ~1.8x the
 // single-thread speed of no prefetch, and longer distances gave nothing more.
 constexpr int64_t kAheadBytes = 4096;
 typedef float vf __attribute__((vector_size(W * 4)));
 typedef uint16_t vu16 __attribute__((vector_size(W * 2)));
 typedef uint32_t vu32 __attribute__((vector_size(W * 4)));
-typedef int8_t vi8 __attribute__((vector_size(W)));
 typedef int32_t vi32 __attribute__((vector_size(W * 4)));
 typedef _Float16 vh __attribute__((vector_size(W * 2)));
 
@@ -56,8 +63,9 @@ struct WeightType<WeightKind::kInt8> {
 template <WeightKind kind>
 using WeightT = typename WeightType<kind>::type;
 
-// A vector of weights widened to float32. On x86 with AVX2 / AVX-512 the widening is one
-// instruction (GCC's generic vector conversions would go element by element).
+// A vector of float32 / bf16 / f16 weights widened to float32 (int8: load_w_int16 below). On x86
+// with AVX2 / AVX-512 the widening is one instruction (GCC's generic vector conversions would go
+// element by element).
 template <WeightKind kind>
 inline vf load_w(const void* w, int64_t i) {
   vf v;
@@ -67,33 +75,23 @@ inline vf load_w(const void* w, int64_t i) {
   } else if constexpr (kind == WeightKind::kBFloat16) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(w) + i));
     v = (vf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  } else if constexpr (kind == WeightKind::kFloat16) {
-    v = (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(w) + i)));
   } else {
-    v = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(w) + i))));
+    v = (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(w) + i)));
 #elif defined(__x86_64__) && LIN_W == 16
   } else if constexpr (kind == WeightKind::kBFloat16) {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(w) + i));
     v = (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  } else if constexpr (kind == WeightKind::kFloat16) {
-    v = (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(w) + i)));
   } else {
-    v = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(w) + i))));
+    v = (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(w) + i)));
 #else
   } else if constexpr (kind == WeightKind::kBFloat16) {  // bf16 is the high half of a float32
     vu16 h;
     __builtin_memcpy(&h, static_cast<const uint16_t*>(w) + i, sizeof h);
     v = (vf)(__builtin_convertvector(h, vu32) << 16);
-  } else if constexpr (kind == WeightKind::kFloat16) {
+  } else {
     vh h;
     __builtin_memcpy(&h, static_cast<const _Float16*>(w) + i, sizeof h);
     v = __builtin_convertvector(h, vf);
-  } else {
-    vi8 q;
-    __builtin_memcpy(&q, static_cast<const int8_t*>(w) + i, sizeof q);
-    v = __builtin_convertvector(__builtin_convertvector(q, vi32), vf);
 #endif
   }
   return v;
@@ -108,10 +106,8 @@ inline float load_w1(const void* w, int64_t i) {
     float f;
     __builtin_memcpy(&f, &bits, sizeof f);
     return f;
-  } else if constexpr (kind == WeightKind::kFloat16) {
-    return static_cast<float>(static_cast<const _Float16*>(w)[i]);
   } else {
-    return static_cast<float>(static_cast<const int8_t*>(w)[i]);
+    return static_cast<float>(static_cast<const _Float16*>(w)[i]);
   }
 }
 
@@ -122,47 +118,135 @@ inline float hsum(vf v) {
   return s;
 }
 
-// y[m0:m0+xr, n:n+kRows] (rows past n_end are computed from a repeated row and dropped).
-template <WeightKind kind, int xr>
+// int8 weights meet x rounded to int16 (linear.cpp): a step is 2W weights widened to int16 and
+// multiplied pairwise with 2W x's into W int32 lanes (one vpmaddwd), ~2x the float path's weights
+// per instruction. |x_int16| <= 32767 and |w| <= 128, so a lane's 2 products a step, kIntBlock / W
+// a block, stay below 2^31; each block's sum is then added in float32.
+typedef int16_t vi16x2 __attribute__((vector_size(W * 4)));
+typedef int8_t vi8x2 __attribute__((vector_size(W * 2)));
+constexpr int64_t kIntBlock = 1024;
+
+inline vi16x2 load_w_int16(const int8_t* w) {
+#if defined(__x86_64__) && LIN_W == 8
+  return (vi16x2)_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+#elif defined(__x86_64__) && LIN_W == 16
+  return (vi16x2)_mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+#else
+  vi8x2 q;
+  __builtin_memcpy(&q, w, sizeof q);
+  return __builtin_convertvector(q, vi16x2);
+#endif
+}
+
+// lane l: w[2l] * x[2l] + w[2l+1] * x[2l+1], exact in int32
+inline vi32 madd(vi16x2 w, vi16x2 x) {
+#if defined(__x86_64__) && LIN_W == 8
+  return (vi32)_mm256_madd_epi16((__m256i)w, (__m256i)x);
+#elif defined(__x86_64__) && LIN_W == 16
+  return (vi32)_mm512_madd_epi16((__m512i)w, (__m512i)x);
+#else
+  static_assert(W == 4, "the portable build has 4 lanes");
+  const vi32 we = __builtin_convertvector(__builtin_shufflevector(w, w, 0, 2, 4, 6), vi32);
+  const vi32 wo = __builtin_convertvector(__builtin_shufflevector(w, w, 1, 3, 5, 7), vi32);
+  const vi32 xe = __builtin_convertvector(__builtin_shufflevector(x, x, 0, 2, 4, 6), vi32);
+  const vi32 xo = __builtin_convertvector(__builtin_shufflevector(x, x, 1, 3, 5, 7), vi32);
+  return we * xe + wo * xo;
+#endif
+}
+
+// How a tile multiplies: float32 x against weights widened to float32, W weights a step, FMA into
+// float32 lanes, the whole row one block ...
+template <WeightKind kind>
+struct Arith {
+  using Acc = vf;
+  using Wide = vf;
+  using X = float;
+  static constexpr int64_t kStep = W;
+  static const X* x(const LinearArgs& a) { return a.x; }
+  static int64_t block(int64_t K) { return K; }
+  static Wide weights(const void* w, int64_t i) { return load_w<kind>(w, i); }
+  static Wide xs(const X* x) {
+    vf v;
+    __builtin_memcpy(&v, x, sizeof v);
+    return v;
+  }
+  static Acc mul(Wide w, Wide x) { return w * x; }
+  static float sum(Acc acc) { return hsum(acc); }
+  static float one(const void* w, int64_t i, X x) { return x * load_w1<kind>(w, i); }
+};
+
+// ... and int8 weights against int16 x, 2W weights a step, kIntBlock weights a block.
+template <>
+struct Arith<WeightKind::kInt8> {
+  using Acc = vi32;
+  using Wide = vi16x2;
+  using X = int16_t;
+  static constexpr int64_t kStep = 2 * W;
+  static const X* x(const LinearArgs& a) { return a.x_int16; }
+  static int64_t block(int64_t) { return kIntBlock; }
+  static Wide weights(const void* w, int64_t i) { return load_w_int16(static_cast<const int8_t*>(w) + i); }
+  static Wide xs(const X* x) {
+    Wide v;
+    __builtin_memcpy(&v, x, sizeof v);
+    return v;
+  }
+  static Acc mul(Wide w, Wide x) { return madd(w, x); }
+  static float sum(Acc acc) {
+    int64_t s = 0;
+    for (int l = 0; l < W; ++l) s += acc[l];
+    return static_cast<float>(s);
+  }
+  static float one(const void* w, int64_t i, X x) {
+    return static_cast<float>(static_cast<int32_t>(x) * static_cast<const int8_t*>(w)[i]);
+  }
+};
+
+// y[m0:m0+xr, n:n+R] (rows past n_end are computed from a repeated row and dropped).
+template <WeightKind kind, int xr, int R>
 inline void tile(const LinearArgs& a, int64_t n, int64_t n_end, int64_t m0, int64_t rows_ahead) {
-  const int64_t K = a.K, k_vec = K - K % W;
-  int64_t row[kRows];
-  for (int r = 0; r < kRows; ++r) row[r] = (n + r < n_end ? n + r : n_end - 1) * K;
-  // The kRows rows are kRows * K contiguous weights, a stream too short for the hardware
+  using A = Arith<kind>;
+  const typename A::X* x = A::x(a);
+  const int64_t K = a.K, k_vec = K - K % A::kStep;
+  int64_t row[R];
+  for (int r = 0; r < R; ++r) row[r] = (n + r < n_end ? n + r : n_end - 1) * K;
+  // The R rows are R * K contiguous weights, a stream too short for the hardware
   // prefetcher to catch (768 bytes a row in int8): prefetch kAheadBytes ahead (whole tiles), one
   // line per row per line read here, so that those rows are in cache when their tile starts.
   constexpr int64_t kLine = 64 / sizeof(WeightT<kind>);
   const char* ahead = static_cast<const char*>(a.weight) + (n + rows_ahead) * K * sizeof(WeightT<kind>);
-  // Fewer rows of x leave registers free: U accumulators per (row of x, weight row) over
-  // interleaved k-steps, so that kXRows * kRows FMA chains are in flight whatever xr is (with 4
-  // chains, the FMA latency bounded int8 weights at ~8 Gweights/s on one thread).
-  constexpr int U = kXRows / xr;
-  vf acc[xr][kRows][U] = {};
-  auto step = [&](int64_t k, int u) {
-    if (k % kLine == 0)
-      for (int r = 0; r < kRows; ++r) __builtin_prefetch(ahead + (r * K + k) * sizeof(WeightT<kind>));
-    vf w[kRows];
-    for (int r = 0; r < kRows; ++r) w[r] = load_w<kind>(a.weight, row[r] + k);
-    for (int m = 0; m < xr; ++m) {
-      vf xv;
-      __builtin_memcpy(&xv, a.x + (m0 + m) * K + k, sizeof xv);
-      for (int r = 0; r < kRows; ++r) acc[m][r][u] += xv * w[r];
-    }
-  };
-  const int64_t k_unrolled = K - K % (W * U);
-  int64_t k = 0;
-  for (; k < k_unrolled; k += W * U)
-    for (int u = 0; u < U; ++u) step(k + u * W, u);
-  for (; k < k_vec; k += W) step(k, 0);
-  for (int m = 0; m < xr; ++m)
-    for (int r = 0; r < kRows; ++r)
-      for (int u = 1; u < U; ++u) acc[m][r][0] += acc[m][r][u];
+  // U accumulators per (row of x, weight row) over interleaved k-steps: kChains in all
+  constexpr int U = kChains / (xr * R) > 1 ? kChains / (xr * R) : 1;
+  float sum[xr][R] = {};
+  for (int64_t k0 = 0; k0 < k_vec; k0 += A::block(K)) {
+    const int64_t k1 = k_vec - k0 < A::block(K) ? k_vec : k0 + A::block(K);
+    typename A::Acc acc[xr][R][U] = {};
+    auto step = [&](int64_t k, int u) {
+      if (k % kLine == 0)
+        for (int r = 0; r < R; ++r) __builtin_prefetch(ahead + (r * K + k) * sizeof(WeightT<kind>));
+      typename A::Wide w[R];
+      for (int r = 0; r < R; ++r) w[r] = A::weights(a.weight, row[r] + k);
+      for (int m = 0; m < xr; ++m) {
+        const typename A::Wide xv = A::xs(x + (m0 + m) * K + k);
+        for (int r = 0; r < R; ++r) acc[m][r][u] += A::mul(w[r], xv);
+      }
+    };
+    const int64_t k_unrolled = k1 - (k1 - k0) % (A::kStep * U);
+    int64_t k = k0;
+    for (; k < k_unrolled; k += A::kStep * U)
+      for (int u = 0; u < U; ++u) step(k + u * A::kStep, u);
+    for (; k < k1; k += A::kStep) step(k, 0);
+    for (int m = 0; m < xr; ++m)
+      for (int r = 0; r < R; ++r) {
+        for (int u = 1; u < U; ++u) acc[m][r][0] += acc[m][r][u];
+        sum[m][r] += A::sum(acc[m][r][0]);
+      }
+  }
   for (int m = 0; m < xr; ++m) {
-    const float* xm = a.x + (m0 + m) * K;
-    for (int r = 0; r < kRows && n + r < n_end; ++r) {
-      float s = hsum(acc[m][r][0]);
-      for (int64_t k = k_vec; k < K; ++k) s += xm[k] * load_w1<kind>(a.weight, row[r] + k);
-      if (a.scale) s *= a.scale[n + r];
+    const typename A::X* xm = x + (m0 + m) * K;
+    for (int r = 0; r < R && n + r < n_end; ++r) {
+      float s = sum[m][r];
+      for (int64_t k = k_vec; k < K; ++k) s += A::one(a.weight, row[r] + k, xm[k]);
+      if constexpr (kind == WeightKind::kInt8) s *= a.x_scale[m0 + m] * a.scale[n + r];
       if (a.bias) s += a.bias[n + r];
       a.y[(m0 + m) * a.N + n + r] = s;
     }
@@ -170,26 +254,33 @@ inline void tile(const LinearArgs& a, int64_t n, int64_t n_end, int64_t m0, int6
 }
 
 // The last `left` (< kXRows) rows of x: the tile for exactly that many.
-template <WeightKind kind, int xr>
+template <WeightKind kind, int xr, int R>
 inline void last_rows(const LinearArgs& a, int64_t n, int64_t n_end, int64_t m, int64_t left, int64_t rows_ahead) {
   if constexpr (xr > 0) {
     if (left == xr)
-      tile<kind, xr>(a, n, n_end, m, rows_ahead);
+      tile<kind, xr, R>(a, n, n_end, m, rows_ahead);
     else
-      last_rows<kind, xr - 1>(a, n, n_end, m, left, rows_ahead);
+      last_rows<kind, xr - 1, R>(a, n, n_end, m, left, rows_ahead);
+  }
+}
+
+// Weight rows [n_begin, n_end) against every row of x, R weight rows a tile.
+template <WeightKind kind, int R>
+void sweep(const LinearArgs& a, int64_t n_begin, int64_t n_end) {
+  // the prefetch distance in weight rows: whole tiles, at least one, at least kAheadBytes
+  const int64_t tile_bytes = R * a.K * static_cast<int64_t>(sizeof(WeightT<kind>));
+  const int64_t rows_ahead = R * (tile_bytes >= kAheadBytes ? 1 : (kAheadBytes + tile_bytes - 1) / tile_bytes);
+  for (int64_t n = n_begin; n < n_end; n += R) {
+    int64_t m = 0;
+    for (; m + kXRows <= a.M; m += kXRows) tile<kind, kXRows, R>(a, n, n_end, m, rows_ahead);
+    last_rows<kind, kXRows - 1, R>(a, n, n_end, m, a.M - m, rows_ahead);
   }
 }
 
 template <WeightKind kind>
 void rows(const LinearArgs& a, int64_t n_begin, int64_t n_end) {
-  // the prefetch distance in weight rows: whole tiles, at least one, at least kAheadBytes
-  const int64_t tile_bytes = kRows * a.K * static_cast<int64_t>(sizeof(WeightT<kind>));
-  const int64_t rows_ahead = kRows * (tile_bytes >= kAheadBytes ? 1 : (kAheadBytes + tile_bytes - 1) / tile_bytes);
-  for (int64_t n = n_begin; n < n_end; n += kRows) {
-    int64_t m = 0;
-    for (; m + kXRows <= a.M; m += kXRows) tile<kind, kXRows>(a, n, n_end, m, rows_ahead);
-    last_rows<kind, kXRows - 1>(a, n, n_end, m, a.M - m, rows_ahead);
-  }
+  if (a.M == 1) return sweep<kind, kTileRows<kind, 1>>(a, n_begin, n_end);
+  sweep<kind, kTileRows<kind, 2>>(a, n_begin, n_end);
 }
 
 }  // namespace

@@ -8,8 +8,18 @@ namespace ssmops_cpu {
 // How the weight (N, K), row-major, is stored; the kernels widen it to float32 as they read it.
 enum class WeightKind : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kInt8 = 3 };
 
+// The kernels' unit of work: a multiple of every tile's weight rows.
+constexpr int64_t kTaskRows = 8;
+
+// The largest |x_int16|: each row of x is scaled so that its largest |x| becomes this.
+constexpr float kXInt16Max = 32767.0f;
+
 struct LinearArgs {
   const float* x;      // (M, K) float32, contiguous
+  // int8 weights: x rounded to 16-bit integers, row m ~ x_scale[m] * x_int16[m] (linear.cpp), so that
+  // the products are integer multiply-adds, exact and in any order
+  const int16_t* x_int16;  // (M, K), or null
+  const float* x_scale;    // (M,), or null
   const void* weight;  // (N, K), contiguous, of `kind`
   WeightKind kind;
   const float* scale;  // (N,) per-row scale (int8), or null
@@ -18,7 +28,8 @@ struct LinearArgs {
   int64_t M, N, K;
 };
 
-// y[:, n_begin:n_end] for every row of x: each weight row is read from memory once.
+// y[:, n_begin:n_end] for every row of x: each weight row is read from memory once. n_begin is a
+// multiple of kTaskRows.
 void linear_rows_generic(const LinearArgs& a, int64_t n_begin, int64_t n_end);
 void linear_rows_avx2(const LinearArgs& a, int64_t n_begin, int64_t n_end);
 void linear_rows_avx512(const LinearArgs& a, int64_t n_begin, int64_t n_end);
