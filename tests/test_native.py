@@ -237,7 +237,8 @@ for rows in (1, 3, 5):  # the decoding GEMV's tiles of x rows, with a tail along
     for in_features in (45, 1100):  # int8: within one block of integer sums and past it
         x, w, b = torch.randn(rows, in_features), torch.randn(10, in_features), torch.randn(10)
         for q, scale in ((w, None), (w.bfloat16(), None), (w.half(), None)):
-            assert_close(ssmops.weight_only_linear(x, q, scale, b), weight_only_linear_ref(x, q, scale, b), 1e-5, "linear")
+            expected = weight_only_linear_ref(x, q, scale, b)
+            assert_close(ssmops.weight_only_linear(x, q, scale, b), expected, 1e-5, "linear")
         q, scale = quantize_int8(w)
         y, expected = ssmops.weight_only_linear(x, q, scale, b), weight_only_linear_ref(x, q, scale, b)
         assert_within_int16_rounding(y, expected, x, q, scale)
