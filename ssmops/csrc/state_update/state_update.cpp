@@ -44,8 +44,8 @@ inline void apply4(float* v, int64_t n) {
 inline v4f softplus4(v4f x) { return vsoftplus_of<v4f, v4i>(x); }
 inline v4f silu4(v4f x) { return x * vsigmoid_of<v4f, v4i>(x); }
 
-AdvanceRow advance_row() {
-  static const AdvanceRow kernel = SSMOPS_ISA_KERNEL(selected_isa(), advance_row);  // fixed for the process
+AdvanceRows advance_rows() {
+  static const AdvanceRows kernel = SSMOPS_ISA_KERNEL(selected_isa(), advance_rows);  // fixed for the process
   return kernel;
 }
 
@@ -108,35 +108,32 @@ Tensor selective_state_update(Tensor state, Tensor x, Tensor dt, Tensor A, Tenso
   const float* zp = z32 ? z32->const_data_ptr<float>() : nullptr;
   const float* biasp = bias32 ? bias32->const_data_ptr<float>() : nullptr;
   const int64_t per_group = dim / groups;
-  const AdvanceRow advance = advance_row();
+  const AdvanceRows advance = advance_rows();
   constexpr int64_t kRowBlock = 64;  // rows whose dt and gate are computed together, vectorised
   torch::stable::parallel_for(0, batch * dim, kRowBlock, [&](int64_t begin, int64_t end) {
     for (int64_t r0 = begin; r0 < end; r0 += kRowBlock) {
       const int64_t rows = std::min(kRowBlock, end - r0);
-      float delta[kRowBlock], gate[kRowBlock];
-      int64_t bat[kRowBlock], chan[kRowBlock];  // (batch, channel) of row r0 + i, counted on: no division a row
-      for (int64_t i = 0, b = r0 / dim, c = r0 % dim; i < rows; ++i) {
-        bat[i] = b;
-        chan[i] = c;
+      float delta[kRowBlock], dtx[kRowBlock], gate[kRowBlock], acc[kRowBlock];
+      for (int64_t i = 0, c = r0 % dim; i < rows; ++i, c = c + 1 == dim ? 0 : c + 1)
         delta[i] = dtp[r0 + i] + (biasp ? biasp[c] : 0.0f);
-        if (++c == dim) {
-          c = 0;
-          ++b;
-        }
-      }
       if (dt_softplus) apply4<softplus4>(delta, rows);
+      for (int64_t i = 0; i < rows; ++i) dtx[i] = delta[i] * xp[r0 + i];
       if (zp) {
         __builtin_memcpy(gate, zp + r0, sizeof(float) * rows);
         apply4<silu4>(gate, rows);
       }
-      for (int64_t i = 0; i < rows; ++i) {
-        const int64_t row = r0 + i, b = bat[i], c = chan[i];
-        const float* Bg = Bp + (b * groups + c / per_group) * dstate;
-        const float* Cg = Cp + (b * groups + c / per_group) * dstate;
-        const float xv = xp[row];
-        float acc = advance(hp + row * dstate, dstate, Ap + c * dstate, delta[i], 0.0f, delta[i] * xv, Bg, Cg);
-        if (Dp) acc += Dp[c] * xv;
-        yp[row] = zp ? acc * gate[i] : acc;
+      // the block's rows in runs that share B and C: one (batch, group) each
+      for (int64_t i = 0; i < rows;) {
+        const int64_t row = r0 + i, b = row / dim, c = row % dim, g = c / per_group;
+        const int64_t run = std::min(rows - i, (g + 1) * per_group - c);
+        advance(hp + row * dstate, run, dstate, Ap + c * dstate, delta + i, nullptr, dtx + i,
+                Bp + (b * groups + g) * dstate, Cp + (b * groups + g) * dstate, acc + i);
+        for (int64_t j = 0; j < run; ++j) {
+          const float xv = xp[row + j];
+          const float out = Dp ? acc[i + j] + Dp[c + j] * xv : acc[i + j];
+          yp[row + j] = zp ? out * gate[i + j] : out;
+        }
+        i += run;
       }
     }
   });
@@ -184,11 +181,12 @@ void multihead_step(const MultiheadArgs& a, T* state, const int64_t* st) {
   const int64_t p = a.headdim, n = a.dstate, per_group = a.nheads / a.ngroups;
   // a thread takes >= ~256K states: below that, waking a second thread costs more than it saves
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / (p * n));
-  const AdvanceRow advance = advance_row();
+  const AdvanceRows advance = advance_rows();
+  // float32 state rows of a head, each dstate values one after the other, advance in place in one call
+  const bool in_place = std::is_same<T, float>::value && st[3] == 1 && st[2] == n;
   torch::stable::parallel_for(0, a.batch * a.nheads, grain, [&](int64_t begin, int64_t end) {
-    // one state row (dstate values) at a time in float32 scratch, so that every loop below runs
-    // over contiguous floats whatever the state's dtype and strides
-    std::vector<float> row(n);
+    // other states: one row at a time in float32 scratch, so that the kernel runs over contiguous floats
+    std::vector<float> row(n), dts(p), decays(p), dtxs(p), acc(p);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / a.nheads, h = bh % a.nheads;
       float* yrow = a.y + bh * p;
@@ -205,24 +203,30 @@ void multihead_step(const MultiheadArgs& a, T* state, const int64_t* st) {
       const float dt_head = head_dt ? step_size(a, bh, h, 0) : 0.0f;
       const float decay_head = head_dt && a.A_tied ? std::exp(dt_head * a.A[h]) : 0.0f;
       for (int64_t i = 0; i < p; ++i) {
-        const float dt = head_dt ? dt_head : step_size(a, bh, h, i);
-        const float xv = a.x[bh * p + i], dtx = dt * xv;
-        T* hrow = hs + i * st[2];
-        // float32 contiguous rows are advanced in place; others through float32 scratch
-        float* h32 = std::is_same<T, float>::value && st[3] == 1 ? reinterpret_cast<float*>(hrow) : row.data();
-        if (h32 == row.data())
+        dts[i] = head_dt ? dt_head : step_size(a, bh, h, i);
+        dtxs[i] = dts[i] * a.x[bh * p + i];
+        decays[i] = !a.A_tied ? 0.0f : head_dt ? decay_head : std::exp(dts[i] * a.A[h]);
+      }
+      const float* Ahead = a.A_tied ? nullptr : a.A + h * p * n;
+      if (in_place) {
+        advance(reinterpret_cast<float*>(hs), p, n, Ahead, dts.data(), decays.data(), dtxs.data(), Bg, Cg, acc.data());
+      } else {
+        for (int64_t i = 0; i < p; ++i) {
+          T* hrow = hs + i * st[2];
           for (int64_t k = 0; k < n; ++k) row[k] = static_cast<float>(hrow[k * st[3]]);
-        const float head_decay = !a.A_tied ? 0.0f : head_dt ? decay_head : std::exp(dt * a.A[h]);
-        const float* Arow = a.A_tied ? nullptr : a.A + (h * p + i) * n;
-        float acc = advance(h32, n, Arow, dt, head_decay, dtx, Bg, Cg);
-        if (h32 == row.data())
+          advance(row.data(), 1, n, Ahead ? Ahead + i * n : nullptr, dts.data() + i, decays.data() + i,
+                  dtxs.data() + i, Bg, Cg, acc.data() + i);
           for (int64_t k = 0; k < n; ++k) hrow[k * st[3]] = static_cast<T>(row[k]);
-        if (a.D) acc += a.D[a.D_tied ? h : h * p + i] * xv;
+        }
+      }
+      for (int64_t i = 0; i < p; ++i) {
+        const float xv = a.x[bh * p + i];
+        float out = a.D ? acc[i] + a.D[a.D_tied ? h : h * p + i] * xv : acc[i];
         if (a.z) {
           const float zv = a.z[bh * p + i];
-          acc *= zv / (1.0f + std::exp(-zv));
+          out *= zv / (1.0f + std::exp(-zv));
         }
-        yrow[i] = acc;
+        yrow[i] = out;
       }
     }
   });

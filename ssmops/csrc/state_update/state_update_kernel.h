@@ -30,33 +30,61 @@ inline vf ld(const float* p) {
 }
 inline void st(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
 
+// The 16 partial sums to one, lane l + w onto lane l for w = 8, 4, 2, 1: a fixed tree 4 adds deep,
+// in registers (through memory, the scalar loads of a vector just stored were ~40% of a row's time).
+typedef float vf4 __attribute__((vector_size(16)));
+typedef float vf8 __attribute__((vector_size(32)));
+inline float fold4(vf4 v) {
+  v += __builtin_shufflevector(v, v, 2, 3, 2, 3);
+  return v[0] + v[1];
+}
+inline float fold8(vf8 v) {
+  return fold4(__builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7));
+}
+template <class V>  // vf: a template, so that only its own width's branch is compiled
+inline float fold(const V* acc) {
+  if constexpr (sizeof(V) == 16) {
+    return fold4((acc[0] + acc[2]) + (acc[1] + acc[3]));
+  } else if constexpr (sizeof(V) == 32) {
+    return fold8(acc[0] + acc[1]);
+  } else {
+    static_assert(sizeof(V) == 64, "4, 8 or 16 lanes");
+    return fold8(__builtin_shufflevector(acc[0], acc[0], 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(acc[0], acc[0], 8, 9, 10, 11, 12, 13, 14, 15));
+  }
+}
+
 }  // namespace
 
-float SU_CAT(advance_row_, SU_ISA)(float* h, int64_t n, const float* A, float dt, float decay, float dtx,
-                                   const float* B, const float* C) {
-  const vf vdt = vf{} + dt, vdecay = vf{} + decay, vdtx = vf{} + dtx;
-  vf acc[kVecs] = {};
-  int64_t k = 0;
-  for (; k + kLanes <= n; k += kLanes) {
-    for (int v = 0; v < kVecs; ++v) {
-      const int64_t i = k + v * W;
-      const vf d = A ? vexp_of<vf, vi>(ld(A + i) * vdt) : vdecay;
-      const vf hv = ld(h + i) * d + vdtx * ld(B + i);
-      st(h + i, hv);
-      acc[v] += hv * ld(C + i);
+void SU_CAT(advance_rows_, SU_ISA)(float* h, int64_t rows, int64_t n, const float* A, const float* dt,
+                                    const float* decay, const float* dtx, const float* B, const float* C, float* y) {
+  for (int64_t r = 0; r < rows; ++r, h += n) {
+    const float* Ar = A ? A + r * n : nullptr;
+    const vf vdt = vf{} + (A ? dt[r] : 0.0f), vdecay = vf{} + (A ? 0.0f : decay[r]), vdtx = vf{} + dtx[r];
+    vf acc[kVecs] = {};
+    // 16 values of the row, lane l of vector v onto partial sum v * W + l
+    auto step = [&](float* hk, const float* Ak, const float* Bk, const float* Ck) {
+      for (int v = 0; v < kVecs; ++v) {
+        const vf d = Ak ? vexp_of<vf, vi>(ld(Ak + v * W) * vdt) : vdecay;
+        const vf hv = ld(hk + v * W) * d + vdtx * ld(Bk + v * W);
+        st(hk + v * W, hv);
+        acc[v] += hv * ld(Ck + v * W);
+      }
+    };
+    int64_t k = 0;
+    for (; k + kLanes <= n; k += kLanes) step(h + k, Ar ? Ar + k : nullptr, B + k, C + k);
+    if (k < n) {  // the last n % 16 as one zero-padded step, so that they round and sum like the rest
+      const int64_t tail = static_cast<int64_t>(sizeof(float)) * (n - k);
+      float hb[kLanes] = {}, Ab[kLanes] = {}, Bb[kLanes] = {}, Cb[kLanes] = {};
+      __builtin_memcpy(hb, h + k, tail);
+      if (Ar) __builtin_memcpy(Ab, Ar + k, tail);
+      __builtin_memcpy(Bb, B + k, tail);
+      __builtin_memcpy(Cb, C + k, tail);
+      step(hb, Ar ? Ab : nullptr, Bb, Cb);
+      __builtin_memcpy(h + k, hb, tail);
     }
+    y[r] = fold(acc);
   }
-  float lanes[kLanes];
-  __builtin_memcpy(lanes, acc, sizeof lanes);
-  for (; k < n; ++k) {  // the last n % 16, through the vector exp so that they round like the rest
-    const float d = A ? vexp_of<vf, vi>(vf{} + dt * A[k])[0] : decay;
-    h[k] = h[k] * d + dtx * B[k];
-    lanes[k % kLanes] += h[k] * C[k];
-  }
-  // a fixed tree (lane l + w onto lane l), 4 adds deep rather than 16 in a chain
-  for (int w = kLanes / 2; w >= 1; w /= 2)
-    for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
-  return lanes[0];
 }
 
 }  // namespace ssmops_cpu
