@@ -83,7 +83,7 @@ def profile_compiled_token(model, prompt, tokens: int = 8, top: int = 8) -> None
 
     batch, prompt_len = prompt.shape
     params = InferenceParams(max_seqlen=prompt_len + tokens + 1, max_batch_size=batch)
-    step = compiled_step_logits()
+    step = compiled_step_logits(prompt.device)
     with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=COMPILED_STEP_LIMIT):
         model(prompt, inference_params=params, num_last_tokens=1)
         positions = torch.full((batch,), prompt_len)

@@ -99,7 +99,8 @@ def test_a_converted_state_dict_is_refused_by_name(tmp_path):
 @pytest.mark.parametrize("name", ["mamba1", pytest.param("mamba2", marks=pytest.mark.slow),
                                   pytest.param("hybrid", marks=pytest.mark.slow)])
 def test_compiled_step_generates_the_eager_tokens(name):
-    """cg=True: every token after the prompt from one compiled graph, caches advanced in place."""
+    """cg=True: every token after the prompt from one compiled graph, caches advanced in place (on
+    CPU, its kernels and operators called from inductor's C++ wrapper)."""
     torch.manual_seed(0)
     model = MambaLMHeadModel(tiny_config()).eval() if name == "mamba1" else tiny_mamba2_model(name)
     prompt = torch.randint(0, 61, (2, 5), generator=torch.Generator().manual_seed(1))
@@ -109,7 +110,7 @@ def test_compiled_step_generates_the_eager_tokens(name):
     torch.testing.assert_close(torch.stack(compiled.scores), torch.stack(eager.scores), rtol=1e-5, atol=1e-5)
 
 
-_CPP_WRAPPER_CHECK = """
+_PYTHON_WRAPPER_CHECK = """
 import torch
 from ssmops.models import MambaLMHeadModel
 from test_models import tiny_config
@@ -118,7 +119,7 @@ model = MambaLMHeadModel(tiny_config()).eval()
 prompt = torch.randint(0, 61, (2, 5), generator=torch.Generator().manual_seed(1))
 eager = model.generate(prompt, max_length=10, return_dict_in_generate=True, output_scores=True)
 compiled = model.generate(prompt, max_length=10, cg=True, return_dict_in_generate=True, output_scores=True)
-assert torch._inductor.config.cpp_wrapper
+assert not torch._inductor.config.cpp_wrapper
 assert torch.equal(compiled.sequences, eager.sequences)
 torch.testing.assert_close(torch.stack(compiled.scores), torch.stack(eager.scores), rtol=1e-5, atol=1e-5)
 print("OK")
@@ -126,11 +127,22 @@ print("OK")
 
 
 @pytest.mark.slow
-def test_compiled_step_under_inductors_cpp_wrapper():
-    """What the README offers for long generations: TORCHINDUCTOR_CPP_WRAPPER=1 (the step's
-    kernels and ssmops' operators called from C++) gives the eager tokens too."""
-    res = run_python(_CPP_WRAPPER_CHECK, env={"TORCHINDUCTOR_CPP_WRAPPER": "1", "PYTHONPATH": "tests"})
+def test_compiled_step_under_inductors_python_wrapper():
+    """On CPU, cg=True compiles the step with inductor's cpp_wrapper (the test above);
+    TORCHINDUCTOR_CPP_WRAPPER=0 keeps its Python wrapper, which gives the eager tokens too."""
+    res = run_python(_PYTHON_WRAPPER_CHECK, env={"TORCHINDUCTOR_CPP_WRAPPER": "0", "PYTHONPATH": "tests"})
     assert res.returncode == 0 and "OK" in res.stdout, res.stdout + res.stderr
+
+
+def test_compiled_step_uses_cpp_wrapper_on_cpu_unless_the_environment_says(monkeypatch):
+    from ssmops.models import generation
+
+    monkeypatch.setattr(generation, "_compiled_step_logits", {})
+    monkeypatch.delenv("TORCHINDUCTOR_CPP_WRAPPER", raising=False)
+    cpu, cuda = generation.compiled_step_logits("cpu"), generation.compiled_step_logits("cuda")
+    assert cpu is not cuda and set(generation._compiled_step_logits) == {True, False}
+    monkeypatch.setenv("TORCHINDUCTOR_CPP_WRAPPER", "0")
+    assert generation.compiled_step_logits("cpu") is cuda
 
 
 @pytest.mark.parametrize("name", ["mamba1", "hybrid"])
