@@ -1,7 +1,7 @@
 // The weight-only linear kernel for a few rows of x (decoding: one token per sequence),
 // written once with GCC vector extensions and compiled per instruction set by
-// linear_kernel_{generic,avx2,avx512}.cpp, which define LIN_W (lanes per vector) and
-// LIN_ISA (the entry point's suffix).
+// linear_kernel_{generic,avx2,avx512}.cpp, which define LIN_W (lanes per vector), LIN_REGS (vector
+// registers) and LIN_ISA (the entry point's suffix).
 //
 // Decoding reads every weight once per token and does 2 flops per weight per row of x, so
 // the speed is the weights' read bandwidth: the kernel streams a tile of weight rows at a time,
@@ -25,16 +25,20 @@ namespace ssmops_cpu {
 namespace {
 
 constexpr int W = LIN_W;
-constexpr int kXRows = LIN_XR;  // rows of x per pass over a tile (2 with 16 vector registers, 4 with 32)
+constexpr bool kFewRegisters = LIN_REGS == 16;  // 16 vector registers (SSE, AVX2), else 32 (AVX-512)
 // Independent accumulation chains a tile keeps in flight: with fewer, the FMA latency bounds the
 // speed (4 chains held int8 weights to ~8 Gweights/s on one thread).
-constexpr int kChains = 4 * kXRows;
-// Weight rows per tile (a divisor of kTaskRows). Measured here (2 threads, weights streamed from
-// memory, against a plain sum over the same bytes in the same run): with one row of x, float32 weights
+constexpr int kChains = kFewRegisters ? 8 : 16;
+// Rows of x per pass over a tile, and weight rows per tile (a divisor of kTaskRows): xr * R
+// accumulators and R weight vectors in registers. Measured here (weights streamed from memory,
+// against a plain sum over the same bytes in the same run): with one row of x, float32 weights
 // stream at ~0.95 of the sum's rate 8 rows a tile against ~0.85 with 4, and int8 weights at ~0.77
-// one row a tile against ~0.58 with 4; with more rows of x, 4 rows keep the accumulators in registers.
+// one row a tile against ~0.58 with 4. With 8 rows of x and 16 registers, float weights do ~1.25x
+// the multiply-adds per second 4 rows of x by 3 weight rows as 2 by 4; int8 weights, 2 by 4.
+template <WeightKind kind>
+constexpr int kXRows = kFewRegisters && kind == WeightKind::kInt8 ? 2 : 4;
 template <WeightKind kind, int xr>
-constexpr int kTileRows = xr > 1 ? 4 : kind == WeightKind::kInt8 ? 1 : 8;
+constexpr int kTileRows = xr == 1 ? (kind == WeightKind::kInt8 ? 1 : 8) : kXRows<kind> == 4 && kFewRegisters ? 3 : 4;
 // How far ahead to prefetch (at least one tile): measured here, 4 KiB gave int8 weights ~1.8x the
 // single-thread speed of no prefetch, and longer distances gave nothing more.
 constexpr int64_t kAheadBytes = 4096;
@@ -272,8 +276,8 @@ void sweep(const LinearArgs& a, int64_t n_begin, int64_t n_end) {
   const int64_t rows_ahead = R * (tile_bytes >= kAheadBytes ? 1 : (kAheadBytes + tile_bytes - 1) / tile_bytes);
   for (int64_t n = n_begin; n < n_end; n += R) {
     int64_t m = 0;
-    for (; m + kXRows <= a.M; m += kXRows) tile<kind, kXRows, R>(a, n, n_end, m, rows_ahead);
-    last_rows<kind, kXRows - 1, R>(a, n, n_end, m, a.M - m, rows_ahead);
+    for (; m + kXRows<kind> <= a.M; m += kXRows<kind>) tile<kind, kXRows<kind>, R>(a, n, n_end, m, rows_ahead);
+    last_rows<kind, kXRows<kind> - 1, R>(a, n, n_end, m, a.M - m, rows_ahead);
   }
 }
 

@@ -3,7 +3,7 @@
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,bmi,bmi2,popcnt")
 #define LIN_W 8
-#define LIN_XR 2
+#define LIN_REGS 16
 #define LIN_ISA avx2
 #include "linear_kernel.h"
 #pragma GCC pop_options

@@ -3,7 +3,7 @@
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma,f16c,bmi,bmi2,popcnt")
 #define LIN_W 16
-#define LIN_XR 4
+#define LIN_REGS 32
 #define LIN_ISA avx512
 #include "linear_kernel.h"
 #pragma GCC pop_options

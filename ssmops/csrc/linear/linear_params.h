@@ -9,7 +9,7 @@ namespace ssmops_cpu {
 enum class WeightKind : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kInt8 = 3 };
 
 // The kernels' unit of work: a multiple of every tile's weight rows.
-constexpr int64_t kTaskRows = 8;
+constexpr int64_t kTaskRows = 24;
 
 // The largest |x_int16|: each row of x is scaled so that its largest |x| becomes this.
 constexpr float kXInt16Max = 32767.0f;
