@@ -101,25 +101,25 @@ inline vf load_w(const void* w, int64_t i) {
   return v;
 }
 
-template <WeightKind kind>
-inline float load_w1(const void* w, int64_t i) {
-  if constexpr (kind == WeightKind::kFloat32) {
-    return static_cast<const float*>(w)[i];
-  } else if constexpr (kind == WeightKind::kBFloat16) {
-    const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(w)[i]) << 16;
-    float f;
-    __builtin_memcpy(&f, &bits, sizeof f);
-    return f;
-  } else {
-    return static_cast<float>(static_cast<const _Float16*>(w)[i]);
-  }
+// The lanes' sum as a halving tree (upper half onto lower half until one lane is left): a few
+// instructions, where adding the lanes in turn was a chain of W dependent adds a weight row, the
+// larger part of a row's time when the rows are short (dt_proj's 48 weights).
+typedef float vf4 __attribute__((vector_size(16)));
+inline float hsum4(vf4 v) {
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1);
+  return v[0] + v[1];
 }
-
-// In lane order: a tree of lane shuffles measured slower here on int8 weights streamed from memory.
 inline float hsum(vf v) {
-  float s = 0.0f;
-  for (int l = 0; l < W; ++l) s += v[l];
-  return s;
+#if LIN_W == 16
+  typedef float vf8 __attribute__((vector_size(32)));
+  const vf8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  return hsum4(__builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7));
+#elif LIN_W == 8
+  return hsum4(__builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7));
+#else
+  return hsum4(v);
+#endif
 }
 
 // int8 weights meet x rounded to int16 (linear.cpp): a step is 2W weights widened to int16 and
@@ -176,7 +176,6 @@ struct Arith {
   }
   static Acc mul(Wide w, Wide x) { return w * x; }
   static float sum(Acc acc) { return hsum(acc); }
-  static float one(const void* w, int64_t i, X x) { return x * load_w1<kind>(w, i); }
 };
 
 // ... and int8 weights against int16 x, 2W weights a step, kIntBlock weights a block.
@@ -195,22 +194,47 @@ struct Arith<WeightKind::kInt8> {
     return v;
   }
   static Acc mul(Wide w, Wide x) { return madd(w, x); }
-  static float sum(Acc acc) {
-    int64_t s = 0;
-    for (int l = 0; l < W; ++l) s += acc[l];
-    return static_cast<float>(s);
-  }
-  static float one(const void* w, int64_t i, X x) {
-    return static_cast<float>(static_cast<int32_t>(x) * static_cast<const int8_t*>(w)[i]);
-  }
+  // each lane (< 2^31) rounded to float32 (a relative 2^-24, far below x's rounding to int16)
+  static float sum(Acc acc) { return hsum(__builtin_convertvector(acc, vf)); }
 };
+
+// The last step of a row whose length is not a multiple of kStep: its n weights (and x's) in a
+// zero-padded vector, so that the row ends with one more vector step rather than n scalar ones.
+// `bytes` < sizeof(part): with AVX-512 one masked load (a copy of a variable length was a call to
+// memcpy a weight row, which kept dt_proj's 48-weight int8 rows at a third of AVX2's speed).
+template <class T, int n>
+inline void load_part(T (&part)[n], const T* src, int64_t bytes) {
+#if defined(__x86_64__) && LIN_W == 16
+  static_assert(sizeof(part) == 64 || sizeof(part) == 32, "a part is one AVX-512 or AVX2 register");
+  if constexpr (sizeof(part) == 64)
+    _mm512_storeu_si512(part, _mm512_maskz_loadu_epi8(_cvtu64_mask64((1ull << bytes) - 1), src));
+  else
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(part),
+                        _mm256_maskz_loadu_epi8(static_cast<__mmask32>((1u << bytes) - 1), src));
+#else
+  for (int i = 0; i < n; ++i) part[i] = T();
+  __builtin_memcpy(part, src, bytes);
+#endif
+}
+template <WeightKind kind>
+inline typename Arith<kind>::Wide weights_part(const void* w, int64_t i, int64_t n) {
+  WeightT<kind> part[Arith<kind>::kStep];
+  load_part(part, static_cast<const WeightT<kind>*>(w) + i, n * sizeof(WeightT<kind>));
+  return Arith<kind>::weights(part, 0);
+}
+template <WeightKind kind>
+inline typename Arith<kind>::Wide xs_part(const typename Arith<kind>::X* x, int64_t n) {
+  typename Arith<kind>::X part[Arith<kind>::kStep];
+  load_part(part, x, n * sizeof(part[0]));
+  return Arith<kind>::xs(part);
+}
 
 // y[m0:m0+xr, n:n+R] (rows past n_end are computed from a repeated row and dropped).
 template <WeightKind kind, int xr, int R>
 inline void tile(const LinearArgs& a, int64_t n, int64_t n_end, int64_t m0, int64_t rows_ahead) {
   using A = Arith<kind>;
   const typename A::X* x = A::x(a);
-  const int64_t K = a.K, k_vec = K - K % A::kStep;
+  const int64_t K = a.K;
   int64_t row[R];
   for (int r = 0; r < R; ++r) row[r] = (n + r < n_end ? n + r : n_end - 1) * K;
   // The R rows are R * K contiguous weights, a stream too short for the hardware
@@ -221,6 +245,7 @@ inline void tile(const LinearArgs& a, int64_t n, int64_t n_end, int64_t m0, int6
   // U accumulators per (row of x, weight row) over interleaved k-steps: kChains in all
   constexpr int U = kChains / (xr * R) > 1 ? kChains / (xr * R) : 1;
   float sum[xr][R] = {};
+  const int64_t k_vec = K - K % A::kStep;
   for (int64_t k0 = 0; k0 < k_vec; k0 += A::block(K)) {
     const int64_t k1 = k_vec - k0 < A::block(K) ? k_vec : k0 + A::block(K);
     typename A::Acc acc[xr][R][U] = {};
@@ -245,16 +270,18 @@ inline void tile(const LinearArgs& a, int64_t n, int64_t n_end, int64_t m0, int6
         sum[m][r] += A::sum(acc[m][r][0]);
       }
   }
-  for (int m = 0; m < xr; ++m) {
-    const typename A::X* xm = x + (m0 + m) * K;
+  if (k_vec < K)
+    for (int m = 0; m < xr; ++m) {
+      const typename A::Wide xv = xs_part<kind>(x + (m0 + m) * K + k_vec, K - k_vec);
+      for (int r = 0; r < R; ++r) sum[m][r] += A::sum(A::mul(weights_part<kind>(a.weight, row[r] + k_vec, K - k_vec), xv));
+    }
+  for (int m = 0; m < xr; ++m)
     for (int r = 0; r < R && n + r < n_end; ++r) {
       float s = sum[m][r];
-      for (int64_t k = k_vec; k < K; ++k) s += A::one(a.weight, row[r] + k, xm[k]);
       if constexpr (kind == WeightKind::kInt8) s *= a.x_scale[m0 + m] * a.scale[n + r];
       if (a.bias) s += a.bias[n + r];
       a.y[(m0 + m) * a.N + n + r] = s;
     }
-  }
 }
 
 // The last `left` (< kXRows) rows of x: the tile for exactly that many.
@@ -283,6 +310,9 @@ void sweep(const LinearArgs& a, int64_t n_begin, int64_t n_end) {
 
 template <WeightKind kind>
 void rows(const LinearArgs& a, int64_t n_begin, int64_t n_end) {
+  // Rows of fewer steps than a tile's accumulators (dt_proj's 48 weights) fill them only 8 rows a
+  // tile: with one row a tile, folding 16 accumulators cost more than the row's multiply-adds.
+  if (a.M == 1 && a.K < kChains * Arith<kind>::kStep) return sweep<kind, 8>(a, n_begin, n_end);
   if (a.M == 1) return sweep<kind, kTileRows<kind, 1>>(a, n_begin, n_end);
   sweep<kind, kTileRows<kind, 2>>(a, n_begin, n_end);
 }
