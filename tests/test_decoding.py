@@ -110,6 +110,25 @@ def test_compiled_step_generates_the_eager_tokens(name):
     torch.testing.assert_close(torch.stack(compiled.scores), torch.stack(eager.scores), rtol=1e-5, atol=1e-5)
 
 
+def test_compiled_steps_of_models_and_batch_sizes_taking_turns_keep_their_own_tokens():
+    """cg=True evaluates the compiled step's guards on each generation's first token only; models and
+    batch sizes that take turns still each decode their own eager tokens."""
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        models.append(MambaLMHeadModel(tiny_config()).eval())
+    gen = torch.Generator().manual_seed(2)
+    for batch in (2, 1, 2):
+        for model in models:
+            prompt = torch.randint(0, 61, (batch, 5), generator=gen)
+            eager = model.generate(prompt, max_length=10, return_dict_in_generate=True, output_scores=True)
+            compiled = model.generate(prompt, max_length=10, cg=True, return_dict_in_generate=True,
+                                      output_scores=True)
+            assert torch.equal(compiled.sequences, eager.sequences)
+            torch.testing.assert_close(torch.stack(compiled.scores), torch.stack(eager.scores), rtol=1e-5,
+                                       atol=1e-5)
+
+
 _PYTHON_WRAPPER_CHECK = """
 import torch
 from ssmops.models import MambaLMHeadModel

@@ -194,7 +194,9 @@ def decode(
     step = compiled_step_logits(device) if cg else step_logits
     new_tokens, scores = [], []
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    with torch._dynamo.config.patch(recompile_limit=COMPILED_STEP_LIMIT) if cg else contextlib.nullcontext():
+    with contextlib.ExitStack() as compiled:
+        if cg:
+            compiled.enter_context(torch._dynamo.config.patch(recompile_limit=COMPILED_STEP_LIMIT))
         while True:
             if vocab_size is not None:
                 logits = logits[:, :vocab_size]
@@ -217,6 +219,11 @@ def decode(
                 break
             logits = step(model, memory, new_tokens[-1], positions)
             positions += 1
+            if cg and len(new_tokens) == 1:
+                # The first call picked (or compiled) the graph for this model, batch and caches; every
+                # later one passes the same objects, so its guards cannot fail: skipping them saves
+                # ~0.3 ms a token (of ~8 ms, int8 weights at mamba-130m's shape).
+                compiled.enter_context(torch.compiler.set_stance(skip_guard_eval_unsafe=True))
     if streamer is not None:
         streamer.end()
     generated = torch.cat(new_tokens, dim=1)
