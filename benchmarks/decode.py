@@ -6,8 +6,9 @@ int8 weights, against transformers' PyTorch path with the same weights.
 A decoding token reads every weight once, so its time is bounded below by (weight bytes read per
 token) / (read bandwidth). The script measures the bandwidth in the same run (the fastest of five
 `torch.sum`s over 512 MiB, which reads at the memory's speed: a hand-written AVX2 loop read 28.5 GB/s
-where it read 28.0 on the machine this was written on), then for each weight format
-(`MambaLMHeadModel.convert_weights`) and batch size:
+where it read 28.0 on the machine this was written on), just before and just after each rate, and
+takes the higher of the two (a shared machine's bandwidth moved between 35 and 62 GB/s from one
+minute to the next here). For each weight format (`MambaLMHeadModel.convert_weights`) and batch size:
 
 * decode tokens/s per sequence: greedy generation of N new tokens after a 64-token prompt (ssmops,
   batch > 1: prompts of 64, 61, 58, ... tokens, decoded together, each at its own position), timed as
@@ -44,9 +45,8 @@ from ssmops.models import InferenceParams, MambaLMHeadModel  # noqa: E402
 from ssmops.models.generation import COMPILED_STEP_LIMIT, compiled_step_logits  # noqa: E402
 
 
-def read_bandwidth(mib: int = 512, tries: int = 5) -> float:
-    """Bytes per second: the fastest of `tries` sums over `mib` MiB of float32."""
-    x = torch.ones(mib * 2**20 // 4)
+def read_bandwidth(x: torch.Tensor, tries: int = 5) -> float:
+    """Bytes per second: the fastest of `tries` sums over x (float32, far larger than the caches)."""
     x.sum()
     best = min(_seconds(x.sum) for _ in range(tries))
     return x.numel() * 4 / best
@@ -128,21 +128,25 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     new_tokens, prompt_len, prefill_len = (12, 32, 128) if args.quick else (33, 64, 512)
     gen = torch.Generator().manual_seed(0)
-    bandwidth = read_bandwidth(128 if args.quick else 512)
+    bandwidth_probe = torch.ones((128 if args.quick else 512) * 2**20 // 4)
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads, "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    print(f"read bandwidth, measured now: {bandwidth / 1e9:.1f} GB/s")
+    print(f"read bandwidth, measured now: {read_bandwidth(bandwidth_probe) / 1e9:.1f} GB/s "
+          "(and around each row below: GB/s)")
     cfg = fp32_model.config
     print(f"model: {cfg.ssm_cfg.get('layer', 'Mamba1')}, d_model {cfg.d_model}, {cfg.n_layer} layers, vocab "
           f"{cfg.vocab_size}; decode: {new_tokens - 1} tokens after a {prompt_len}-token prompt (greedy); "
           f"prefill: {prefill_len} tokens, batch 1")
-    print(f"\n  {'':28s} {'batch':>5s} {'MB/token':>9s} {'bound tok/s':>11s} {'decode tok/s':>12s} "
+    print(f"\n  {'':28s} {'batch':>5s} {'MB/token':>9s} {'GB/s':>5s} {'bound tok/s':>11s} {'decode tok/s':>12s} "
           f"{'of bound':>8s} {'prefill tok/s':>13s}")
 
-    def row(name, weight_bytes, batch, rate, prefill=None):
+    def row(name, weight_bytes, batch, measure_rate, prefill=None):
+        before = read_bandwidth(bandwidth_probe)
+        rate = measure_rate()
+        bandwidth = max(before, read_bandwidth(bandwidth_probe))
         bound = bandwidth / weight_bytes
         pre = f"{prefill:13.1f}" if prefill is not None else f"{'':13s}"
-        print(f"  {name:28s} {batch:5d} {weight_bytes / 1e6:9.1f} {bound:11.1f} {rate:12.1f} "
+        print(f"  {name:28s} {batch:5d} {weight_bytes / 1e6:9.1f} {bandwidth / 1e9:5.1f} {bound:11.1f} {rate:12.1f} "
               f"{100 * rate / bound:7.0f}% {pre}", flush=True)
         return rate
 
@@ -160,8 +164,9 @@ def main() -> None:
             if batch == batches[0]:
                 prefill = prefill_len / time_call(lambda: hf(long_prompt, use_cache=True, logits_to_keep=1),
                                                   args.repeats)
-            results["transformers", batch] = row("transformers (fp32)", hf_bytes, batch,
-                                                 decode_rate(hf_generate, prompt, new_tokens, args.repeats), prefill)
+            results["transformers", batch] = row(
+                "transformers (fp32)", hf_bytes, batch,
+                lambda: decode_rate(hf_generate, prompt, new_tokens, args.repeats), prefill)
         for weights in ("fp32", "bf16", "int8"):
             model = MambaLMHeadModel(cfg).eval()
             model.load_state_dict(state)
@@ -181,7 +186,7 @@ def main() -> None:
                         ours(prompt, 2)  # compiles the step for this batch size
                     name = f"ssmops {weights} {'compiled' if cg else 'eager'}"
                     results[weights, cg, batch] = row(name, nbytes, batch,
-                                                      decode_rate(ours, prompt, new_tokens, args.repeats),
+                                                      lambda: decode_rate(ours, prompt, new_tokens, args.repeats),
                                                       prefill if batch == batches[0] and not cg else None)
             if weights == "fp32" and not args.no_compile:
                 fp32_model = model
