@@ -69,13 +69,16 @@ def test_int8_extreme_values_do_not_overflow(backend, in_features):
 
 
 @pytest.mark.parametrize("backend", backend_params(names=("cpu",)))
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_int8_row_of_x_with_nan_or_inf_gives_nans_in_its_row_only(backend, bad):
-    x, w, scale, b = linear_inputs(3, 40, 9, torch.int8)
-    x[1, 5] = bad
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("at", [5, 38], ids=["vectors", "tail"])  # 40 = 2 x 16 lanes + a tail of 8
+def test_int8_row_of_x_with_nan_or_inf_gives_nans_in_its_row_only(backend, bad, at):
+    x, w, scale, b = linear_inputs(4, 40, 9, torch.int8)
+    x[1, at] = bad
+    x[3] = 0.0
     with ssmops.use_backend(backend):
         y = ssmops.weight_only_linear(x, w, scale, b)
     assert bool(y[1].isnan().all()), "a row of x with a NaN or an infinity must give NaNs"
+    assert torch.equal(y[3], b), "a row of zeros gives the bias"
     rest = torch.tensor([0, 2])
     assert_within_int16_rounding(y[rest], weight_only_linear_ref(x[rest], w, scale, b), x[rest], w, scale)
 

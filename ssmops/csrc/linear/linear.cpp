@@ -2,8 +2,6 @@
 // only. The schema is in ../library.cpp; the Python checks in ssmops/ops/linear/checks.py say
 // the same things in the same words.
 #include <algorithm>
-#include <cfloat>
-#include <cmath>
 #include <vector>
 
 #include "../common/checks.h"
@@ -38,33 +36,17 @@ WeightKind weight_kind(ST t) {
   }
 }
 
-// For int8 weights, each row of x as x_scale[m] * x_int16[m], its largest |x| at kXInt16Max: an error
-// of at most 2^-16 of that row's largest |x| per element, ~100x below the int8 weight's own rounding,
-// for integer multiply-adds in the kernel. A row with a NaN or an infinity gets a NaN scale, so its
-// outputs are NaN. One buffer per thread: decoding allocates nothing a call.
+// For int8 weights, x rounded to int16 per row (linear_params.h), into one buffer per thread:
+// decoding allocates nothing a call.
 thread_local std::vector<int16_t> x_int16;
 thread_local std::vector<float> x_scale;
 
 void round_to_int16(const float* x, int64_t M, int64_t K) {
+  using Round = void (*)(const float*, int64_t, int64_t, int16_t*, float*);
+  static const Round round_rows = SSMOPS_ISA_KERNEL(selected_isa(), linear_round_int16);  // fixed for the process
   x_int16.resize(static_cast<size_t>(M * K));
   x_scale.resize(static_cast<size_t>(M));
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xm = x + m * K;
-    int16_t* qm = x_int16.data() + m * K;
-    float largest = 0.0f;
-    bool finite = true;
-    for (int64_t k = 0; k < K; ++k) {
-      const float a = std::fabs(xm[k]);
-      finite = finite && a <= FLT_MAX;  // false for NaN too
-      largest = std::max(largest, a);
-    }
-    const float to_int = finite && largest > 0.0f ? kXInt16Max / largest : 0.0f;
-    for (int64_t k = 0; k < K; ++k) {
-      const float v = finite ? xm[k] * to_int : 0.0f;  // |v| <= kXInt16Max (+ rounding): fits int16
-      qm[k] = static_cast<int16_t>(v >= 0.0f ? v + 0.5f : v - 0.5f);
-    }
-    x_scale[m] = finite ? largest / kXInt16Max : NAN;
-  }
+  round_rows(x, M, K, x_int16.data(), x_scale.data());
 }
 
 void check_inputs(const Tensor& x, const Tensor& weight, const OptTensor& weight_scale, const OptTensor& bias) {

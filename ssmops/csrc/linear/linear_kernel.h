@@ -321,7 +321,60 @@ void rows(const LinearArgs& a, int64_t n_begin, int64_t n_end) {
   sweep<kind, kTileRows<kind, 2>>(a, n_begin, n_end);
 }
 
+// x * to_int rounded half away from zero, as int16 (|x * to_int| <= kXInt16Max + rounding)
+template <class V, class F>
+inline auto round_half_away(V v, F to_int) {
+  return v >= 0.0f ? v * to_int + 0.5f : v * to_int - 0.5f;
+}
+
 }  // namespace
+
+void LIN_CAT(linear_round_int16_, LIN_ISA)(const float* x, int64_t M, int64_t K, int16_t* x_int16, float* x_scale) {
+  typedef int16_t vi16 __attribute__((vector_size(W * 2)));
+  constexpr uint32_t kAbs = 0x7fffffffu, kInf = 0x7f800000u;  // float32 bits: |x|, and >= kInf is inf or NaN
+  const int64_t k_vec = K - K % W;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * K;
+    int16_t* qm = x_int16 + m * K;
+    vu32 largest_bits = {}, bad = {};  // |x|'s bits order like |x| for finite floats
+    for (int64_t k = 0; k < k_vec; k += W) {
+      vu32 bits;
+      __builtin_memcpy(&bits, xm + k, sizeof bits);
+      bits &= kAbs;
+      bad |= bits >= kInf;
+      largest_bits = bits > largest_bits ? bits : largest_bits;
+    }
+    uint32_t largest_u = 0;
+    bool finite = true;
+    for (int l = 0; l < W; ++l) {
+      largest_u = largest_bits[l] > largest_u ? largest_bits[l] : largest_u;
+      finite = finite && bad[l] == 0;
+    }
+    for (int64_t k = k_vec; k < K; ++k) {
+      uint32_t bits;
+      __builtin_memcpy(&bits, xm + k, sizeof bits);
+      bits &= kAbs;
+      finite = finite && bits < kInf;
+      largest_u = bits > largest_u ? bits : largest_u;
+    }
+    float largest;
+    __builtin_memcpy(&largest, &largest_u, sizeof largest);
+    if (!finite || largest == 0.0f) {
+      for (int64_t k = 0; k < K; ++k) qm[k] = 0;
+      x_scale[m] = finite ? 0.0f : __builtin_nanf("");
+      continue;
+    }
+    const float to_int = kXInt16Max / largest;
+    for (int64_t k = 0; k < k_vec; k += W) {
+      vf v;
+      __builtin_memcpy(&v, xm + k, sizeof v);
+      const vi16 q = __builtin_convertvector(__builtin_convertvector(round_half_away(v, to_int), vi32), vi16);
+      __builtin_memcpy(qm + k, &q, sizeof q);
+    }
+    for (int64_t k = k_vec; k < K; ++k) qm[k] = static_cast<int16_t>(round_half_away(xm[k], to_int));
+    x_scale[m] = largest / kXInt16Max;
+  }
+}
 
 void LIN_CAT(linear_rows_, LIN_ISA)(const LinearArgs& a, int64_t n_begin, int64_t n_end) {
   switch (a.kind) {

@@ -34,4 +34,12 @@ void linear_rows_generic(const LinearArgs& a, int64_t n_begin, int64_t n_end);
 void linear_rows_avx2(const LinearArgs& a, int64_t n_begin, int64_t n_end);
 void linear_rows_avx512(const LinearArgs& a, int64_t n_begin, int64_t n_end);
 
+// For int8 weights, each row of x (M, K) as x_scale[m] * x_int16[m], its largest |x| at kXInt16Max: an
+// error of at most 2^-16 of that row's largest |x| per element, ~100x below the int8 weight's own
+// rounding, for integer multiply-adds in the kernel. A row with a NaN or an infinity gets a NaN scale
+// (and zeros), so its outputs are NaN.
+void linear_round_int16_generic(const float* x, int64_t M, int64_t K, int16_t* x_int16, float* x_scale);
+void linear_round_int16_avx2(const float* x, int64_t M, int64_t K, int16_t* x_int16, float* x_scale);
+void linear_round_int16_avx512(const float* x, int64_t M, int64_t K, int16_t* x_int16, float* x_scale);
+
 }  // namespace ssmops_cpu
