@@ -18,8 +18,18 @@ constexpr int64_t kMaxStreamedRows = 16;
 
 using RowsKernel = void (*)(const LinearArgs&, int64_t, int64_t);
 
+// The AVX-512 build also uses AVX512-VNNI (linear_kernel_avx512.cpp), which some AVX-512 CPUs lack
+// (Skylake-SP): those take the AVX2 build.
+Isa linear_isa() {
+  const Isa isa = selected_isa();
+#if defined(__x86_64__)
+  if (isa == Isa::kAvx512 && !__builtin_cpu_supports("avx512vnni")) return Isa::kAvx2;
+#endif
+  return isa;
+}
+
 RowsKernel rows_kernel() {
-  static const RowsKernel kernel = SSMOPS_ISA_KERNEL(selected_isa(), linear_rows);  // fixed for the process
+  static const RowsKernel kernel = SSMOPS_ISA_KERNEL(linear_isa(), linear_rows);  // fixed for the process
   return kernel;
 }
 
@@ -43,7 +53,7 @@ thread_local std::vector<float> x_scale;
 
 void round_to_int16(const float* x, int64_t M, int64_t K) {
   using Round = void (*)(const float*, int64_t, int64_t, int16_t*, float*);
-  static const Round round_rows = SSMOPS_ISA_KERNEL(selected_isa(), linear_round_int16);  // fixed for the process
+  static const Round round_rows = SSMOPS_ISA_KERNEL(linear_isa(), linear_round_int16);  // fixed for the process
   x_int16.resize(static_cast<size_t>(M * K));
   x_scale.resize(static_cast<size_t>(M));
   round_rows(x, M, K, x_int16.data(), x_scale.data());
