@@ -284,11 +284,14 @@ inline void tile(const LinearArgs& a, int64_t n, int64_t n_end, int64_t m0, int6
         sum[m][r] += A::sum(acc[m][r][0]);
       }
   }
-  if (k_vec < K)
+  if (k_vec < K) {
+    typename A::Wide w[R];
+    for (int r = 0; r < R; ++r) w[r] = weights_part<kind>(a.weight, row[r] + k_vec, K - k_vec);
     for (int m = 0; m < xr; ++m) {
       const typename A::Wide xv = xs_part<kind>(x + (m0 + m) * K + k_vec, K - k_vec);
-      for (int r = 0; r < R; ++r) sum[m][r] += A::sum(A::mul(weights_part<kind>(a.weight, row[r] + k_vec, K - k_vec), xv));
+      for (int r = 0; r < R; ++r) sum[m][r] += A::sum(A::mul(w[r], xv));
     }
+  }
   for (int m = 0; m < xr; ++m)
     for (int r = 0; r < R && n + r < n_end; ++r) {
       float s = sum[m][r];
