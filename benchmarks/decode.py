@@ -7,8 +7,9 @@ A decoding token reads every weight once, so its time is bounded below by (weigh
 token) / (read bandwidth). The script measures the bandwidth in the same run (the fastest of five
 `torch.sum`s over 512 MiB, which reads at the memory's speed: a hand-written AVX2 loop read 28.5 GB/s
 where it read 28.0 on the machine this was written on), just before and just after each rate, and
-takes the higher of the two (a shared machine's bandwidth moved between 35 and 62 GB/s from one
-minute to the next here). For each weight format (`MambaLMHeadModel.convert_weights`) and batch size:
+takes the highest (a shared machine's bandwidth moved between 35 and 62 GB/s from one minute to the
+next here). For each weight format (`MambaLMHeadModel.convert_weights`) and batch size, the formats
+taking turns so that the same minutes weigh on each:
 
 * decode tokens/s per sequence: greedy generation of N new tokens after a 64-token prompt (ssmops,
   batch > 1: prompts of 64, 61, 58, ... tokens, decoded together, each at its own position), timed as
@@ -71,16 +72,25 @@ def weight_bytes_per_token(model: MambaLMHeadModel) -> int:
     return total
 
 
-def decode_rate(generate, prompt, new_tokens: int, repeats: int) -> float:
-    """Tokens per second per sequence, prefill excluded: the fastest of `repeats` generations of
-    new_tokens less the fastest of 1, taken in turns. (Medians of 2 let the prefill's noise through:
-    8 prompts prefilled one by one moved by ~0.6 s between runs here, as much as 32 tokens take.)"""
-    generate(prompt, new_tokens)
-    t_one, t_many = [], []
+def decode_rates(generators: dict, prompt, new_tokens: int, repeats: int, probe: torch.Tensor):
+    """Tokens per second per sequence of each generator, prefill excluded, and the read bandwidth in
+    the same minutes. A rate is the fastest of `repeats` generations of new_tokens less the fastest of 1
+    (medians of 2 let the prefill's noise through: 8 prompts prefilled one by one moved by ~0.6 s
+    between runs here, as much as 32 tokens take). The generators take turns, and the bandwidth is the
+    most it measured before and after each turn: a shared machine's moved between 35 and 62 GB/s from
+    one minute to the next here, so formats timed minutes apart were not comparable."""
+    for generate in generators.values():
+        generate(prompt, new_tokens)
+    t_one = {name: [] for name in generators}
+    t_many = {name: [] for name in generators}
+    bandwidth = read_bandwidth(probe)
     for _ in range(repeats):
-        t_one.append(_seconds(lambda: generate(prompt, 1)))
-        t_many.append(_seconds(lambda: generate(prompt, new_tokens)))
-    return (new_tokens - 1) / max(min(t_many) - min(t_one), 1e-9)
+        for name, generate in generators.items():
+            t_one[name].append(_seconds(lambda: generate(prompt, 1)))
+            t_many[name].append(_seconds(lambda: generate(prompt, new_tokens)))
+            bandwidth = max(bandwidth, read_bandwidth(probe))
+    rates = {name: (new_tokens - 1) / max(min(t_many[name]) - min(t_one[name]), 1e-9) for name in generators}
+    return rates, bandwidth
 
 
 def profile_compiled_token(model, prompt, tokens: int = 8, top: int = 8) -> None:
@@ -132,7 +142,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads, "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"read bandwidth, measured now: {read_bandwidth(bandwidth_probe) / 1e9:.1f} GB/s "
-          "(and around each row below: GB/s)")
+          "(and around the rows timed together below: GB/s)")
     cfg = fp32_model.config
     print(f"model: {cfg.ssm_cfg.get('layer', 'Mamba1')}, d_model {cfg.d_model}, {cfg.n_layer} layers, vocab "
           f"{cfg.vocab_size}; decode: {new_tokens - 1} tokens after a {prompt_len}-token prompt (greedy); "
@@ -140,10 +150,7 @@ def main() -> None:
     print(f"\n  {'':28s} {'batch':>5s} {'MB/token':>9s} {'GB/s':>5s} {'bound tok/s':>11s} {'decode tok/s':>12s} "
           f"{'of bound':>8s} {'prefill tok/s':>13s}")
 
-    def row(name, weight_bytes, batch, measure_rate, prefill=None):
-        before = read_bandwidth(bandwidth_probe)
-        rate = measure_rate()
-        bandwidth = max(before, read_bandwidth(bandwidth_probe))
+    def row(name, weight_bytes, batch, rate, bandwidth, prefill=None):
         bound = bandwidth / weight_bytes
         pre = f"{prefill:13.1f}" if prefill is not None else f"{'':13s}"
         print(f"  {name:28s} {batch:5d} {weight_bytes / 1e6:9.1f} {bandwidth / 1e9:5.1f} {bound:11.1f} {rate:12.1f} "
@@ -164,32 +171,30 @@ def main() -> None:
             if batch == batches[0]:
                 prefill = prefill_len / time_call(lambda: hf(long_prompt, use_cache=True, logits_to_keep=1),
                                                   args.repeats)
-            results["transformers", batch] = row(
-                "transformers (fp32)", hf_bytes, batch,
-                lambda: decode_rate(hf_generate, prompt, new_tokens, args.repeats), prefill)
+            rates, bandwidth = decode_rates({"hf": hf_generate}, prompt, new_tokens, args.repeats, bandwidth_probe)
+            results["transformers", batch] = row("transformers (fp32)", hf_bytes, batch, rates["hf"], bandwidth,
+                                                 prefill)
+        models, prefills = {}, {}
         for weights in ("fp32", "bf16", "int8"):
-            model = MambaLMHeadModel(cfg).eval()
+            model = models[weights] = MambaLMHeadModel(cfg).eval()
             model.load_state_dict(state)
             model.convert_weights(weights)
-            nbytes = weight_bytes_per_token(model)
-            prefill = prefill_len / time_call(
+            prefills[weights] = prefill_len / time_call(
                 lambda: model(long_prompt, inference_params=InferenceParams(prefill_len + 1, 1), num_last_tokens=1),
                 args.repeats)
-            for batch in batches:
-                # several prompts at once, each with its own length (prefilled one by one)
-                prompt = [torch.randint(0, cfg.vocab_size, (prompt_len - 3 * i,), generator=gen) for i in range(batch)]
-                for cg in (False,) if args.no_compile else (False, True):
-                    def ours(ids, n, cg=cg):
-                        return model.generate(ids, max_length=prompt_len + n, cg=cg)
-
-                    if cg:
-                        ours(prompt, 2)  # compiles the step for this batch size
-                    name = f"ssmops {weights} {'compiled' if cg else 'eager'}"
-                    results[weights, cg, batch] = row(name, nbytes, batch,
-                                                      lambda: decode_rate(ours, prompt, new_tokens, args.repeats),
-                                                      prefill if batch == batches[0] and not cg else None)
-            if weights == "fp32" and not args.no_compile:
-                fp32_model = model
+        for batch in batches:
+            # several prompts at once, each with its own length (prefilled one by one)
+            prompt = [torch.randint(0, cfg.vocab_size, (prompt_len - 3 * i,), generator=gen) for i in range(batch)]
+            for cg in (False,) if args.no_compile else (False, True):
+                generators = {
+                    weights: lambda ids, n, model=model, cg=cg: model.generate(ids, max_length=prompt_len + n, cg=cg)
+                    for weights, model in models.items()}
+                rates, bandwidth = decode_rates(generators, prompt, new_tokens, args.repeats, bandwidth_probe)
+                for weights, model in models.items():
+                    results[weights, cg, batch] = row(f"ssmops {weights} {'compiled' if cg else 'eager'}",
+                                                      weight_bytes_per_token(model), batch, rates[weights], bandwidth,
+                                                      prefills[weights] if batch == batches[0] and not cg else None)
+        fp32_model = models["fp32"]
     b = batches[0]
     cg = not args.no_compile
     fp32 = results["fp32", cg, b]
