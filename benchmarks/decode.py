@@ -6,15 +6,15 @@ int8 weights, against transformers' PyTorch path with the same weights.
 A decoding token reads every weight once, so its time is bounded below by (weight bytes read per
 token) / (read bandwidth). The script measures the bandwidth in the same run (the fastest of five
 `torch.sum`s over 512 MiB, which reads at the memory's speed: a hand-written AVX2 loop read 28.5 GB/s
-where it read 28.0 on the machine this was written on), just before and just after each rate, and
+where it read 28.0 on the machine this was written on) around the rows it times together, and
 takes the highest (a shared machine's bandwidth moved between 35 and 62 GB/s from one minute to the
 next here). For each weight format (`MambaLMHeadModel.convert_weights`) and batch size, the formats
 taking turns so that the same minutes weigh on each:
 
 * decode tokens/s per sequence: greedy generation of N new tokens after a 64-token prompt (ssmops,
   batch > 1: prompts of 64, 61, 58, ... tokens, decoded together, each at its own position), timed as
-  (time for N tokens - time for 1 token) / (N - 1), so prefill is excluded; "eager" runs the
-  step layer by layer, "compiled" is `generate(..., cg=True)` (one graph per token; compiled once
+  (fastest time for N tokens - fastest time for 1 token) / (N - 1), so prefill is excluded; "eager"
+  runs the step layer by layer, "compiled" is `generate(..., cg=True)` (one graph per token; compiled once
   before timing);
 * its share of the bound: tokens/s * weight bytes per token / bandwidth;
 * prefill tokens/s (512-token prompt, batch 1);

@@ -1,6 +1,7 @@
-// exp, softplus and sigmoid for GCC float vectors of any width (`vf`, with `vi` its int32 vector):
-// the scan kernels' and the decoding step's. Internal linkage, so that each file compiles its
-// own copy for its own instruction set and none reaches a caller built for another.
+// exp, softplus, sigmoid and the lanes' sum for GCC float vectors of any width (`vf`, with `vi` its
+// int32 vector): the scan kernels', the decoding step's and the GEMV's. Internal linkage, so that
+// each file compiles its own copy for its own instruction set and none reaches a caller built for
+// another.
 #pragma once
 
 namespace ssmops_cpu {
@@ -69,6 +70,22 @@ inline vf vsoftplus_of(vf x) {
   vf l1p = vlog_ge1_of<vf, vi>(w) * e / (den == vf{} ? one : den);
   l1p = den == vf{} ? e : l1p;
   return x > twenty ? x : l1p;
+}
+
+// The lanes' sum as a halving tree, the upper half onto the lower until one lane is left: a fixed
+// order per width, a few instructions where adding the lanes in turn is a chain of W dependent adds.
+template <class vf>
+inline float vsum_of(vf v) {
+  if constexpr (sizeof(vf) == 64) {
+    return vsum_of(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+  } else if constexpr (sizeof(vf) == 32) {
+    return vsum_of(__builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7));
+  } else {
+    static_assert(sizeof(vf) == 16, "4, 8 or 16 float lanes");
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1);
+    return v[0] + v[1];
+  }
 }
 
 template <class vf, class vi>

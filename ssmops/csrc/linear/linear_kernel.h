@@ -16,6 +16,7 @@
 #include <immintrin.h>
 #endif
 
+#include "../common/vmath.h"
 #include "linear_params.h"
 
 #define LIN_CAT2(a, b) a##b
@@ -105,27 +106,6 @@ inline vf load_w(const void* w, int64_t i) {
   return v;
 }
 
-// The lanes' sum as a halving tree (upper half onto lower half until one lane is left): a few
-// instructions, where adding the lanes in turn was a chain of W dependent adds a weight row, the
-// larger part of a row's time when the rows are short (dt_proj's 48 weights).
-typedef float vf4 __attribute__((vector_size(16)));
-inline float hsum4(vf4 v) {
-  v += __builtin_shufflevector(v, v, 2, 3, 0, 1);
-  return v[0] + v[1];
-}
-inline float hsum(vf v) {
-#if LIN_W == 16
-  typedef float vf8 __attribute__((vector_size(32)));
-  const vf8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  return hsum4(__builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7));
-#elif LIN_W == 8
-  return hsum4(__builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7));
-#else
-  return hsum4(v);
-#endif
-}
-
 // int8 weights meet x rounded to int16 (linear.cpp): a step is 2W weights widened to int16 and
 // multiplied pairwise with 2W x's into W int32 lanes (one vpmaddwd), ~2x the float path's weights
 // per instruction. |x_int16| <= 32767 and |w| <= 128, so a lane's 2 products a step, kIntBlock / W
@@ -180,7 +160,7 @@ struct Arith {
   }
   static Acc mul(Wide w, Wide x) { return w * x; }
   static Acc mul_add(Acc acc, Wide w, Wide x) { return acc + w * x; }
-  static float sum(Acc acc) { return hsum(acc); }
+  static float sum(Acc acc) { return vsum_of(acc); }
 };
 
 // ... and int8 weights against int16 x, 2W weights a step, kIntBlock weights a block.
@@ -209,7 +189,7 @@ struct Arith<WeightKind::kInt8> {
 #endif
   }
   // each lane (< 2^31) rounded to float32 (a relative 2^-24, far below x's rounding to int16)
-  static float sum(Acc acc) { return hsum(__builtin_convertvector(acc, vf)); }
+  static float sum(Acc acc) { return vsum_of(__builtin_convertvector(acc, vf)); }
 };
 
 // The last step of a row whose length is not a multiple of kStep: its n weights (and x's) in a
@@ -265,7 +245,8 @@ inline void tile(const LinearArgs& a, int64_t n, int64_t n_end, int64_t m0, int6
     typename A::Acc acc[xr][R][U] = {};
     auto step = [&](int64_t k, int u) {
       if (k % kLine == 0)
-        for (int r = 0; r < R; ++r) __builtin_prefetch(ahead + (r * K + k) * sizeof(WeightT<kind>), 0, kPrefetchLocality);
+        for (int r = 0; r < R; ++r)
+          __builtin_prefetch(ahead + (r * K + k) * sizeof(WeightT<kind>), 0, kPrefetchLocality);
       typename A::Wide w[R];
       for (int r = 0; r < R; ++r) w[r] = A::weights(a.weight, row[r] + k);
       for (int m = 0; m < xr; ++m) {

@@ -30,28 +30,13 @@ inline vf ld(const float* p) {
 }
 inline void st(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
 
-// The 16 partial sums to one, lane l + w onto lane l for w = 8, 4, 2, 1: a fixed tree 4 adds deep,
-// in registers (through memory, the scalar loads of a vector just stored were ~40% of a row's time).
-typedef float vf4 __attribute__((vector_size(16)));
-typedef float vf8 __attribute__((vector_size(32)));
-inline float fold4(vf4 v) {
-  v += __builtin_shufflevector(v, v, 2, 3, 2, 3);
-  return v[0] + v[1];
-}
-inline float fold8(vf8 v) {
-  return fold4(__builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7));
-}
-template <class V>  // vf: a template, so that only its own width's branch is compiled
-inline float fold(const V* acc) {
-  if constexpr (sizeof(V) == 16) {
-    return fold4((acc[0] + acc[2]) + (acc[1] + acc[3]));
-  } else if constexpr (sizeof(V) == 32) {
-    return fold8(acc[0] + acc[1]);
-  } else {
-    static_assert(sizeof(V) == 64, "4, 8 or 16 lanes");
-    return fold8(__builtin_shufflevector(acc[0], acc[0], 0, 1, 2, 3, 4, 5, 6, 7) +
-                 __builtin_shufflevector(acc[0], acc[0], 8, 9, 10, 11, 12, 13, 14, 15));
-  }
+// The 16 partial sums to one, lane l + w onto lane l for w = 8, 4, 2, 1: a fixed tree 4 adds deep
+// whatever W is, in registers (through memory, the scalar loads of a vector just stored were ~40% of
+// a row's time).
+inline float fold(const vf* acc) {
+  if constexpr (kVecs == 4) return vsum_of((acc[0] + acc[2]) + (acc[1] + acc[3]));
+  if constexpr (kVecs == 2) return vsum_of(acc[0] + acc[1]);
+  return vsum_of(acc[0]);
 }
 
 }  // namespace
