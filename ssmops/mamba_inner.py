@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .ops.mamba_step.default import causal_conv1d_update as conv_window_step
 from .selective_scan import selective_scan_fn
 
 
@@ -60,14 +61,8 @@ def causal_conv1d_update(
     (batch, dim, width), which is UPDATED IN PLACE (shifted left by one, x appended); returns
     the conv's output for x, (batch, dim) in x's dtype."""
     _check_activation(activation)
-    if weight.dim() == 3:
-        weight = weight.squeeze(1)
-    conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))
-    conv_state[:, :, -1] = x
-    out = torch.sum(conv_state * weight, dim=-1)
-    if bias is not None:
-        out = out + bias
-    return (F.silu(out) if activation is not None else out).to(x.dtype)
+    return conv_window_step(x, conv_state, weight.squeeze(1) if weight.dim() == 3 else weight, bias,
+                            silu=activation is not None)
 
 
 def _check_activation(activation: str | None) -> None:

@@ -44,4 +44,9 @@ STABLE_TORCH_LIBRARY(ssmops, m) {
       "Tensor? dfinal_states, Tensor? dvarlen_states) -> (Tensor dx, Tensor ddt, Tensor dA, "
       "Tensor dB, Tensor dC, Tensor dD, Tensor dz, Tensor ddt_bias, Tensor dinitial_states)");
   m.def("weight_only_linear(Tensor x, Tensor weight, Tensor? weight_scale, Tensor? bias) -> Tensor");
+  m.def(
+      "mamba_step(Tensor hidden_states, Tensor(a!) conv_state, Tensor(b!) ssm_state, Tensor in_proj_weight, "
+      "Tensor? in_proj_scale, Tensor? in_proj_bias, Tensor conv_weight, Tensor? conv_bias, Tensor x_proj_weight, "
+      "Tensor? x_proj_scale, Tensor dt_proj_weight, Tensor? dt_proj_scale, Tensor? dt_proj_bias, Tensor A, "
+      "Tensor? D, Tensor out_proj_weight, Tensor? out_proj_scale, Tensor? out_proj_bias) -> Tensor");
 }

@@ -6,15 +6,12 @@
 
 #include "../common/checks.h"
 #include "../common/isa.h"
-#include "linear_params.h"
+#include "linear.h"
 
 namespace ssmops_cpu {
 namespace {
 
 constexpr const char* kOp = "weight_only_linear";
-// Up to this many rows of x, each weight row is read once for all of them (decoding);
-// beyond it the weight is widened to x's dtype once and aten's matmul does the work (prefill).
-constexpr int64_t kMaxStreamedRows = 16;
 
 using RowsKernel = void (*)(const LinearArgs&, int64_t, int64_t);
 
@@ -33,6 +30,21 @@ RowsKernel rows_kernel() {
   return kernel;
 }
 
+// For int8 weights, x rounded to int16 per row (linear_params.h), into one buffer per thread:
+// decoding allocates nothing a call.
+thread_local std::vector<int16_t> x_int16;
+thread_local std::vector<float> x_scale;
+
+void round_to_int16(const float* x, int64_t M, int64_t K) {
+  using Round = void (*)(const float*, int64_t, int64_t, int16_t*, float*);
+  static const Round round_rows = SSMOPS_ISA_KERNEL(linear_isa(), linear_round_int16);  // fixed for the process
+  x_int16.resize(static_cast<size_t>(M * K));
+  x_scale.resize(static_cast<size_t>(M));
+  round_rows(x, M, K, x_int16.data(), x_scale.data());
+}
+
+}  // namespace
+
 WeightKind weight_kind(ST t) {
   switch (t) {
     case ST::Float:
@@ -46,18 +58,35 @@ WeightKind weight_kind(ST t) {
   }
 }
 
-// For int8 weights, x rounded to int16 per row (linear_params.h), into one buffer per thread:
-// decoding allocates nothing a call.
-thread_local std::vector<int16_t> x_int16;
-thread_local std::vector<float> x_scale;
-
-void round_to_int16(const float* x, int64_t M, int64_t K) {
-  using Round = void (*)(const float*, int64_t, int64_t, int16_t*, float*);
-  static const Round round_rows = SSMOPS_ISA_KERNEL(linear_isa(), linear_round_int16);  // fixed for the process
-  x_int16.resize(static_cast<size_t>(M * K));
-  x_scale.resize(static_cast<size_t>(M));
-  round_rows(x, M, K, x_int16.data(), x_scale.data());
+StreamedLinear::StreamedLinear(const float* x, int64_t M, const Tensor& weight, const float* scale,
+                               const float* bias, float* y) {
+  const WeightKind kind = weight_kind(weight.scalar_type());
+  const int64_t N = weight.size(0), K = weight.size(1);
+  if (kind == WeightKind::kInt8) round_to_int16(x, M, K);
+  args_ = LinearArgs{x,
+                     kind == WeightKind::kInt8 ? x_int16.data() : nullptr,
+                     kind == WeightKind::kInt8 ? x_scale.data() : nullptr,
+                     weight.const_data_ptr(),
+                     kind,
+                     scale,
+                     bias,
+                     y,
+                     M,
+                     N,
+                     K};
 }
+
+void StreamedLinear::rows(int64_t n_begin, int64_t n_end) const { rows_kernel()(args_, n_begin, n_end); }
+
+int64_t StreamedLinear::grain() const { return std::max<int64_t>(1, 32768 / (kTaskRows * args_.K)); }
+
+void StreamedLinear::run() const {
+  torch::stable::parallel_for(0, tasks(), grain(), [&](int64_t begin, int64_t end) {
+    rows(begin * kTaskRows, std::min(end * kTaskRows, args_.N));
+  });
+}
+
+namespace {
 
 void check_inputs(const Tensor& x, const Tensor& weight, const OptTensor& weight_scale, const OptTensor& bias) {
   const ST xt = x.scalar_type();
@@ -102,27 +131,10 @@ Tensor weight_only_linear(Tensor x, Tensor weight, OptTensor weight_scale, OptTe
   Tensor y, scale = weight_scale ? contig(*weight_scale) : x2;
   Tensor bias32 = !bias ? x2 : bias->scalar_type() == ST::Float ? contig(*bias) : as_f32(*bias);
   if (M > 0 && K > 0 && M <= kMaxStreamedRows) {
-    weight = contig(weight);
     y = empty_like_shape(x, out_shape, ST::Float);
-    const WeightKind kind = weight_kind(weight.scalar_type());
-    const float* xp = x2.const_data_ptr<float>();
-    if (kind == WeightKind::kInt8) round_to_int16(xp, M, K);
-    const LinearArgs a{xp,
-                       kind == WeightKind::kInt8 ? x_int16.data() : nullptr,
-                       kind == WeightKind::kInt8 ? x_scale.data() : nullptr,
-                       weight.const_data_ptr(),
-                       kind,
-                       weight_scale ? scale.const_data_ptr<float>() : nullptr,
-                       bias ? bias32.const_data_ptr<float>() : nullptr,
-                       y.mutable_data_ptr<float>(),
-                       M,
-                       N,
-                       K};
-    // tasks of kTaskRows rows, at least ~32K weights each, so that a small layer stays on one thread
-    const int64_t tasks = (N + kTaskRows - 1) / kTaskRows, grain = std::max<int64_t>(1, 32768 / (kTaskRows * K));
-    torch::stable::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
-      rows_kernel()(a, begin * kTaskRows, std::min(end * kTaskRows, N));
-    });
+    StreamedLinear(x2.const_data_ptr<float>(), M, contig(weight), weight_scale ? scale.const_data_ptr<float>() : nullptr,
+                   bias ? bias32.const_data_ptr<float>() : nullptr, y.mutable_data_ptr<float>())
+        .run();
   } else {
     Tensor w32 = torch::stable::to(weight, ST::Float);  // int8: the scale is applied to y below
     y = contig(torch::stable::matmul(x2, torch::stable::transpose(w32, 0, 1)));

@@ -12,7 +12,7 @@
 #include "../common/checks.h"
 #include "../common/isa.h"
 #include "../common/vmath.h"
-#include "state_update_params.h"
+#include "state_update.h"
 
 namespace ssmops_cpu {
 namespace {
@@ -48,6 +48,42 @@ AdvanceRows advance_rows() {
   static const AdvanceRows kernel = SSMOPS_ISA_KERNEL(selected_isa(), advance_rows);  // fixed for the process
   return kernel;
 }
+
+}  // namespace
+
+void silu_in_place(float* v, int64_t n) { apply4<silu4>(v, n); }
+
+void SelectiveStep::rows(int64_t begin, int64_t end) const {
+  const int64_t per_group = dim / groups;
+  const AdvanceRows advance = advance_rows();
+  for (int64_t r0 = begin; r0 < end; r0 += kStepRowBlock) {
+    const int64_t n = std::min(kStepRowBlock, end - r0);
+    float delta[kStepRowBlock], dtx[kStepRowBlock], gate[kStepRowBlock], acc[kStepRowBlock];
+    for (int64_t i = 0, b = r0 / dim, c = r0 % dim; i < n; ++i) {
+      delta[i] = dt[r0 + i] + (dt_bias ? dt_bias[c] : 0.0f);
+      if (z) gate[i] = z[b * z_stride + c];
+      if (++c == dim) c = 0, ++b;
+    }
+    if (softplus) apply4<softplus4>(delta, n);
+    for (int64_t i = 0; i < n; ++i) dtx[i] = delta[i] * x[r0 + i];
+    if (z) apply4<silu4>(gate, n);
+    // the block's rows in runs that share B and C: one (batch, group) each
+    for (int64_t i = 0; i < n;) {
+      const int64_t row = r0 + i, b = row / dim, c = row % dim, g = c / per_group;
+      const int64_t run = std::min(n - i, (g + 1) * per_group - c);
+      advance(h + row * dstate, run, dstate, A + c * dstate, delta + i, nullptr, dtx + i,
+              B + b * bc_stride + g * dstate, C + b * bc_stride + g * dstate, acc + i);
+      for (int64_t j = 0; j < run; ++j) {
+        const float xv = x[row + j];
+        const float out = D ? acc[i + j] + D[c + j] * xv : acc[i + j];
+        y[row + j] = z ? out * gate[i + j] : out;
+      }
+      i += run;
+    }
+  }
+}
+
+namespace {
 
 // --- selective_state_update: one decoding step ------------------------------------------
 // Tiny work per call (batch * dim * dstate), so a plain loop over float32 copies of the
@@ -99,44 +135,24 @@ Tensor selective_state_update(Tensor state, Tensor x, Tensor dt, Tensor A, Tenso
   if (z) z32 = as_f32(*z);
   if (dt_bias) bias32 = as_f32(*dt_bias);
   Tensor y = empty_like_shape(x, {batch, dim}, ST::Float);
-  float* hp = h.mutable_data_ptr<float>();
-  float* yp = y.mutable_data_ptr<float>();
-  const float *xp = x32.const_data_ptr<float>(), *dtp = dt32.const_data_ptr<float>();
-  const float *Ap = A32.const_data_ptr<float>(), *Bp = B32.const_data_ptr<float>();
-  const float* Cp = C32.const_data_ptr<float>();
-  const float* Dp = D32 ? D32->const_data_ptr<float>() : nullptr;
-  const float* zp = z32 ? z32->const_data_ptr<float>() : nullptr;
-  const float* biasp = bias32 ? bias32->const_data_ptr<float>() : nullptr;
-  const int64_t per_group = dim / groups;
-  const AdvanceRows advance = advance_rows();
-  constexpr int64_t kRowBlock = 64;  // rows whose dt and gate are computed together, vectorised
-  torch::stable::parallel_for(0, batch * dim, kRowBlock, [&](int64_t begin, int64_t end) {
-    for (int64_t r0 = begin; r0 < end; r0 += kRowBlock) {
-      const int64_t rows = std::min(kRowBlock, end - r0);
-      float delta[kRowBlock], dtx[kRowBlock], gate[kRowBlock], acc[kRowBlock];
-      for (int64_t i = 0, c = r0 % dim; i < rows; ++i, c = c + 1 == dim ? 0 : c + 1)
-        delta[i] = dtp[r0 + i] + (biasp ? biasp[c] : 0.0f);
-      if (dt_softplus) apply4<softplus4>(delta, rows);
-      for (int64_t i = 0; i < rows; ++i) dtx[i] = delta[i] * xp[r0 + i];
-      if (zp) {
-        __builtin_memcpy(gate, zp + r0, sizeof(float) * rows);
-        apply4<silu4>(gate, rows);
-      }
-      // the block's rows in runs that share B and C: one (batch, group) each
-      for (int64_t i = 0; i < rows;) {
-        const int64_t row = r0 + i, b = row / dim, c = row % dim, g = c / per_group;
-        const int64_t run = std::min(rows - i, (g + 1) * per_group - c);
-        advance(hp + row * dstate, run, dstate, Ap + c * dstate, delta + i, nullptr, dtx + i,
-                Bp + (b * groups + g) * dstate, Cp + (b * groups + g) * dstate, acc + i);
-        for (int64_t j = 0; j < run; ++j) {
-          const float xv = xp[row + j];
-          const float out = Dp ? acc[i + j] + Dp[c + j] * xv : acc[i + j];
-          yp[row + j] = zp ? out * gate[i + j] : out;
-        }
-        i += run;
-      }
-    }
-  });
+  const SelectiveStep step{dim,
+                           dstate,
+                           groups,
+                           groups * dstate,
+                           dim,
+                           dt_softplus,
+                           h.mutable_data_ptr<float>(),
+                           x32.const_data_ptr<float>(),
+                           dt32.const_data_ptr<float>(),
+                           A32.const_data_ptr<float>(),
+                           B32.const_data_ptr<float>(),
+                           C32.const_data_ptr<float>(),
+                           D32 ? D32->const_data_ptr<float>() : nullptr,
+                           z32 ? z32->const_data_ptr<float>() : nullptr,
+                           bias32 ? bias32->const_data_ptr<float>() : nullptr,
+                           y.mutable_data_ptr<float>()};
+  torch::stable::parallel_for(0, batch * dim, kStepRowBlock,
+                              [&](int64_t begin, int64_t end) { step.rows(begin, end); });
   if (h.data_ptr() != state.data_ptr()) torch::stable::copy_(state, h);
   return xt == ST::Float ? y : torch::stable::to(y, xt);
 }

@@ -1,0 +1,38 @@
+"""`mamba_step` in pure PyTorch, any device: the `default` backend's kernel, the mixer's step as
+the `default` kernels of the operators it fuses."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..linear.default import weight_only_linear
+from ..state_update.default import selective_state_update
+from .checks import check_mamba_step_inputs
+
+
+def causal_conv1d_update(x, conv_state, weight, bias=None, silu: bool = False):
+    """One token through a depthwise causal conv: x (batch, dim) enters the window conv_state
+    (batch, dim, width), which is updated in place (shifted left by one, x appended); returns the
+    conv's output for x, (batch, dim) in x's dtype. weight: (dim, width)."""
+    conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))
+    conv_state[:, :, -1] = x
+    out = torch.sum(conv_state * weight, dim=-1)
+    if bias is not None:
+        out = out + bias
+    return (F.silu(out) if silu else out).to(x.dtype)
+
+
+def mamba_step(hidden_states, conv_state, ssm_state, in_proj_weight, in_proj_scale, in_proj_bias, conv_weight,
+               conv_bias, x_proj_weight, x_proj_scale, dt_proj_weight, dt_proj_scale, dt_proj_bias, A, D,
+               out_proj_weight, out_proj_scale, out_proj_bias):
+    _, _, d_inner, d_state, _, dt_rank, _ = check_mamba_step_inputs(
+        hidden_states, conv_state, ssm_state, in_proj_weight, in_proj_scale, in_proj_bias, conv_weight, conv_bias,
+        x_proj_weight, x_proj_scale, dt_proj_weight, dt_proj_scale, dt_proj_bias, A, D, out_proj_weight,
+        out_proj_scale, out_proj_bias)
+    x, z = weight_only_linear(hidden_states, in_proj_weight, in_proj_scale, in_proj_bias).split(d_inner, dim=-1)
+    x = causal_conv1d_update(x, conv_state, conv_weight, conv_bias, silu=True)
+    dt, B, C = weight_only_linear(x, x_proj_weight, x_proj_scale, None).split([dt_rank, d_state, d_state], dim=-1)
+    dt = weight_only_linear(dt, dt_proj_weight, dt_proj_scale, None)
+    y = selective_state_update(ssm_state, x, dt, A, B, C, D, z, dt_proj_bias, True)
+    return weight_only_linear(y, out_proj_weight, out_proj_scale, out_proj_bias)

@@ -1,0 +1,206 @@
+"""The fused decoding step of a Mamba block's mixer (`mamba_step`): every backend against the
+reference, for every weight format; the states updated in place, strided or not; the checks;
+opcheck; and the Mamba block, whose `step` runs it on CPU, against its unfused step.
+
+The reference (`ssmops/ops/mamba_step/reference.py`) is built from the references of the
+operators it fuses (each tested in its own module) and the conv window's formula, tested here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ssmops
+from conftest import assert_close, backend_params
+from ssmops.mamba_inner import causal_conv1d_update
+from ssmops.modules import Mamba
+from ssmops.modules.linear import quantize_int8
+from ssmops.ops.mamba_step.reference import mamba_step_ref
+
+WEIGHT_FORMATS = (torch.float32, torch.bfloat16, torch.float16, torch.int8)
+# (batch, d_model, d_inner, d_state, d_conv, dt_rank): mamba-130m's layer (d_inner 1536 = 64 tasks of
+# the kernel's 24 rows); d_inner not a multiple of 24 and a d_state with a vector tail; the largest
+# batch the module sends here (16) with a long d_state and a 2-wide conv
+SHAPES = [(1, 768, 1536, 16, 4, 48), (3, 40, 100, 5, 3, 7), (16, 48, 72, 37, 2, 3)]
+
+
+def step_inputs(batch, d_model, d_inner, d_state, d_conv, dt_rank, weight_dtype=torch.float32, optional=True,
+                seed=0) -> list:
+    """mamba_step's arguments, in order; `optional=False` leaves every optional one None."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    def projection(out_features, in_features, bias):
+        w, scale = randn(out_features, in_features) / in_features**0.5, None
+        if weight_dtype == torch.int8:
+            w, scale = quantize_int8(w)
+        else:
+            w = w.to(weight_dtype)
+        return [w, scale, randn(out_features) if bias and optional else None]
+
+    return [
+        randn(batch, d_model), randn(batch, d_inner, d_conv), randn(batch, d_inner, d_state),
+        *projection(2 * d_inner, d_model, True), randn(d_inner, d_conv) / d_conv, randn(d_inner) if optional else None,
+        *projection(dt_rank + 2 * d_state, d_inner, False)[:2], *projection(d_inner, dt_rank, True),
+        -torch.rand(d_inner, d_state, generator=gen) * 4, randn(d_inner) if optional else None,
+        *projection(d_model, d_inner, True),
+    ]
+
+
+def run_step(fn, args):
+    """fn on copies of args; returns (out, conv_state, ssm_state)."""
+    args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    out = fn(*args)
+    return out, args[1], args[2]
+
+
+def unfused_on_cpu_kernels(*args):
+    """The step as the CPU kernels of the operators it fuses: the same int16 rounding of the
+    activations for int8 weights as the fused kernel's."""
+    ops = torch.ops.ssmops
+    (h, conv_state, ssm_state, in_w, in_s, in_b, conv_w, conv_b, x_w, x_s, dt_w, dt_s, dt_b, A, D, out_w, out_s,
+     out_b) = args
+    d_inner, d_state = A.shape
+    x, z = ops.weight_only_linear(h, in_w, in_s, in_b).split(d_inner, dim=-1)
+    x = causal_conv1d_update(x, conv_state, conv_w, conv_b, activation="silu")
+    dt, B, C = ops.weight_only_linear(x, x_w, x_s, None).split([x_w.shape[0] - 2 * d_state, d_state, d_state], -1)
+    y = ops.selective_state_update(ssm_state, x, ops.weight_only_linear(dt, dt_w, dt_s, None), A, B, C, D, z, dt_b,
+                                   True)
+    return ops.weight_only_linear(y, out_w, out_s, out_b)
+
+
+@pytest.mark.parametrize("backend", backend_params(names=("default", "cpu")))
+@pytest.mark.parametrize("weight_dtype", WEIGHT_FORMATS, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_backend_matches_reference(backend, weight_dtype, shape):
+    args = step_inputs(*shape, weight_dtype)
+    with ssmops.use_backend(backend):
+        got = run_step(torch.ops.ssmops.mamba_step, args)
+    expected = run_step(mamba_step_ref, args)
+    if backend == "cpu" and weight_dtype == torch.int8:
+        # the kernel rounds activations to int16 for int8 weights (weight_only_linear's tests bound
+        # that): here it must do exactly what the unfused CPU kernels do
+        expected = run_step(unfused_on_cpu_kernels, args)
+    for name, a, b in zip(("out", "conv_state", "ssm_state"), got, expected):
+        assert_close(a, b, 2e-5, name)
+
+
+@pytest.mark.parametrize("backend", backend_params(names=("default", "cpu")))
+def test_without_the_optional_arguments(backend):
+    args = step_inputs(2, 32, 48, 8, 4, 2, optional=False)
+    assert args[5] is None and args[7] is None and args[12] is None and args[14] is None
+    with ssmops.use_backend(backend):
+        got = run_step(torch.ops.ssmops.mamba_step, args)
+    for name, a, b in zip(("out", "conv_state", "ssm_state"), got, run_step(mamba_step_ref, args)):
+        assert_close(a, b, 2e-5, name)
+
+
+@pytest.mark.parametrize("backend", backend_params(names=("default", "cpu")))
+def test_strided_states_are_updated_in_place(backend):
+    args = step_inputs(3, 32, 48, 8, 4, 2)
+    expected = run_step(mamba_step_ref, args)
+    # the states as views of larger buffers, in another memory order
+    conv_buffer = args[1].transpose(1, 2).contiguous()
+    ssm_buffer = torch.zeros(3, 48, 16)
+    ssm_buffer[..., ::2] = args[2]
+    conv_state, ssm_state = conv_buffer.transpose(1, 2), ssm_buffer[..., ::2]
+    with ssmops.use_backend(backend):
+        out = torch.ops.ssmops.mamba_step(args[0], conv_state, ssm_state, *args[3:])
+    assert_close(out, expected[0], 2e-5, "out")
+    assert_close(conv_buffer.transpose(1, 2), expected[1], 2e-5, "conv_state")
+    assert_close(ssm_buffer[..., ::2], expected[2], 2e-5, "ssm_state")
+    assert not ssm_buffer[..., 1::2].any(), "the step wrote outside the state's view"
+
+
+def test_reference_token_by_token_is_the_blocks_sequence_forward():
+    """The reference's formulas, one token at a time from zero states, give the block's forward over
+    the whole sequence (the causal conv and the selective scan, each tested against the design's
+    formulas in its own module)."""
+    torch.manual_seed(0)
+    block = Mamba(d_model=16, d_state=5, d_conv=3, dt_rank=3, bias=True)
+    x = torch.randn(2, 7, 16)
+    with torch.no_grad():
+        expected = block(x)
+        conv_state, ssm_state = torch.zeros(2, block.d_inner, 3), torch.zeros(2, block.d_inner, 5)
+        out = [mamba_step_ref(x[:, t], conv_state, ssm_state, *block.step_parameters()) for t in range(7)]
+    assert_close(torch.stack(out, dim=1), expected, 1e-5, "out")
+
+
+def test_opcheck():
+    for weight_dtype in WEIGHT_FORMATS:
+        torch.library.opcheck(torch.ops.ssmops.mamba_step.default, step_inputs(2, 16, 24, 4, 3, 2, weight_dtype))
+
+
+def _replace(index, value):
+    return lambda a: [value(a[index]) if i == index else t for i, t in enumerate(a)]
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (_replace(0, lambda t: t.double()), TypeError, "hidden_states must have dtype float32"),
+        (_replace(0, lambda t: t[0]), ValueError, r"hidden_states must have shape \(batch, d_model\)"),
+        (_replace(3, lambda t: t[:-1]), ValueError, r"in_proj_weight must have shape \(2 \* d_inner, d_model\)"),
+        (_replace(3, lambda t: t[:, :-1]), ValueError, r"in_proj_weight must have shape \(48, 16\)"),
+        (_replace(4, lambda t: None), ValueError, "an int8 in_proj_weight needs in_proj_scale"),
+        (_replace(1, lambda t: t.to(torch.bfloat16)), TypeError, "conv_state must have dtype float32"),
+        (_replace(2, lambda t: t[:, :, :-1]), ValueError, r"ssm_state must have shape \(2, 24, 4\)"),
+        (_replace(6, lambda t: t[:-1]), ValueError, r"conv_weight must have shape \(24, 3\)"),
+        (_replace(8, lambda t: t[:8]), ValueError, r"x_proj_weight must have shape \(dt_rank \+ 2 \* d_state"),
+        (_replace(10, lambda t: t[:, :1]), ValueError, r"dt_proj_weight must have shape \(24, 2\)"),
+        (_replace(12, lambda t: t[:-1]), ValueError, r"dt_proj_bias must have shape \(24,\)"),
+        (_replace(13, lambda t: t[:, :0]), ValueError, "A must have 1 <= d_state"),
+        (_replace(14, lambda t: t.half()), TypeError, "D must have dtype float32"),
+        (_replace(16, lambda t: t[:-1]), ValueError, r"out_proj_scale must have shape \(16,\)"),
+        (_replace(15, lambda t: t.float()), ValueError, "out_proj_scale is for int8 weights only"),
+    ],
+)
+@pytest.mark.parametrize("backend", backend_params(names=("default", "cpu")))
+def test_errors_name_the_argument(backend, change, error, match):
+    """The Python checks (the default kernel's, and the fake kernel's under torch.compile and export)
+    and the C++ kernel's (a RuntimeError: the operator has no Python front end) say the same."""
+    args = change(step_inputs(2, 16, 24, 4, 3, 2, torch.int8))
+    with ssmops.use_backend(backend), pytest.raises(error if backend == "default" else RuntimeError, match=match):
+        torch.ops.ssmops.mamba_step(*args)
+
+
+# --- the Mamba block's step --------------------------------------------------------------
+
+
+def _decode(block, tokens, fused: bool):
+    """Steps `block` over tokens (batch, T, d_model) from zero states; returns (outs, conv_state, ssm_state)."""
+    conv_state, ssm_state = block.allocate_inference_cache(tokens.shape[0], 1)
+    outs = []
+    for t in range(tokens.shape[1]):
+        assert block._fused_step_serves(tokens[:, t:t + 1], conv_state, ssm_state) == fused
+        outs.append(block.step(tokens[:, t:t + 1], conv_state, ssm_state)[0])
+    return torch.cat(outs, dim=1), conv_state, ssm_state
+
+
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "int8"])
+def test_block_step_is_one_fused_call_on_cpu_and_matches_the_unfused_step(weights, monkeypatch):
+    torch.manual_seed(0)
+    block = Mamba(d_model=32, d_state=8, layer_idx=0)
+    for layer in (block.in_proj, block.out_proj):
+        layer.convert_weight(weights)
+    tokens = torch.randn(3, 4, 32)
+    with torch.no_grad():
+        fused = _decode(block, tokens, fused=True)
+        monkeypatch.setattr(Mamba, "_fused_step_serves", lambda *args: False)
+        unfused = _decode(block, tokens, fused=False)
+    for name, a, b in zip(("out", "conv_state", "ssm_state"), fused, unfused):
+        assert_close(a, b, 1e-5, name)
+
+
+def test_block_step_unfused_where_the_operator_does_not_serve():
+    block = Mamba(d_model=16, d_state=4, layer_idx=0)
+    token = torch.randn(17, 1, 16)
+    conv_state, ssm_state = block.allocate_inference_cache(17, 1)
+    assert not block._fused_step_serves(token, conv_state, ssm_state)  # past 16 sequences: matmuls
+    assert not block._fused_step_serves(token[:2], conv_state[:2].bfloat16(), ssm_state[:2])
+    assert not block._fused_step_serves(token[:2], conv_state[:2], ssm_state[:2])  # autograd: parameters need grads
+    with torch.no_grad():
+        assert block._fused_step_serves(token[:2], conv_state[:2], ssm_state[:2])
