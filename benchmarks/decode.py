@@ -93,7 +93,11 @@ def decode_rates(generators: dict, prompt, new_tokens: int, repeats: int, probe:
     return rates, bandwidth
 
 
-def profile_compiled_token(model, prompt, tokens: int = 8, top: int = 8) -> None:
+# the operators that read the weights (the GEMVs, and Mamba-1's fused mixer step around its own)
+WEIGHT_READERS = ("ssmops::weight_only_linear", "ssmops::mamba_step")
+
+
+def profile_compiled_token(model, prompt, bandwidth: float, tokens: int = 8, top: int = 8) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     batch, prompt_len = prompt.shape
@@ -117,6 +121,11 @@ def profile_compiled_token(model, prompt, tokens: int = 8, top: int = 8) -> None
     for e in events[:top]:
         ms = e.self_cpu_time_total / tokens / 1e3
         print(f"    {e.key[:48]:48s} {ms:7.2f} ms  {100 * ms / total:5.1f}%  ({e.count // tokens} calls)")
+    readers = sum(e.self_cpu_time_total for e in events if e.key in WEIGHT_READERS) / tokens / 1e3
+    weight_bytes = weight_bytes_per_token(model)
+    print(f"  {' and '.join(WEIGHT_READERS)} read the {weight_bytes / 1e6:.1f} MB of weights in {readers:.2f} ms "
+          f"({weight_bytes / readers / 1e6:.1f} GB/s, {weight_bytes / readers / 1e6 / (bandwidth / 1e9):.0%} of the "
+          f"{bandwidth / 1e9:.1f} GB/s measured); everything else: {total - readers:.2f} ms")
 
 
 def main() -> None:
@@ -205,7 +214,8 @@ def main() -> None:
         print(f"batch {batch}: tokens/s per sequence {results['fp32', cg, batch] / fp32:.2f}x batch {b}'s (fp32), "
               f"{results['int8', cg, batch] / results['int8', cg, b]:.2f}x (int8)")
     if cg:
-        profile_compiled_token(fp32_model, torch.randint(0, cfg.vocab_size, (b, prompt_len), generator=gen))
+        profile_compiled_token(fp32_model, torch.randint(0, cfg.vocab_size, (b, prompt_len), generator=gen),
+                               read_bandwidth(bandwidth_probe))
 
 
 if __name__ == "__main__":

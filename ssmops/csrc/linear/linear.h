@@ -19,7 +19,7 @@ WeightKind weight_kind(ST t);
 class StreamedLinear {
  public:
   StreamedLinear(const float* x, int64_t M, const Tensor& weight, const float* scale, const float* bias, float* y);
-  // output features [n_begin, n_end) for every row of x; n_begin a multiple of kTaskRows
+  // output features [n_begin, n_end) for every row of x (tiles start at n_begin)
   void rows(int64_t n_begin, int64_t n_end) const;
   // the whole layer, its tasks of kTaskRows features spread over the threads
   void run() const;

@@ -8,7 +8,7 @@ namespace ssmops_cpu {
 // How the weight (N, K), row-major, is stored; the kernels widen it to float32 as they read it.
 enum class WeightKind : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kInt8 = 3 };
 
-// The kernels' unit of work: a multiple of every tile's weight rows.
+// The operators' unit of work: a multiple of every tile's weight rows.
 constexpr int64_t kTaskRows = 24;
 
 // The largest |x_int16|: each row of x is scaled so that its largest |x| becomes this.
@@ -28,8 +28,8 @@ struct LinearArgs {
   int64_t M, N, K;
 };
 
-// y[:, n_begin:n_end] for every row of x: each weight row is read from memory once. n_begin is a
-// multiple of kTaskRows.
+// y[:, n_begin:n_end] for every row of x: each weight row is read from memory once, in tiles from
+// n_begin.
 void linear_rows_generic(const LinearArgs& a, int64_t n_begin, int64_t n_end);
 void linear_rows_avx2(const LinearArgs& a, int64_t n_begin, int64_t n_end);
 void linear_rows_avx512(const LinearArgs& a, int64_t n_begin, int64_t n_end);

@@ -109,17 +109,18 @@ Tensor mamba_step(Tensor hidden_states, Tensor conv_state, Tensor ssm_state, Ten
   float* dt = dt_in + M * dt_rank;   // (M, d_inner)
   float* y = dt + M * d_inner;       // (M, d_inner): the state update's output
 
-  // in_proj, and the conv over each channel right after the thread computed its x
+  // in_proj, and the conv over each channel right after the thread computed its x: a thread takes
+  // the rows of x and of z of the same channels, so that each has its share of the conv
   const float* cw = conv_w.const_data_ptr<float>();
   const float* cb = ptr(conv_b);
   float* win = window.mutable_data_ptr<float>();
   const StreamedLinear in_proj(hidden.const_data_ptr<float>(), M, in_w, ptr(in_s), ptr(in_b), xz);
-  torch::stable::parallel_for(0, in_proj.tasks(), in_proj.grain(), [&](int64_t begin, int64_t end) {
-    const int64_t n0 = begin * kTaskRows, n1 = std::min(end * kTaskRows, 2 * d_inner);
-    in_proj.rows(n0, n1);
-    const int64_t c1 = std::min(n1, d_inner);
+  const int64_t channel_tasks = (d_inner + kTaskRows - 1) / kTaskRows;
+  torch::stable::parallel_for(0, channel_tasks, in_proj.grain(), [&](int64_t begin, int64_t end) {
+    const int64_t c0 = begin * kTaskRows, c1 = std::min(end * kTaskRows, d_inner);
+    in_proj.rows(c0, c1);
     for (int64_t m = 0; m < M; ++m) {
-      for (int64_t c = n0; c < c1; ++c) {
+      for (int64_t c = c0; c < c1; ++c) {
         float* w = win + (m * d_inner + c) * d_conv;
         float acc = cb ? cb[c] : 0.0f;
         for (int64_t k = 0; k + 1 < d_conv; ++k) {
@@ -129,8 +130,9 @@ Tensor mamba_step(Tensor hidden_states, Tensor conv_state, Tensor ssm_state, Ten
         w[d_conv - 1] = xz[m * 2 * d_inner + c];
         xc[m * d_inner + c] = acc + w[d_conv - 1] * cw[c * d_conv + d_conv - 1];
       }
-      if (n0 < c1) silu_in_place(xc + m * d_inner + n0, c1 - n0);
+      silu_in_place(xc + m * d_inner + c0, c1 - c0);
     }
+    in_proj.rows(d_inner + c0, d_inner + c1);
   });
 
   StreamedLinear(xc, M, x_w, ptr(x_s), nullptr, x_dbl).run();
