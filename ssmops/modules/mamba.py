@@ -167,10 +167,10 @@ class Mamba(nn.Module):
     def step_parameters(self) -> tuple:
         """The block's parameters as `torch.ops.ssmops.mamba_step` takes them after the states: each
         projection's (weight, int8 scale or None, bias or None) (x_proj without a bias), the conv's
-        (d_inner, d_conv) weight and bias, A = -exp(A_log) and D."""
+        (d_inner, d_conv) weight and bias, A_log and D."""
         return (
             *_projection(self.in_proj), self.conv1d.weight.squeeze(1), self.conv1d.bias,
-            *_projection(self.x_proj)[:2], *_projection(self.dt_proj), -torch.exp(self.A_log.float()),
+            *_projection(self.x_proj)[:2], *_projection(self.dt_proj), self.A_log.float(),
             self.D.float(), *_projection(self.out_proj),
         )
 

@@ -45,7 +45,7 @@ def step_inputs(batch, d_model, d_inner, d_state, d_conv, dt_rank, weight_dtype=
         randn(batch, d_model), randn(batch, d_inner, d_conv), randn(batch, d_inner, d_state),
         *projection(2 * d_inner, d_model, True), randn(d_inner, d_conv) / d_conv, randn(d_inner) if optional else None,
         *projection(dt_rank + 2 * d_state, d_inner, False)[:2], *projection(d_inner, dt_rank, True),
-        -torch.rand(d_inner, d_state, generator=gen) * 4, randn(d_inner) if optional else None,
+        torch.rand(d_inner, d_state, generator=gen).mul(4).add(0.01).log(), randn(d_inner) if optional else None,
         *projection(d_model, d_inner, True),
     ]
 
@@ -61,9 +61,10 @@ def unfused_on_cpu_kernels(*args):
     """The step as the CPU kernels of the operators it fuses: the same int16 rounding of the
     activations for int8 weights as the fused kernel's."""
     ops = torch.ops.ssmops
-    (h, conv_state, ssm_state, in_w, in_s, in_b, conv_w, conv_b, x_w, x_s, dt_w, dt_s, dt_b, A, D, out_w, out_s,
+    (h, conv_state, ssm_state, in_w, in_s, in_b, conv_w, conv_b, x_w, x_s, dt_w, dt_s, dt_b, A_log, D, out_w, out_s,
      out_b) = args
-    d_inner, d_state = A.shape
+    d_inner, d_state = A_log.shape
+    A = -torch.exp(A_log)
     x, z = ops.weight_only_linear(h, in_w, in_s, in_b).split(d_inner, dim=-1)
     x = causal_conv1d_update(x, conv_state, conv_w, conv_b, activation="silu")
     dt, B, C = ops.weight_only_linear(x, x_w, x_s, None).split([x_w.shape[0] - 2 * d_state, d_state, d_state], -1)
@@ -152,7 +153,7 @@ def _replace(index, value):
         (_replace(8, lambda t: t[:8]), ValueError, r"x_proj_weight must have shape \(dt_rank \+ 2 \* d_state"),
         (_replace(10, lambda t: t[:, :1]), ValueError, r"dt_proj_weight must have shape \(24, 2\)"),
         (_replace(12, lambda t: t[:-1]), ValueError, r"dt_proj_bias must have shape \(24,\)"),
-        (_replace(13, lambda t: t[:, :0]), ValueError, "A must have 1 <= d_state"),
+        (_replace(13, lambda t: t[:, :0]), ValueError, "A_log must have 1 <= d_state"),
         (_replace(14, lambda t: t.half()), TypeError, "D must have dtype float32"),
         (_replace(16, lambda t: t[:-1]), ValueError, r"out_proj_scale must have shape \(16,\)"),
         (_replace(15, lambda t: t.float()), ValueError, "out_proj_scale is for int8 weights only"),

@@ -55,7 +55,7 @@ thread_local std::vector<float> scratch;
 Tensor mamba_step(Tensor hidden_states, Tensor conv_state, Tensor ssm_state, Tensor in_proj_weight,
                   OptTensor in_proj_scale, OptTensor in_proj_bias, Tensor conv_weight, OptTensor conv_bias,
                   Tensor x_proj_weight, OptTensor x_proj_scale, Tensor dt_proj_weight, OptTensor dt_proj_scale,
-                  OptTensor dt_proj_bias, Tensor A, OptTensor D, Tensor out_proj_weight, OptTensor out_proj_scale,
+                  OptTensor dt_proj_bias, Tensor A_log, OptTensor D, Tensor out_proj_weight, OptTensor out_proj_scale,
                   OptTensor out_proj_bias) {
   check_2d("hidden_states", hidden_states, "(batch, d_model)", kF32);
   STD_TORCH_CHECK(hidden_states.is_cpu(), kOp, ": hidden_states must be a CPU tensor");
@@ -66,23 +66,23 @@ Tensor mamba_step(Tensor hidden_states, Tensor conv_state, Tensor ssm_state, Ten
                   shape_of(in_proj_weight));
   const int64_t d_inner = in_proj_weight.size(0) / 2;
   check_linear("in_proj", in_proj_weight, in_proj_scale, in_proj_bias, d_model, 2 * d_inner, "hidden_states");
-  check_2d("A", A, "(d_inner, d_state)", kF32);
-  const int64_t d_state = A.size(1);
-  STD_TORCH_CHECK(d_state >= 1 && d_state <= kMaxDstate, kOp, ": A must have 1 <= d_state <= ", kMaxDstate,
+  check_2d("A_log", A_log, "(d_inner, d_state)", kF32);
+  const int64_t d_state = A_log.size(1);
+  STD_TORCH_CHECK(d_state >= 1 && d_state <= kMaxDstate, kOp, ": A_log must have 1 <= d_state <= ", kMaxDstate,
                   ", got d_state=", d_state);
-  check_f32("A", A, {d_inner, d_state}, "in_proj_weight");
+  check_f32("A_log", A_log, {d_inner, d_state}, "in_proj_weight");
   check_2d("conv_weight", conv_weight, "(d_inner, d_conv)", kF32);
   const int64_t d_conv = conv_weight.size(1);
   check_f32("conv_weight", conv_weight, {d_inner, d_conv}, "in_proj_weight");
   if (conv_bias) check_f32("conv_bias", *conv_bias, {d_inner}, "in_proj_weight");
   check_f32("conv_state", conv_state, {batch, d_inner, d_conv}, "hidden_states, in_proj_weight and conv_weight");
-  check_f32("ssm_state", ssm_state, {batch, d_inner, d_state}, "hidden_states, in_proj_weight and A");
+  check_f32("ssm_state", ssm_state, {batch, d_inner, d_state}, "hidden_states, in_proj_weight and A_log");
   check_2d("x_proj_weight", x_proj_weight, "(dt_rank + 2 * d_state, d_inner)", kWeightDtypes);
   const int64_t dt_rank = x_proj_weight.size(0) - 2 * d_state;
   STD_TORCH_CHECK(dt_rank >= 1, kOp, ": x_proj_weight must have shape (dt_rank + 2 * d_state, d_inner) with d_state=",
                   d_state, " and dt_rank >= 1, got ", shape_of(x_proj_weight));
   check_linear("x_proj", x_proj_weight, x_proj_scale, std::nullopt, d_inner, dt_rank + 2 * d_state,
-               "in_proj_weight and A");
+               "in_proj_weight and A_log");
   check_linear("dt_proj", dt_proj_weight, dt_proj_scale, dt_proj_bias, dt_rank, d_inner,
                "in_proj_weight and x_proj_weight");
   if (D) check_f32("D", *D, {d_inner}, "in_proj_weight");
@@ -93,7 +93,7 @@ Tensor mamba_step(Tensor hidden_states, Tensor conv_state, Tensor ssm_state, Ten
   // float32 inputs; strided ones (and the states) through contiguous copies
   const Tensor hidden = contig(hidden_states), in_w = contig(in_proj_weight), x_w = contig(x_proj_weight);
   const Tensor dt_w = contig(dt_proj_weight), out_w = contig(out_proj_weight), conv_w = contig(conv_weight);
-  const Tensor A32 = contig(A);
+  const Tensor A_log32 = contig(A_log);
   const OptTensor in_s = contig(in_proj_scale), in_b = contig(in_proj_bias), conv_b = contig(conv_bias);
   const OptTensor x_s = contig(x_proj_scale), dt_s = contig(dt_proj_scale), dt_b = contig(dt_proj_bias);
   const OptTensor D32 = contig(D), out_s = contig(out_proj_scale), out_b = contig(out_proj_bias);
@@ -101,13 +101,14 @@ Tensor mamba_step(Tensor hidden_states, Tensor conv_state, Tensor ssm_state, Ten
   Tensor out = empty_like_shape(hidden_states, {batch, out_features}, ST::Float);
 
   const int64_t M = batch, R = dt_rank + 2 * d_state;
-  scratch.resize(static_cast<size_t>(M * (2 * d_inner + d_inner + R + dt_rank + d_inner + d_inner)));
+  scratch.resize(static_cast<size_t>(M * (2 * d_inner + d_inner + R + dt_rank + d_inner + d_inner) + d_inner * d_state));
   float* xz = scratch.data();       // (M, 2 * d_inner): in_proj's output, x then z
   float* xc = xz + M * 2 * d_inner;  // (M, d_inner): the conv's output
   float* x_dbl = xc + M * d_inner;   // (M, R): dt, B, C
   float* dt_in = x_dbl + M * R;      // (M, dt_rank): dt_proj's input, contiguous
   float* dt = dt_in + M * dt_rank;   // (M, d_inner)
   float* y = dt + M * d_inner;       // (M, d_inner): the state update's output
+  float* A = y + M * d_inner;        // (d_inner, d_state): -exp(A_log)
 
   // in_proj, and the conv over each channel right after the thread computed its x: a thread takes
   // the rows of x and of z of the same channels, so that each has its share of the conv
@@ -140,12 +141,13 @@ Tensor mamba_step(Tensor hidden_states, Tensor conv_state, Tensor ssm_state, Ten
 
   // dt_proj, and the state update of each channel by the thread that computed its dt
   const SelectiveStep step{d_inner, d_state, 1, R, 2 * d_inner, true, h.mutable_data_ptr<float>(), xc, dt,
-                           A32.const_data_ptr<float>(), x_dbl + dt_rank, x_dbl + dt_rank + d_state, ptr(D32),
+                           A, x_dbl + dt_rank, x_dbl + dt_rank + d_state, ptr(D32),
                            xz + d_inner, ptr(dt_b), y};
   const StreamedLinear dt_proj(dt_in, M, dt_w, ptr(dt_s), nullptr, dt);
   torch::stable::parallel_for(0, dt_proj.tasks(), 1, [&](int64_t begin, int64_t end) {
     const int64_t c0 = begin * kTaskRows, c1 = std::min(end * kTaskRows, d_inner);
     dt_proj.rows(c0, c1);
+    neg_exp(A_log32.const_data_ptr<float>() + c0 * d_state, A + c0 * d_state, (c1 - c0) * d_state);
     for (int64_t m = 0; m < M; ++m) step.rows(m * d_inner + c0, m * d_inner + c1);
   });
 

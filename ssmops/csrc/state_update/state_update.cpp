@@ -53,6 +53,11 @@ AdvanceRows advance_rows() {
 
 void silu_in_place(float* v, int64_t n) { apply4<silu4>(v, n); }
 
+void neg_exp(const float* in, float* out, int64_t n) {
+  static NegExpFn* const kernel = SSMOPS_ISA_KERNEL(selected_isa(), neg_exp);  // fixed for the process
+  kernel(in, out, n);
+}
+
 void SelectiveStep::rows(int64_t begin, int64_t end) const {
   const int64_t per_group = dim / groups;
   const AdvanceRows advance = advance_rows();

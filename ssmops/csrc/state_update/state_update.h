@@ -29,4 +29,7 @@ struct SelectiveStep {
 // v[i] = v[i] * sigmoid(v[i]), vectorised
 void silu_in_place(float* v, int64_t n);
 
+// out[i] = -exp(in[i]) (A from A_log), vectorised for this CPU
+void neg_exp(const float* in, float* out, int64_t n);
+
 }  // namespace ssmops_cpu

@@ -100,6 +100,17 @@ inline void fold_rows(const vf (&acc)[kLanes][kVecs], float* y) {
 
 }  // namespace
 
+void SU_CAT(neg_exp_, SU_ISA)(const float* in, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) st(out + i, -vexp_of<vf, vi>(ld(in + i)));
+  if (i < n) {
+    float part[W] = {};
+    __builtin_memcpy(part, in + i, sizeof(float) * (n - i));
+    st(part, -vexp_of<vf, vi>(ld(part)));
+    __builtin_memcpy(out + i, part, sizeof(float) * (n - i));
+  }
+}
+
 void SU_CAT(advance_rows_, SU_ISA)(float* h, int64_t rows, int64_t n, const float* A, const float* dt,
                                     const float* decay, const float* dtx, const float* B, const float* C, float* y) {
   int64_t r = 0;

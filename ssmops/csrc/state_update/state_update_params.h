@@ -16,4 +16,8 @@ using AdvanceRowsFn = void(float* h, int64_t rows, int64_t n, const float* A, co
 using AdvanceRows = AdvanceRowsFn*;
 AdvanceRowsFn advance_rows_generic, advance_rows_avx2, advance_rows_avx512;
 
+// out[i] = -exp(in[i]): Mamba-1's A from its parameter A_log
+using NegExpFn = void(const float* in, float* out, int64_t n);
+NegExpFn neg_exp_generic, neg_exp_avx2, neg_exp_avx512;
+
 }  // namespace ssmops_cpu

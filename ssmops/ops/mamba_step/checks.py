@@ -42,7 +42,7 @@ def _check_linear(name: str, weight, scale, bias, in_features: int, out_features
 
 def check_mamba_step_inputs(hidden_states, conv_state, ssm_state, in_proj_weight, in_proj_scale, in_proj_bias,
                             conv_weight, conv_bias, x_proj_weight, x_proj_scale, dt_proj_weight, dt_proj_scale,
-                            dt_proj_bias, A, D, out_proj_weight, out_proj_scale, out_proj_bias) -> tuple:
+                            dt_proj_bias, A_log, D, out_proj_weight, out_proj_scale, out_proj_bias) -> tuple:
     """Returns (batch, d_model, d_inner, d_state, d_conv, dt_rank, out_features)."""
     _check_2d("hidden_states", hidden_states, "(batch, d_model)")
     batch, d_model = hidden_states.shape
@@ -54,11 +54,11 @@ def check_mamba_step_inputs(hidden_states, conv_state, ssm_state, in_proj_weight
     d_inner = in_proj_weight.shape[0] // 2
     _check_linear("in_proj", in_proj_weight, in_proj_scale, in_proj_bias, d_model, 2 * d_inner, device,
                   "hidden_states")
-    _check_2d("A", A, "(d_inner, d_state)")
-    d_state = A.shape[1]
+    _check_2d("A_log", A_log, "(d_inner, d_state)")
+    d_state = A_log.shape[1]
     if not 1 <= d_state <= MAX_DSTATE:
-        raise ValueError(f"A must have 1 <= d_state <= {MAX_DSTATE}, got d_state={d_state}")
-    check_tensor("A", A, F32, (d_inner, d_state), device, like="hidden_states", sizes_from="in_proj_weight")
+        raise ValueError(f"A_log must have 1 <= d_state <= {MAX_DSTATE}, got d_state={d_state}")
+    check_tensor("A_log", A_log, F32, (d_inner, d_state), device, like="hidden_states", sizes_from="in_proj_weight")
     _check_2d("conv_weight", conv_weight, "(d_inner, d_conv)")
     d_conv = conv_weight.shape[1]
     check_tensor("conv_weight", conv_weight, F32, (d_inner, d_conv), device, like="hidden_states",
@@ -69,14 +69,14 @@ def check_mamba_step_inputs(hidden_states, conv_state, ssm_state, in_proj_weight
     check_tensor("conv_state", conv_state, F32, (batch, d_inner, d_conv), device, like="hidden_states",
                  sizes_from="hidden_states, in_proj_weight and conv_weight")
     check_tensor("ssm_state", ssm_state, F32, (batch, d_inner, d_state), device, like="hidden_states",
-                 sizes_from="hidden_states, in_proj_weight and A")
+                 sizes_from="hidden_states, in_proj_weight and A_log")
     _check_2d("x_proj_weight", x_proj_weight, "(dt_rank + 2 * d_state, d_inner)", WEIGHT_DTYPES)
     dt_rank = x_proj_weight.shape[0] - 2 * d_state
     if dt_rank < 1:
         raise ValueError(f"x_proj_weight must have shape (dt_rank + 2 * d_state, d_inner) with d_state={d_state} "
                          f"and dt_rank >= 1, got {tuple(x_proj_weight.shape)}")
     _check_linear("x_proj", x_proj_weight, x_proj_scale, None, d_inner, dt_rank + 2 * d_state, device,
-                  "in_proj_weight and A")
+                  "in_proj_weight and A_log")
     _check_linear("dt_proj", dt_proj_weight, dt_proj_scale, dt_proj_bias, dt_rank, d_inner, device,
                   "in_proj_weight and x_proj_weight")
     if D is not None:

@@ -24,15 +24,15 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, silu: bool = False):
 
 
 def mamba_step(hidden_states, conv_state, ssm_state, in_proj_weight, in_proj_scale, in_proj_bias, conv_weight,
-               conv_bias, x_proj_weight, x_proj_scale, dt_proj_weight, dt_proj_scale, dt_proj_bias, A, D,
+               conv_bias, x_proj_weight, x_proj_scale, dt_proj_weight, dt_proj_scale, dt_proj_bias, A_log, D,
                out_proj_weight, out_proj_scale, out_proj_bias):
     _, _, d_inner, d_state, _, dt_rank, _ = check_mamba_step_inputs(
         hidden_states, conv_state, ssm_state, in_proj_weight, in_proj_scale, in_proj_bias, conv_weight, conv_bias,
-        x_proj_weight, x_proj_scale, dt_proj_weight, dt_proj_scale, dt_proj_bias, A, D, out_proj_weight,
+        x_proj_weight, x_proj_scale, dt_proj_weight, dt_proj_scale, dt_proj_bias, A_log, D, out_proj_weight,
         out_proj_scale, out_proj_bias)
     x, z = weight_only_linear(hidden_states, in_proj_weight, in_proj_scale, in_proj_bias).split(d_inner, dim=-1)
     x = causal_conv1d_update(x, conv_state, conv_weight, conv_bias, silu=True)
     dt, B, C = weight_only_linear(x, x_proj_weight, x_proj_scale, None).split([dt_rank, d_state, d_state], dim=-1)
     dt = weight_only_linear(dt, dt_proj_weight, dt_proj_scale, None)
-    y = selective_state_update(ssm_state, x, dt, A, B, C, D, z, dt_proj_bias, True)
+    y = selective_state_update(ssm_state, x, dt, -torch.exp(A_log), B, C, D, z, dt_proj_bias, True)
     return weight_only_linear(y, out_proj_weight, out_proj_scale, out_proj_bias)

@@ -14,7 +14,7 @@ from ..state_update.reference import selective_state_update_ref
 def mamba_step_ref(hidden_states: Tensor, conv_state: Tensor, ssm_state: Tensor, in_proj_weight: Tensor,
                    in_proj_scale: Tensor | None, in_proj_bias: Tensor | None, conv_weight: Tensor,
                    conv_bias: Tensor | None, x_proj_weight: Tensor, x_proj_scale: Tensor | None,
-                   dt_proj_weight: Tensor, dt_proj_scale: Tensor | None, dt_proj_bias: Tensor | None, A: Tensor,
+                   dt_proj_weight: Tensor, dt_proj_scale: Tensor | None, dt_proj_bias: Tensor | None, A_log: Tensor,
                    D: Tensor | None, out_proj_weight: Tensor, out_proj_scale: Tensor | None,
                    out_proj_bias: Tensor | None) -> Tensor:
     """Updates conv_state and ssm_state in place and returns out (batch, out_features)::
@@ -24,12 +24,13 @@ def mamba_step_ref(hidden_states: Tensor, conv_state: Tensor, ssm_state: Tensor,
         x        = silu(<window, conv_weight> + conv_bias)
         dt, B, C = split(x_proj(x))                                (dt_rank, d_state, d_state)
         dt       = softplus(dt_proj(dt) + dt_proj_bias)
-        ssm_state = exp(dt * A) * ssm_state + dt * x * B;  y = (<ssm_state, C> + D * x) * silu(z)
+        ssm_state = exp(dt * A) * ssm_state + dt * x * B,  A = -exp(A_log)
+        y        = (<ssm_state, C> + D * x) * silu(z)
         out      = out_proj(y)
 
     where proj(v) = v @ (weight * scale[:, None]).T + bias.
     """
-    d_inner, d_state = A.shape
+    d_inner, d_state = A_log.shape
     dt_rank = x_proj_weight.shape[0] - 2 * d_state
     xz = weight_only_linear_ref(hidden_states.double(), in_proj_weight, in_proj_scale, in_proj_bias)
     x, z = xz.split(d_inner, dim=-1)
@@ -43,7 +44,7 @@ def mamba_step_ref(hidden_states: Tensor, conv_state: Tensor, ssm_state: Tensor,
     dt, B, C = weight_only_linear_ref(x, x_proj_weight, x_proj_scale).split([dt_rank, d_state, d_state], dim=-1)
     dt = weight_only_linear_ref(dt, dt_proj_weight, dt_proj_scale)
     state64 = ssm_state.double()
-    y = selective_state_update_ref(state64, x, dt, A.double(), B, C, None if D is None else D.double(), z,
+    y = selective_state_update_ref(state64, x, dt, -A_log.double().exp(), B, C, None if D is None else D.double(), z,
                                    None if dt_proj_bias is None else dt_proj_bias.double(), dt_softplus=True)
     ssm_state.copy_(state64)
     return weight_only_linear_ref(y, out_proj_weight, out_proj_scale, out_proj_bias).to(hidden_states.dtype)

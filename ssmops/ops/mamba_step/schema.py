@@ -2,7 +2,8 @@
 
 One call advances one token through the whole mixer (mamba_ssm's `Mamba.step`): in_proj, the
 causal conv's window (`conv_state`, updated in place) and its SiLU, x_proj, dt_proj, the
-selective state update (`ssm_state`, in place) gated by SiLU(z), and out_proj. Each projection's
+selective state update (`ssm_state`, in place, with A = -exp(A_log)) gated by SiLU(z), and
+out_proj. Each projection's
 weight is float32, bfloat16, float16 or int8 with a float32 scale per output feature, as in
 `weight_only_linear`; everything else is float32. Inference only (no autograd). The C++ library
 declares the same schema.
@@ -15,7 +16,7 @@ from .checks import check_mamba_step_inputs
 SCHEMA = (
     "mamba_step(Tensor hidden_states, Tensor(a!) conv_state, Tensor(b!) ssm_state, Tensor in_proj_weight, "
     "Tensor? in_proj_scale, Tensor? in_proj_bias, Tensor conv_weight, Tensor? conv_bias, Tensor x_proj_weight, "
-    "Tensor? x_proj_scale, Tensor dt_proj_weight, Tensor? dt_proj_scale, Tensor? dt_proj_bias, Tensor A, "
+    "Tensor? x_proj_scale, Tensor dt_proj_weight, Tensor? dt_proj_scale, Tensor? dt_proj_bias, Tensor A_log, "
     "Tensor? D, Tensor out_proj_weight, Tensor? out_proj_scale, Tensor? out_proj_bias) -> Tensor"
 )
 
