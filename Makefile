@@ -74,3 +74,6 @@ sanitize: install
 	cd build/sanitize && $(SANITIZE_ENV) ../../$(PY) -m pytest -q -p no:cacheprovider -x \
 		../../tests/test_native.py ../../tests/test_hardening.py ../../tests/test_properties.py \
 		-k "(cpu or test_native) and not million"
+	cd build/sanitize && $(SANITIZE_ENV) ../../$(PY) -m pytest -q -p no:cacheprovider -x \
+		../../tests/ops/test_linear.py ../../tests/ops/test_state_update.py ../../tests/ops/test_mamba_step.py \
+		-k "cpu and not compile"

@@ -1,15 +1,17 @@
 """The fused decoding step of a Mamba block's mixer (`mamba_step`): every backend against the
 reference, for every weight format; the states updated in place, strided or not; the checks;
-opcheck; and the Mamba block, whose `step` runs it on CPU, against its unfused step.
+opcheck; bitwise results across thread counts and concurrent callers; and the Mamba block, whose
+`step` runs it on CPU, against its unfused step.
 
 The reference (`ssmops/ops/mamba_step/reference.py`) is built from the references of the
 operators it fuses (each tested in its own module) and the conv window's formula, tested here."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
-import torch.nn.functional as F
 
 import ssmops
 from conftest import assert_close, backend_params
@@ -205,3 +207,39 @@ def test_block_step_unfused_where_the_operator_does_not_serve():
     assert not block._fused_step_serves(token[:2], conv_state[:2], ssm_state[:2])  # autograd: parameters need grads
     with torch.no_grad():
         assert block._fused_step_serves(token[:2], conv_state[:2], ssm_state[:2])
+
+
+@pytest.mark.parametrize("backend", backend_params(names=("cpu",)))
+def test_bitwise_across_thread_counts_and_concurrent_callers(backend):
+    """Every output value is computed by one thread whatever the split (projection rows, channels),
+    and the kernel's buffers are per calling thread: 1 or 2 threads, and four Python threads calling
+    at once with different shapes, give the serial results bit for bit."""
+    cases = [step_inputs(b, 48, 96, 16, 4, 3, fmt, seed=i)
+             for i, (b, fmt) in enumerate([(1, torch.int8), (5, torch.float32), (2, torch.bfloat16), (16, torch.int8)])]
+    threads = torch.get_num_threads()
+    try:
+        serial = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            serial.append([run_step(torch.ops.ssmops.mamba_step, args) for args in cases])
+    finally:
+        torch.set_num_threads(threads)
+    for one, two in zip(*serial):
+        assert all(torch.equal(a, b) for a, b in zip(one, two))
+    results, errors = [None] * len(cases), []
+
+    def work(i):
+        try:
+            for _ in range(5):
+                results[i] = run_step(torch.ops.ssmops.mamba_step, cases[i])
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    workers = [threading.Thread(target=work, args=(i,)) for i in range(len(cases))]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert not errors, errors
+    for got, expected in zip(results, serial[1]):
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
