@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,27 @@ def run_scan_with_grads(fn, kw: dict, seed: int = 1):
     tensors = tensor_args(kw)
     grads = torch.autograd.grad(loss, list(tensors.values()))
     return y.detach(), last.detach(), dict(zip(tensors, grads))
+
+
+def run_in_threads(fn, count: int, repeats: int = 3, timeout: float = 300) -> list:
+    """fn(i) for i < count, each in a thread of its own and all at once, `repeats` times; returns
+    each one's last result (a thread's error fails the test)."""
+    results, errors = [None] * count, []
+
+    def work(i):
+        try:
+            for _ in range(repeats):
+                results[i] = fn(i)
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    workers = [threading.Thread(target=work, args=(i,)) for i in range(count)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=timeout)
+    assert not errors, errors
+    return results
 
 
 def backend_params(cases=None, names=None):

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 import torch
 
 import ssmops
-from conftest import Case, backend_params, make_inputs, run_python, run_scan_with_grads
+from conftest import Case, backend_params, make_inputs, run_in_threads, run_python, run_scan_with_grads
 
 # Each family's arguments and entry points for the fuzzer: good() builds valid arguments,
 # api(kw) and op(kw) call the Python front end and the raw operator.
@@ -131,23 +130,12 @@ def test_concurrent_calls_match_serial_ones(backend):
     cases = [make_inputs(Case(seqlen=300, B=b, C="var"), seed=i) for i, b in enumerate(["var", "const"] * 3)]
     with ssmops.use_backend(backend):
         serial = [run_scan_with_grads(ssmops.selective_scan_fn, kw) for kw in cases]
-    concurrent = [None] * len(cases)
-    errors = []
 
-    def work(i):
-        try:
-            with ssmops.use_backend(backend):
-                for _ in range(3):
-                    concurrent[i] = run_scan_with_grads(ssmops.selective_scan_fn, cases[i])
-        except Exception as err:  # noqa: BLE001 - reported below
-            errors.append(err)
+    def call(i):
+        with ssmops.use_backend(backend):
+            return run_scan_with_grads(ssmops.selective_scan_fn, cases[i])
 
-    workers = [threading.Thread(target=work, args=(i,)) for i in range(len(cases))]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join(timeout=300)
-    assert not errors, errors
+    concurrent = run_in_threads(call, len(cases))
     for (y, last, grads), (y_s, last_s, grads_s) in zip(concurrent, serial):
         assert torch.equal(y, y_s) and torch.equal(last, last_s)
         assert all(torch.equal(grads[k], grads_s[k]) for k in grads)

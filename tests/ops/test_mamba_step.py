@@ -8,13 +8,11 @@ operators it fuses (each tested in its own module) and the conv window's formula
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
 import ssmops
-from conftest import assert_close, backend_params
+from conftest import assert_close, backend_params, run_in_threads
 from ssmops.mamba_inner import causal_conv1d_update
 from ssmops.modules import Mamba
 from ssmops.modules.linear import quantize_int8
@@ -226,20 +224,6 @@ def test_bitwise_across_thread_counts_and_concurrent_callers(backend):
         torch.set_num_threads(threads)
     for one, two in zip(*serial):
         assert all(torch.equal(a, b) for a, b in zip(one, two))
-    results, errors = [None] * len(cases), []
-
-    def work(i):
-        try:
-            for _ in range(5):
-                results[i] = run_step(torch.ops.ssmops.mamba_step, cases[i])
-        except Exception as err:  # noqa: BLE001 - reported below
-            errors.append(err)
-
-    workers = [threading.Thread(target=work, args=(i,)) for i in range(len(cases))]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    assert not errors, errors
+    results = run_in_threads(lambda i: run_step(torch.ops.ssmops.mamba_step, cases[i]), len(cases), repeats=5)
     for got, expected in zip(results, serial[1]):
         assert all(torch.equal(a, b) for a, b in zip(got, expected))
