@@ -227,3 +227,18 @@ def test_bitwise_across_thread_counts_and_concurrent_callers(backend):
     results = run_in_threads(lambda i: run_step(torch.ops.ssmops.mamba_step, cases[i]), len(cases), repeats=5)
     for got, expected in zip(results, serial[1]):
         assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_exported_decoding_step_records_one_call_a_layer():
+    """A CPU export of a Mamba-1 LM's step records the fused operator, once a layer (tests/test_deploy.py
+    runs such packages in the C++ runner against eager, for each weight format)."""
+    from ssmops.export import decoding_step_program
+    from ssmops.models import MambaConfig, MambaLMHeadModel
+
+    torch.manual_seed(0)
+    model = MambaLMHeadModel(MambaConfig(d_model=32, n_layer=3, vocab_size=64, ssm_cfg={}, tie_embeddings=True))
+    model.convert_weights("int8")
+    ep = decoding_step_program(model, batch_size=2, max_seqlen=16)
+    calls = [n for n in ep.graph.nodes if n.op == "call_function" and "mamba_step" in str(n.target)]
+    assert len(calls) == 3
+    assert "selective_state_update" not in str(ep.graph)
