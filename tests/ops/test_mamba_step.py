@@ -150,6 +150,8 @@ def _replace(index, value):
         (_replace(1, lambda t: t.to(torch.bfloat16)), TypeError, "conv_state must have dtype float32"),
         (_replace(2, lambda t: t[:, :, :-1]), ValueError, r"ssm_state must have shape \(2, 24, 4\)"),
         (_replace(6, lambda t: t[:-1]), ValueError, r"conv_weight must have shape \(24, 3\)"),
+        (_replace(6, lambda t: t[:, :0]), ValueError,
+         r"conv_weight must have shape \(d_inner, d_conv\) with d_conv >= 1"),
         (_replace(8, lambda t: t[:8]), ValueError, r"x_proj_weight must have shape \(dt_rank \+ 2 \* d_state"),
         (_replace(10, lambda t: t[:, :1]), ValueError, r"dt_proj_weight must have shape \(24, 2\)"),
         (_replace(12, lambda t: t[:-1]), ValueError, r"dt_proj_bias must have shape \(24,\)"),
@@ -242,3 +244,14 @@ def test_exported_decoding_step_records_one_call_a_layer():
     calls = [n for n in ep.graph.nodes if n.op == "call_function" and "mamba_step" in str(n.target)]
     assert len(calls) == 3
     assert "selective_state_update" not in str(ep.graph)
+
+
+@pytest.mark.parametrize("backend", backend_params(names=("default", "cpu")))
+def test_empty_sizes(backend):
+    """No sequences; and a zero-width input, from which in_proj gives its bias."""
+    with ssmops.use_backend(backend):
+        assert torch.ops.ssmops.mamba_step(*step_inputs(0, 16, 24, 4, 3, 2, torch.int8)).shape == (0, 16)
+        args = step_inputs(2, 0, 24, 4, 3, 2)
+        got = run_step(torch.ops.ssmops.mamba_step, args)
+    for name, a, b in zip(("out", "conv_state", "ssm_state"), got, run_step(mamba_step_ref, args)):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5), name

@@ -62,7 +62,7 @@ StreamedLinear::StreamedLinear(const float* x, int64_t M, const Tensor& weight, 
                                const float* bias, float* y) {
   const WeightKind kind = weight_kind(weight.scalar_type());
   const int64_t N = weight.size(0), K = weight.size(1);
-  if (kind == WeightKind::kInt8) round_to_int16(x, M, K);
+  if (kind == WeightKind::kInt8 && K > 0) round_to_int16(x, M, K);
   args_ = LinearArgs{x,
                      kind == WeightKind::kInt8 ? x_int16.data() : nullptr,
                      kind == WeightKind::kInt8 ? x_scale.data() : nullptr,
@@ -76,9 +76,18 @@ StreamedLinear::StreamedLinear(const float* x, int64_t M, const Tensor& weight, 
                      K};
 }
 
-void StreamedLinear::rows(int64_t n_begin, int64_t n_end) const { rows_kernel()(args_, n_begin, n_end); }
+void StreamedLinear::rows(int64_t n_begin, int64_t n_end) const {
+  if (args_.K == 0) {  // empty sums: the bias (the kernels size their prefetch by a row's bytes)
+    for (int64_t m = 0; m < args_.M; ++m)
+      for (int64_t n = n_begin; n < n_end; ++n) args_.y[m * args_.N + n] = args_.bias ? args_.bias[n] : 0.0f;
+    return;
+  }
+  rows_kernel()(args_, n_begin, n_end);
+}
 
-int64_t StreamedLinear::grain() const { return std::max<int64_t>(1, 32768 / (kTaskRows * args_.K)); }
+int64_t StreamedLinear::grain() const {
+  return std::max<int64_t>(1, 32768 / (kTaskRows * std::max<int64_t>(args_.K, 1)));
+}
 
 void StreamedLinear::run() const {
   torch::stable::parallel_for(0, tasks(), grain(), [&](int64_t begin, int64_t end) {
@@ -132,9 +141,9 @@ Tensor weight_only_linear(Tensor x, Tensor weight, OptTensor weight_scale, OptTe
   Tensor bias32 = !bias ? x2 : bias->scalar_type() == ST::Float ? contig(*bias) : as_f32(*bias);
   if (M > 0 && K > 0 && M <= kMaxStreamedRows) {
     y = empty_like_shape(x, out_shape, ST::Float);
-    StreamedLinear(x2.const_data_ptr<float>(), M, contig(weight), weight_scale ? scale.const_data_ptr<float>() : nullptr,
-                   bias ? bias32.const_data_ptr<float>() : nullptr, y.mutable_data_ptr<float>())
-        .run();
+    const float* scale_p = weight_scale ? scale.const_data_ptr<float>() : nullptr;
+    const float* bias_p = bias ? bias32.const_data_ptr<float>() : nullptr;
+    StreamedLinear(x2.const_data_ptr<float>(), M, contig(weight), scale_p, bias_p, y.mutable_data_ptr<float>()).run();
   } else {
     Tensor w32 = torch::stable::to(weight, ST::Float);  // int8: the scale is applied to y below
     y = contig(torch::stable::matmul(x2, torch::stable::transpose(w32, 0, 1)));

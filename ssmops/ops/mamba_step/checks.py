@@ -61,6 +61,9 @@ def check_mamba_step_inputs(hidden_states, conv_state, ssm_state, in_proj_weight
     check_tensor("A_log", A_log, F32, (d_inner, d_state), device, like="hidden_states", sizes_from="in_proj_weight")
     _check_2d("conv_weight", conv_weight, "(d_inner, d_conv)")
     d_conv = conv_weight.shape[1]
+    if d_conv < 1:
+        raise ValueError(
+            f"conv_weight must have shape (d_inner, d_conv) with d_conv >= 1, got {tuple(conv_weight.shape)}")
     check_tensor("conv_weight", conv_weight, F32, (d_inner, d_conv), device, like="hidden_states",
                  sizes_from="in_proj_weight")
     if conv_bias is not None:
