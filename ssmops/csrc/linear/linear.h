@@ -13,9 +13,10 @@ constexpr int64_t kMaxStreamedRows = 16;
 
 WeightKind weight_kind(ST t);
 
-// y (M, N) = x (M, K) @ weight.T, times scale (int8), plus bias, all float32 and contiguous, with
-// M <= kMaxStreamedRows. For int8 weights x is rounded to int16 into a buffer of the calling
-// thread, valid until its next StreamedLinear: make one, run it, then make the next.
+// y (M, N) = x (M, K) @ weight.T, times scale (int8), plus bias, all float32 and contiguous. Any M
+// is right; beyond kMaxStreamedRows aten's matmul is faster (weight_only_linear switches there). For
+// int8 weights x is rounded to int16 into a buffer of the calling thread, valid until its next
+// StreamedLinear: make one, run it, then make the next.
 class StreamedLinear {
  public:
   StreamedLinear(const float* x, int64_t M, const Tensor& weight, const float* scale, const float* bias, float* y);

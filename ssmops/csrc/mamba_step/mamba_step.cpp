@@ -35,7 +35,6 @@ void check_f32(const char* name, const Tensor& t, const std::vector<int64_t>& sh
 void check_linear(const std::string& name, const Tensor& weight, const OptTensor& scale, const OptTensor& bias,
                   int64_t in_features, int64_t out_features, const char* sizes_from) {
   const std::string w = name + "_weight", s = name + "_scale", b = name + "_bias";
-  check_2d(w.c_str(), weight, "(out_features, in_features)", kWeightDtypes);
   check_tensor_of(kOp, w.c_str(), weight, kWeightDtypes, {out_features, in_features}, sizes_from);
   if (weight.scalar_type() == ST::Char) {
     STD_TORCH_CHECK(scale.has_value(), kOp, ": an int8 ", w, " needs ", s,

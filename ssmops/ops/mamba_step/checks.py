@@ -19,12 +19,8 @@ def _check_2d(name: str, t, layout: str, dtypes=F32) -> None:
         raise ValueError(f"{name} must have shape {layout}, got {tuple(t.shape)}")
 
 
-def _check_linear(name: str, weight, scale, bias, in_features: int, out_features: int | None, device,
-                  sizes_from: str) -> int:
-    """A projection's weight (out_features, in_features) in a weight format, its scale (int8 only) and
-    bias; returns out_features (any, when None is given)."""
-    _check_2d(f"{name}_weight", weight, "(out_features, in_features)", WEIGHT_DTYPES)
-    out = weight.shape[0] if out_features is None else out_features
+def _check_linear(name: str, weight, scale, bias, in_features: int, out: int, device, sizes_from: str) -> None:
+    """A projection's weight (out, in_features) in a weight format, its scale (int8 only) and bias."""
     check_tensor(f"{name}_weight", weight, WEIGHT_DTYPES, (out, in_features), device, like="hidden_states",
                  sizes_from=sizes_from)
     if weight.dtype == torch.int8:
@@ -37,7 +33,6 @@ def _check_linear(name: str, weight, scale, bias, in_features: int, out_features
         raise ValueError(f"{name}_scale is for int8 weights only; {name}_weight has dtype {weight.dtype}")
     if bias is not None:
         check_tensor(f"{name}_bias", bias, F32, (out,), device, like="hidden_states", sizes_from=f"{name}_weight")
-    return out
 
 
 def check_mamba_step_inputs(hidden_states, conv_state, ssm_state, in_proj_weight, in_proj_scale, in_proj_bias,
@@ -84,6 +79,8 @@ def check_mamba_step_inputs(hidden_states, conv_state, ssm_state, in_proj_weight
                   "in_proj_weight and x_proj_weight")
     if D is not None:
         check_tensor("D", D, F32, (d_inner,), device, like="hidden_states", sizes_from="in_proj_weight")
-    out_features = _check_linear("out_proj", out_proj_weight, out_proj_scale, out_proj_bias, d_inner, None, device,
-                                 "in_proj_weight")
+    _check_2d("out_proj_weight", out_proj_weight, "(out_features, in_features)", WEIGHT_DTYPES)
+    out_features = out_proj_weight.shape[0]
+    _check_linear("out_proj", out_proj_weight, out_proj_scale, out_proj_bias, d_inner, out_features, device,
+                  "in_proj_weight")
     return batch, d_model, d_inner, d_state, d_conv, dt_rank, out_features
