@@ -11,7 +11,6 @@
 
 #include "../common/checks.h"
 #include "../common/isa.h"
-#include "../common/vmath.h"
 #include "state_update.h"
 
 namespace ssmops_cpu {
@@ -19,48 +18,31 @@ namespace {
 
 float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }  // torch's threshold
 
-typedef float v4f __attribute__((vector_size(16)));
-typedef int32_t v4i __attribute__((vector_size(16)));
-
-// f over v[0..n) in place, four at a time (the last n % 4 through a padded vector): one by one,
-// libm's exp and log1p were most of a Mamba-1 step's time.
-template <v4f (*f)(v4f)>
-inline void apply4(float* v, int64_t n) {
-  int64_t k = 0;
-  for (; k + 4 <= n; k += 4) {
-    v4f a;
-    __builtin_memcpy(&a, v + k, sizeof a);
-    a = f(a);
-    __builtin_memcpy(v + k, &a, sizeof a);
-  }
-  if (k < n) {
-    v4f a{};
-    for (int64_t i = k; i < n; ++i) a[i - k] = v[i];
-    a = f(a);
-    for (int64_t i = k; i < n; ++i) v[i] = a[i - k];
-  }
-}
-
-inline v4f softplus4(v4f x) { return vsoftplus_of<v4f, v4i>(x); }
-inline v4f silu4(v4f x) { return x * vsigmoid_of<v4f, v4i>(x); }
-
-AdvanceRows advance_rows() {
-  static const AdvanceRows kernel = SSMOPS_ISA_KERNEL(selected_isa(), advance_rows);  // fixed for the process
-  return kernel;
+// This CPU's builds of the row kernel and the elementwise maps, chosen once for the process. softplus
+// and silu at SSE width (they were built here, for the baseline) held a Mamba-1 layer's state update
+// (mamba-130m's shape, 2 threads) at ~119 us for batch 8 and ~20-24 for batch 1; ~76 and ~15 us now.
+struct StepKernels {
+  AdvanceRows advance;
+  MapFn *neg_exp, *softplus, *silu;
+};
+const StepKernels& kernels() {
+  static const StepKernels chosen = [] {
+    const Isa isa = selected_isa();
+    return StepKernels{SSMOPS_ISA_KERNEL(isa, advance_rows), SSMOPS_ISA_KERNEL(isa, neg_exp),
+                       SSMOPS_ISA_KERNEL(isa, softplus), SSMOPS_ISA_KERNEL(isa, silu)};
+  }();
+  return chosen;
 }
 
 }  // namespace
 
-void silu_in_place(float* v, int64_t n) { apply4<silu4>(v, n); }
+void silu_in_place(float* v, int64_t n) { kernels().silu(v, v, n); }
 
-void neg_exp(const float* in, float* out, int64_t n) {
-  static NegExpFn* const kernel = SSMOPS_ISA_KERNEL(selected_isa(), neg_exp);  // fixed for the process
-  kernel(in, out, n);
-}
+void neg_exp(const float* in, float* out, int64_t n) { kernels().neg_exp(in, out, n); }
 
 void SelectiveStep::rows(int64_t begin, int64_t end) const {
   const int64_t per_group = dim / groups;
-  const AdvanceRows advance = advance_rows();
+  const StepKernels& k = kernels();
   for (int64_t r0 = begin; r0 < end; r0 += kStepRowBlock) {
     const int64_t n = std::min(kStepRowBlock, end - r0);
     float delta[kStepRowBlock], dtx[kStepRowBlock], gate[kStepRowBlock], acc[kStepRowBlock];
@@ -69,15 +51,15 @@ void SelectiveStep::rows(int64_t begin, int64_t end) const {
       if (z) gate[i] = z[b * z_stride + c];
       if (++c == dim) c = 0, ++b;
     }
-    if (softplus) apply4<softplus4>(delta, n);
+    if (softplus) k.softplus(delta, delta, n);
     for (int64_t i = 0; i < n; ++i) dtx[i] = delta[i] * x[r0 + i];
-    if (z) apply4<silu4>(gate, n);
+    if (z) k.silu(gate, gate, n);
     // the block's rows in runs that share B and C: one (batch, group) each
     for (int64_t i = 0; i < n;) {
       const int64_t row = r0 + i, b = row / dim, c = row % dim, g = c / per_group;
       const int64_t run = std::min(n - i, (g + 1) * per_group - c);
-      advance(h + row * dstate, run, dstate, A + c * dstate, delta + i, nullptr, dtx + i,
-              B + b * bc_stride + g * dstate, C + b * bc_stride + g * dstate, acc + i);
+      k.advance(h + row * dstate, run, dstate, A + c * dstate, delta + i, nullptr, dtx + i,
+                B + b * bc_stride + g * dstate, C + b * bc_stride + g * dstate, acc + i);
       for (int64_t j = 0; j < run; ++j) {
         const float xv = x[row + j];
         const float out = D ? acc[i + j] + D[c + j] * xv : acc[i + j];
@@ -202,7 +184,7 @@ void multihead_step(const MultiheadArgs& a, T* state, const int64_t* st) {
   const int64_t p = a.headdim, n = a.dstate, per_group = a.nheads / a.ngroups;
   // a thread takes >= ~256K states: below that, waking a second thread costs more than it saves
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / (p * n));
-  const AdvanceRows advance = advance_rows();
+  const AdvanceRows advance = kernels().advance;
   // float32 state rows of a head, each dstate values one after the other, advance in place in one call
   const bool in_place = std::is_same<T, float>::value && st[3] == 1 && st[2] == n;
   torch::stable::parallel_for(0, a.batch * a.nheads, grain, [&](int64_t begin, int64_t end) {

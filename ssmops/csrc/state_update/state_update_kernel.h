@@ -70,6 +70,22 @@ inline void advance_row(float* h, int64_t r, int64_t n, const float* A, const fl
   }
 }
 
+// out[i] = f(in[i]), W at a time (out may be in); the last n % W through a zero-padded vector
+template <vf (*f)(vf)>
+inline void map(const float* in, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) st(out + i, f(ld(in + i)));
+  if (i < n) {
+    float part[W] = {};
+    __builtin_memcpy(part, in + i, sizeof(float) * (n - i));
+    st(part, f(ld(part)));
+    __builtin_memcpy(out + i, part, sizeof(float) * (n - i));
+  }
+}
+inline vf neg_exp_of(vf v) { return -vexp_of<vf, vi>(v); }
+inline vf softplus_of(vf v) { return vsoftplus_of<vf, vi>(v); }
+inline vf silu_of(vf v) { return v * vsigmoid_of<vf, vi>(v); }
+
 #if SU_W == 16
 // fold() of 16 rows at once, one vector of partial sums each: every level of its tree adds the
 // halves of two rows in one vector, so y comes out of the same adds in the same order (bitwise), ~1
@@ -100,16 +116,9 @@ inline void fold_rows(const vf (&acc)[kLanes][kVecs], float* y) {
 
 }  // namespace
 
-void SU_CAT(neg_exp_, SU_ISA)(const float* in, float* out, int64_t n) {
-  int64_t i = 0;
-  for (; i + W <= n; i += W) st(out + i, -vexp_of<vf, vi>(ld(in + i)));
-  if (i < n) {
-    float part[W] = {};
-    __builtin_memcpy(part, in + i, sizeof(float) * (n - i));
-    st(part, -vexp_of<vf, vi>(ld(part)));
-    __builtin_memcpy(out + i, part, sizeof(float) * (n - i));
-  }
-}
+void SU_CAT(neg_exp_, SU_ISA)(const float* in, float* out, int64_t n) { map<neg_exp_of>(in, out, n); }
+void SU_CAT(softplus_, SU_ISA)(const float* in, float* out, int64_t n) { map<softplus_of>(in, out, n); }
+void SU_CAT(silu_, SU_ISA)(const float* in, float* out, int64_t n) { map<silu_of>(in, out, n); }
 
 void SU_CAT(advance_rows_, SU_ISA)(float* h, int64_t rows, int64_t n, const float* A, const float* dt,
                                     const float* decay, const float* dtx, const float* B, const float* C, float* y) {

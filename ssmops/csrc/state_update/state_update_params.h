@@ -16,8 +16,11 @@ using AdvanceRowsFn = void(float* h, int64_t rows, int64_t n, const float* A, co
 using AdvanceRows = AdvanceRowsFn*;
 AdvanceRowsFn advance_rows_generic, advance_rows_avx2, advance_rows_avx512;
 
-// out[i] = -exp(in[i]): Mamba-1's A from its parameter A_log
-using NegExpFn = void(const float* in, float* out, int64_t n);
-NegExpFn neg_exp_generic, neg_exp_avx2, neg_exp_avx512;
+// out[i] = f(in[i]), out may be in: -exp (Mamba-1's A from its parameter A_log), softplus (dt) and
+// silu (the gate, the conv's output)
+using MapFn = void(const float* in, float* out, int64_t n);
+MapFn neg_exp_generic, neg_exp_avx2, neg_exp_avx512;
+MapFn softplus_generic, softplus_avx2, softplus_avx512;
+MapFn silu_generic, silu_avx2, silu_avx512;
 
 }  // namespace ssmops_cpu
