@@ -88,6 +88,34 @@ inline float vsum_of(vf v) {
   }
 }
 
+// vsum_of of each of 16 vectors of 16 lanes, out[i] the sum of v[i]: every level of the tree adds the
+// halves of two vectors in one, so the sums come out of the same adds in the same order (bitwise),
+// ~1 add and 2 shuffles a vector where one alone took 4 of each and an extract. A Mamba-1 layer's
+// state update (mamba-130m's shape, batch 8): ~131-137 -> ~118-123 us.
+template <class vf>
+inline void vsums16_of(const vf* v, float* out) {
+  static_assert(sizeof(vf) == 64, "16 float lanes");
+  vf t8[8], t4[4], t2[2];
+  for (int i = 0; i < 8; ++i)  // vectors 2i and 2i + 1: lanes l + 8 onto l
+    t8[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+            __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
+                                    31);
+  for (int i = 0; i < 4; ++i)  // vectors 4i .. 4i + 3, 8 lanes each: l + 4 onto l
+    t4[i] = __builtin_shufflevector(t8[2 * i], t8[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26,
+                                    27) +
+            __builtin_shufflevector(t8[2 * i], t8[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                    31);
+  for (int i = 0; i < 2; ++i)  // vectors 8i .. 8i + 7, 4 lanes each: l + 2 onto l
+    t2[i] = __builtin_shufflevector(t4[2 * i], t4[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28,
+                                    29) +
+            __builtin_shufflevector(t4[2 * i], t4[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
+                                    31);
+  // vectors 0 .. 15, 2 lanes each: lane 1 onto lane 0
+  const vf sums = __builtin_shufflevector(t2[0], t2[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+                  __builtin_shufflevector(t2[0], t2[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  __builtin_memcpy(out, &sums, sizeof sums);
+}
+
 template <class vf, class vi>
 inline vf vsigmoid_of(vf x) {
   return (vf{} + 1.0f) / ((vf{} + 1.0f) + vexp_of<vf, vi>(-x));

@@ -160,6 +160,7 @@ struct Arith {
   }
   static Acc mul(Wide w, Wide x) { return w * x; }
   static Acc mul_add(Acc acc, Wide w, Wide x) { return acc + w * x; }
+  static vf to_float(Acc acc) { return acc; }
   static float sum(Acc acc) { return vsum_of(acc); }
 };
 
@@ -189,7 +190,8 @@ struct Arith<WeightKind::kInt8> {
 #endif
   }
   // each lane (< 2^31) rounded to float32 (a relative 2^-24, far below x's rounding to int16)
-  static float sum(Acc acc) { return vsum_of(__builtin_convertvector(acc, vf)); }
+  static vf to_float(Acc acc) { return __builtin_convertvector(acc, vf); }
+  static float sum(Acc acc) { return vsum_of(to_float(acc)); }
 };
 
 // The last step of a row whose length is not a multiple of kStep: its n weights (and x's) in a
@@ -260,10 +262,23 @@ inline void tile(const LinearArgs& a, int64_t n, int64_t n_end, int64_t m0, int6
       for (int u = 0; u < U; ++u) step(k + u * A::kStep, u);
     for (; k < k1; k += A::kStep) step(k, 0);
     for (int m = 0; m < xr; ++m)
-      for (int r = 0; r < R; ++r) {
+      for (int r = 0; r < R; ++r)
         for (int u = 1; u < U; ++u) acc[m][r][0] += acc[m][r][u];
-        sum[m][r] += A::sum(acc[m][r][0]);
-      }
+    if constexpr (W == 16 && xr * R == 16 && U == 1) {
+      // 16 outputs a tile (several rows of x): their lane sums 16 at once, the same adds (bitwise).
+      // 8 rows of x, 2 threads, weights in cache, old and new alternating: in_proj's 3072 x 768 int8
+      // ~125 -> ~117 us, fp32 ~234 -> ~225; out_proj's 768 x 1536 int8 ~58 -> ~54
+      vf wide[16];
+      for (int m = 0; m < xr; ++m)
+        for (int r = 0; r < R; ++r) wide[m * R + r] = A::to_float(acc[m][r][0]);
+      float sums[16];
+      vsums16_of(wide, sums);
+      for (int m = 0; m < xr; ++m)
+        for (int r = 0; r < R; ++r) sum[m][r] += sums[m * R + r];
+    } else {
+      for (int m = 0; m < xr; ++m)
+        for (int r = 0; r < R; ++r) sum[m][r] += A::sum(acc[m][r][0]);
+    }
   }
   if (k_vec < K) {
     typename A::Wide w[R];

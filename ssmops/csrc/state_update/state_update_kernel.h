@@ -86,33 +86,6 @@ inline vf neg_exp_of(vf v) { return -vexp_of<vf, vi>(v); }
 inline vf softplus_of(vf v) { return vsoftplus_of<vf, vi>(v); }
 inline vf silu_of(vf v) { return v * vsigmoid_of<vf, vi>(v); }
 
-#if SU_W == 16
-// fold() of 16 rows at once, one vector of partial sums each: every level of its tree adds the
-// halves of two rows in one vector, so y comes out of the same adds in the same order (bitwise), ~1
-// add and 2 shuffles a row where a row alone took 4 of each and an extract. Mamba-1 at mamba-130m's
-// shape, batch 8, a layer's state update: ~131-137 -> ~118-123 us (old and new builds alternating).
-inline void fold_rows(const vf (&acc)[kLanes][kVecs], float* y) {
-  vf t8[8], t4[4], t2[2];
-  for (int i = 0; i < 8; ++i)  // rows 2i and 2i + 1: lanes l + 8 onto l
-    t8[i] = __builtin_shufflevector(acc[2 * i][0], acc[2 * i + 1][0], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20,
-                                    21, 22, 23) +
-            __builtin_shufflevector(acc[2 * i][0], acc[2 * i + 1][0], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27,
-                                    28, 29, 30, 31);
-  for (int i = 0; i < 4; ++i)  // rows 4i .. 4i + 3, 8 lanes each: l + 4 onto l
-    t4[i] = __builtin_shufflevector(t8[2 * i], t8[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26,
-                                    27) +
-            __builtin_shufflevector(t8[2 * i], t8[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
-                                    31);
-  for (int i = 0; i < 2; ++i)  // rows 8i .. 8i + 7, 4 lanes each: l + 2 onto l
-    t2[i] = __builtin_shufflevector(t4[2 * i], t4[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28,
-                                    29) +
-            __builtin_shufflevector(t4[2 * i], t4[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
-                                    31);
-  // rows 0 .. 15, 2 lanes each: lane 1 onto lane 0
-  st(y, __builtin_shufflevector(t2[0], t2[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-            __builtin_shufflevector(t2[0], t2[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31));
-}
-#endif
 
 }  // namespace
 
@@ -127,7 +100,7 @@ void SU_CAT(advance_rows_, SU_ISA)(float* h, int64_t rows, int64_t n, const floa
   for (; r + kLanes <= rows; r += kLanes) {
     vf acc[kLanes][kVecs];
     for (int i = 0; i < kLanes; ++i) advance_row(h, r + i, n, A, dt, decay, dtx, B, C, acc[i]);
-    fold_rows(acc, y + r);
+    vsums16_of(&acc[0][0], y + r);  // as fold() of each row, 16 rows' adds a vector
   }
 #endif
   for (; r < rows; ++r) {
