@@ -36,8 +36,10 @@ def linear_inputs(rows, in_features, out_features, weight_dtype, x_dtype=torch.f
 # 40 (the matmul path); in_features with and without a vector tail, short rows (tiled 8 at a time with
 # one row of x) and long ones, and past one block of int8 sums (1024); out_features not a multiple of
 # a tile's rows, and past one task's rows (24)
+# (8, 1100, 13): tiles of 4 rows of x by 4 weight rows, summed 16 at once, over two int8 blocks and a
+# partial last tile
 SHAPES = [(1, 64, 8), (1, 37, 11), (1, 300, 50), (1, 1100, 30), (2, 1100, 5), (3, 96, 13), (5, 200, 7),
-          (16, 33, 30), (17, 37, 11), (40, 64, 9)]
+          (8, 1100, 13), (16, 33, 30), (17, 37, 11), (40, 64, 9)]
 
 
 @pytest.mark.parametrize("backend", backend_params(names=("default", "cpu")))
