@@ -43,30 +43,24 @@ void neg_exp(const float* in, float* out, int64_t n) { kernels().neg_exp(in, out
 void SelectiveStep::rows(int64_t begin, int64_t end) const {
   const int64_t per_group = dim / groups;
   const StepKernels& k = kernels();
-  for (int64_t r0 = begin; r0 < end; r0 += kStepRowBlock) {
-    const int64_t n = std::min(kStepRowBlock, end - r0);
+  // runs of up to kStepRowBlock rows that share a batch row and a group (so B and C): their channels
+  // are contiguous, so that each elementwise loop below is a plain vector loop
+  for (int64_t row = begin; row < end;) {
+    const int64_t b = row / dim, c = row % dim, g = c / per_group;
+    const int64_t n = std::min({kStepRowBlock, end - row, (g + 1) * per_group - c});
     float delta[kStepRowBlock], dtx[kStepRowBlock], gate[kStepRowBlock], acc[kStepRowBlock];
-    for (int64_t i = 0, b = r0 / dim, c = r0 % dim; i < n; ++i) {
-      delta[i] = dt[r0 + i] + (dt_bias ? dt_bias[c] : 0.0f);
-      if (z) gate[i] = z[b * z_stride + c];
-      if (++c == dim) c = 0, ++b;
-    }
+    const float* xs = x + row;
+    for (int64_t i = 0; i < n; ++i) delta[i] = dt[row + i] + (dt_bias ? dt_bias[c + i] : 0.0f);
     if (softplus) k.softplus(delta, delta, n);
-    for (int64_t i = 0; i < n; ++i) dtx[i] = delta[i] * x[r0 + i];
-    if (z) k.silu(gate, gate, n);
-    // the block's rows in runs that share B and C: one (batch, group) each
-    for (int64_t i = 0; i < n;) {
-      const int64_t row = r0 + i, b = row / dim, c = row % dim, g = c / per_group;
-      const int64_t run = std::min(n - i, (g + 1) * per_group - c);
-      k.advance(h + row * dstate, run, dstate, A + c * dstate, delta + i, nullptr, dtx + i,
-                B + b * bc_stride + g * dstate, C + b * bc_stride + g * dstate, acc + i);
-      for (int64_t j = 0; j < run; ++j) {
-        const float xv = x[row + j];
-        const float out = D ? acc[i + j] + D[c + j] * xv : acc[i + j];
-        y[row + j] = z ? out * gate[i + j] : out;
-      }
-      i += run;
+    for (int64_t i = 0; i < n; ++i) dtx[i] = delta[i] * xs[i];
+    if (z) k.silu(z + b * z_stride + c, gate, n);
+    k.advance(h + row * dstate, n, dstate, A + c * dstate, delta, nullptr, dtx, B + b * bc_stride + g * dstate,
+              C + b * bc_stride + g * dstate, acc);
+    for (int64_t i = 0; i < n; ++i) {
+      const float out = D ? acc[i] + D[c + i] * xs[i] : acc[i];
+      y[row + i] = z ? out * gate[i] : out;
     }
+    row += n;
   }
 }
 
