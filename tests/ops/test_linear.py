@@ -105,6 +105,18 @@ def test_leading_dims_strided_x_and_no_bias(backend):
     assert_close(y, weight_only_linear_ref(x3, w), 1e-5, "y")
 
 
+@pytest.mark.parametrize("backend", backend_params(names=("default", "cpu")))
+@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [(3,), (20, 2)], ids=["streamed", "matmul"])
+def test_no_in_features_gives_the_bias(backend, weight_dtype, rows):
+    # empty sums: each row of x is the bias, above 16 rows (aten's matmul) as below (the streamed kernel)
+    w, b = torch.empty(5, 0, dtype=weight_dtype), torch.randn(5)
+    scale = torch.rand(5) if weight_dtype == torch.int8 else None
+    with ssmops.use_backend(backend):
+        y = ssmops.weight_only_linear(torch.randn(*rows, 0), w, scale, b)
+    assert torch.equal(y, b.expand(*rows, 5))
+
+
 def test_reference_is_torch_linear_on_the_dequantized_weight():
     x, w, scale, b = linear_inputs(4, 32, 6, torch.int8)
     expected = F.linear(x.double(), w.double() * scale.double()[:, None], b.double()).float()

@@ -130,16 +130,19 @@ Tensor weight_only_linear(Tensor x, Tensor weight, OptTensor weight_scale, OptTe
   const ST xt = x.scalar_type();
   const int64_t K = weight.size(1), N = weight.size(0);
   std::vector<int64_t> out_shape;
-  for (int64_t i = 0; i + 1 < x.dim(); ++i) out_shape.push_back(x.size(i));
+  int64_t M = 1;  // rows of x: its leading dimensions (with K = 0 too: each row's output is the bias)
+  for (int64_t i = 0; i + 1 < x.dim(); ++i) {
+    out_shape.push_back(x.size(i));
+    M *= x.size(i);
+  }
   out_shape.push_back(N);
-  const int64_t M = K == 0 ? 0 : x.numel() / K;
   // decoding calls this ~100 times a token: no dispatcher round trip that the inputs do not need
   Tensor x2 = x.dim() == 2 ? x : torch::stable::reshape(x, {M, K});
   if (xt != ST::Float) x2 = torch::stable::to(x2, ST::Float);
   x2 = contig(x2);
   Tensor y, scale = weight_scale ? contig(*weight_scale) : x2;
   Tensor bias32 = !bias ? x2 : bias->scalar_type() == ST::Float ? contig(*bias) : as_f32(*bias);
-  if (M > 0 && K > 0 && M <= kMaxStreamedRows) {
+  if (M > 0 && M <= kMaxStreamedRows) {
     y = empty_like_shape(x, out_shape, ST::Float);
     const float* scale_p = weight_scale ? scale.const_data_ptr<float>() : nullptr;
     const float* bias_p = bias ? bias32.const_data_ptr<float>() : nullptr;
