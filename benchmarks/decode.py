@@ -76,11 +76,12 @@ def weight_bytes_per_token(model: MambaLMHeadModel) -> int:
 def decode_rates(generators: dict, prompt, new_tokens: int, repeats: int, probe: torch.Tensor):
     """Tokens per second per sequence of each generator, prefill excluded, and the read bandwidth in
     the same minutes. A rate is the fastest of `repeats` generations of new_tokens less the fastest of 1
-    (medians of 2 let the prefill's noise through: 8 prompts of ~60 tokens prefilled one by one moved
-    by ~0.6 s between runs here, as much as 32 tokens take, and once gave a bf16 batch-8 rate of 3.3x
-    its bound; the prompts are now 16 tokens or fewer). The generators take turns, and the bandwidth is the
-    most it measured before and after each turn: a shared machine's moved between 35 and 62 GB/s from
-    one minute to the next here, so formats timed minutes apart were not comparable."""
+    (medians of 2 let the prefill's noise through). The difference keeps the prefill's noise, so the
+    prompts are short: 8 prompts of ~60 tokens prefilled one by one moved by ~0.6 s between runs here,
+    as much as 32 tokens take, and once gave a bf16 batch-8 rate of 3.3x its bound. The generators
+    take turns, and the bandwidth is the most it measured before and after each turn: a shared
+    machine's moved between 35 and 62 GB/s from one minute to the next here, so formats timed minutes
+    apart were not comparable."""
     for generate in generators.values():
         generate(prompt, new_tokens)
     t_one = {name: [] for name in generators}

@@ -148,6 +148,7 @@ def run_in_threads(fn, count: int, repeats: int = 3, timeout: float = 300) -> li
         w.start()
     for w in workers:
         w.join(timeout=timeout)
+    assert not any(w.is_alive() for w in workers), f"a thread was still running after {timeout} s"
     assert not errors, errors
     return results
 

@@ -86,7 +86,6 @@ inline vf neg_exp_of(vf v) { return -vexp_of<vf, vi>(v); }
 inline vf softplus_of(vf v) { return vsoftplus_of<vf, vi>(v); }
 inline vf silu_of(vf v) { return v * vsigmoid_of<vf, vi>(v); }
 
-
 }  // namespace
 
 void SU_CAT(neg_exp_, SU_ISA)(const float* in, float* out, int64_t n) { map<neg_exp_of>(in, out, n); }
