@@ -190,6 +190,7 @@ MULTIHEAD_CASES = [
     dict(tied=False, cache=4, state_dtype=torch.bfloat16),
     dict(dstate=35, headdim=3),  # the row kernel's vectors of 16 states, then a tail
     dict(dstate=35, tied=False, state_dtype=torch.bfloat16),
+    dict(nheads=8, headdim=64, dstate=128, ngroups=2),  # 4 heads a task (the CPU kernel's grain), tasks on threads
 ]
 
 

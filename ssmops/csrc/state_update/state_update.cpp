@@ -176,8 +176,12 @@ float step_size(const MultiheadArgs& a, int64_t bh, int64_t h, int64_t i) {
 template <class T>
 void multihead_step(const MultiheadArgs& a, T* state, const int64_t* st) {
   const int64_t p = a.headdim, n = a.dstate, per_group = a.nheads / a.ngroups;
-  // a thread takes >= ~256K states: below that, waking a second thread costs more than it saves
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / (p * n));
+  // a thread takes >= ~32K states. A model's token finds its states cold (the weights' stream evicted
+  // them), and a thread streams them at ~34 GB/s: at mamba2-130m's shape (196K states a layer, 24
+  // layers) one thread a layer held a compiled token at ~13.4 ms (fp32) and ~5.4 (int8) where two
+  // take ~13.0 and ~5.1, alternating in one process. Warm in cache (benchmarks/ssd.py's repeated
+  // step), a second thread costs more than it saves below ~256K states.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / (p * n));
   const AdvanceRows advance = kernels().advance;
   // float32 state rows of a head, each dstate values one after the other, advance in place in one call
   const bool in_place = std::is_same<T, float>::value && st[3] == 1 && st[2] == n;
