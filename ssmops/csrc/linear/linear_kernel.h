@@ -35,17 +35,13 @@ constexpr int kChains = kFewRegisters ? 8 : 16;
 // against a plain sum over the same bytes in the same run): with one row of x, float32 weights
 // stream at ~0.95 of the sum's rate 8 rows a tile against ~0.85 with 4, and int8 weights at ~0.77
 // one row a tile against ~0.58 with 4. With 8 rows of x and 16 registers, float weights do ~1.25x
-// the multiply-adds per second 4 rows of x by 3 weight rows as 2 by 4; int8 weights, 2 by 4.
-// With 32 registers and one row of x, float32 and int8 weights go 12 rows a tile (Zen 4, mamba-130m's
-// shape): the compiled fp32 token ~3% faster than 8 rows at ~55-60 GB/s, both alternating in one
-// process (bf16: no gain, it keeps 8); int8 in_proj (3072 x 768) with its weights in cache ~107 us on
-// 2 threads one row a tile against ~29 (a row's 24 steps spread over 16 chains, then folded, cost
-// more than its multiply-adds), the compiled int8 token ~2-11% faster at ~35 GB/s.
+// the multiply-adds per second 4 rows of x by 3 weight rows as 2 by 4; int8 weights, 2 by 4. With
+// 32 registers, float32 weights and one row of x, 12 rows a tile made mamba-130m's compiled fp32
+// token ~3% faster than 8 at ~55-60 GB/s (both alternating in one process; bf16: no gain).
 template <WeightKind kind>
 constexpr int kXRows = kFewRegisters && kind == WeightKind::kInt8 ? 2 : 4;
 template <WeightKind kind>
-constexpr int kOneRowTileRows = kFewRegisters ? (kind == WeightKind::kInt8 ? 1 : 8)
-                                              : (kind == WeightKind::kFloat32 || kind == WeightKind::kInt8 ? 12 : 8);
+constexpr int kOneRowTileRows = kind == WeightKind::kInt8 ? 1 : kind == WeightKind::kFloat32 && !kFewRegisters ? 12 : 8;
 template <WeightKind kind, int xr>
 constexpr int kTileRows = xr == 1 ? kOneRowTileRows<kind> : kXRows<kind> == 4 && kFewRegisters ? 3 : 4;
 // How far ahead to prefetch (at least one tile), and into L2 rather than L1 (prefetcht1): on a
