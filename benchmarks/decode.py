@@ -155,7 +155,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads, "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"read bandwidth, measured now: {read_bandwidth(bandwidth_probe) / 1e9:.1f} GB/s "
-          "(and around the rows timed together below: GB/s)")
+          "(the GB/s column below: measured around each group of rows timed together)")
     cfg = fp32_model.config
     print(f"model: {cfg.ssm_cfg.get('layer', 'Mamba1')}, d_model {cfg.d_model}, {cfg.n_layer} layers, vocab "
           f"{cfg.vocab_size}; decode: {new_tokens - 1} tokens after a {prompt_len}-token prompt (greedy); "
