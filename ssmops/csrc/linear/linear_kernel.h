@@ -165,7 +165,6 @@ struct Arith {
   static Acc mul(Wide w, Wide x) { return w * x; }
   static Acc mul_add(Acc acc, Wide w, Wide x) { return acc + w * x; }
   static vf to_float(Acc acc) { return acc; }
-  static float sum(Acc acc) { return vsum_of(acc); }
 };
 
 // ... and int8 weights against int16 x, 2W weights a step, kIntBlock weights a block.
@@ -195,7 +194,6 @@ struct Arith<WeightKind::kInt8> {
   }
   // each lane (< 2^31) rounded to float32 (a relative 2^-24, far below x's rounding to int16)
   static vf to_float(Acc acc) { return __builtin_convertvector(acc, vf); }
-  static float sum(Acc acc) { return vsum_of(to_float(acc)); }
 };
 
 // The last step of a row whose length is not a multiple of kStep: its n weights (and x's) in a
@@ -284,7 +282,7 @@ inline void tile(const LinearArgs& a, int64_t n, int64_t n_end, int64_t m0, int6
         for (int r = 0; r < R; ++r) sum[m][r] += sums[m * R + r];
     } else {
       for (int m = 0; m < xr; ++m)
-        for (int r = 0; r < R; ++r) sum[m][r] += A::sum(acc[m][r][0]);
+        for (int r = 0; r < R; ++r) sum[m][r] += vsum_of(A::to_float(acc[m][r][0]));
     }
   }
   if (k_vec < K) {
@@ -292,7 +290,7 @@ inline void tile(const LinearArgs& a, int64_t n, int64_t n_end, int64_t m0, int6
     for (int r = 0; r < R; ++r) w[r] = weights_part<kind>(a.weight, row[r] + k_vec, K - k_vec);
     for (int m = 0; m < xr; ++m) {
       const typename A::Wide xv = xs_part<kind>(x + (m0 + m) * K + k_vec, K - k_vec);
-      for (int r = 0; r < R; ++r) sum[m][r] += A::sum(A::mul(w[r], xv));
+      for (int r = 0; r < R; ++r) sum[m][r] += vsum_of(A::to_float(A::mul(w[r], xv)));
     }
   }
   for (int m = 0; m < xr; ++m)
