@@ -79,14 +79,26 @@ def test_convert_weights_converts_the_projections_only():
     assert all(t.dtype == torch.float32 for states in caches.values() for t in states if t is not None)
     mamba1 = MambaLMHeadModel(tiny_config()).convert_weights("bf16")
     mixer = mamba1.backbone.layers[0].mixer
-    assert mixer.in_proj.weight.dtype == torch.bfloat16
-    assert mixer.x_proj.weight.dtype == mixer.dt_proj.weight.dtype == torch.float32  # they compute dt
+    assert mixer.in_proj.weight.dtype == mixer.x_proj.weight.dtype == mixer.dt_proj.weight.dtype == torch.bfloat16
+    # the decoding state keeps the model's dtype, not the converted dt_proj's (mamba_ssm's rule)
+    assert mixer.allocate_inference_cache(1, 8)[1].dtype == torch.float32
     with pytest.raises(ValueError, match="weights must be one of"):
         mamba1.convert_weights("int4")
     mamba1.convert_weights("int8")  # from bf16: the activations stay float32
     assert mixer.in_proj.weight.dtype == torch.int8 and mixer.in_proj.compute_dtype == torch.float32
     with pytest.raises(ValueError, match="the weight is int8 already"):
         mamba1.convert_weights("bf16")
+
+
+def test_keep_float_keeps_the_named_layers_in_the_models_dtype():
+    model = MambaLMHeadModel(tiny_config()).convert_weights("int8", keep_float=("x_proj", "mixer.dt_proj", "lm_head"))
+    dtypes = {name: m.weight.dtype for name, m in model.named_modules() if isinstance(m, Linear)}
+    kept = {name for name, dtype in dtypes.items() if dtype == torch.float32}
+    assert kept == {"lm_head"} | {f"backbone.layers.{i}.mixer.{p}" for i in (0, 1) for p in ("x_proj", "dt_proj")}
+    assert model.lm_head.weight is model.backbone.embedding.weight  # still tied: nothing converted it
+    assert all(dtypes[f"backbone.layers.{i}.mixer.{p}"] == torch.int8 for i in (0, 1) for p in ("in_proj", "out_proj"))
+    with pytest.raises(ValueError, match=r"keep_float names no linear layer of the model: 'xproj'"):
+        MambaLMHeadModel(tiny_config()).convert_weights("int8", keep_float="xproj")
 
 
 def test_a_converted_state_dict_is_refused_by_name(tmp_path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 from collections import namedtuple
+from collections.abc import Iterable
 from functools import partial
 from pathlib import Path
 
@@ -164,20 +165,32 @@ class MambaLMHeadModel(nn.Module):
         return self.backbone.allocate_inference_cache(batch_size, max_seqlen, dtype=dtype, **kwargs)
 
     @torch.no_grad()
-    def convert_weights(self, weights: str) -> MambaLMHeadModel:
-        """Stores the weights of the linear layers (mixers' in/out projections, MLPs, the output
-        head) in `weights` format for inference: "fp32", "bf16", "fp16" or "int8" (symmetric, a
-        float32 scale per output feature). Activations, norms, the scan and its state keep the
-        model's dtype; Mamba's x_proj and dt_proj (which compute dt) and the embedding (one row
-        read a token) keep theirs. A tied output head gets its own converted copy. In place;
-        returns the model. The converted model is for inference: training needs float weights."""
+    def convert_weights(self, weights: str, keep_float: Iterable[str] = ()) -> MambaLMHeadModel:
+        """Stores the weights of the linear layers (mixers' projections, Mamba's x_proj and dt_proj
+        included, MLPs, the output head) in `weights` format for inference: "fp32", "bf16", "fp16"
+        or "int8" (symmetric, a float32 scale per output feature). Activations, norms, the scan and
+        its state keep the model's dtype, and so does the embedding (one row read a token). A tied
+        output head gets its own converted copy. `keep_float` names linear layers that keep the
+        model's dtype: a module name (`"lm_head"`) or its last parts (`"x_proj"`, `"mixer.dt_proj"`:
+        every layer's). In place; returns the model. The converted model is for inference:
+        training needs float weights."""
         if weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
+        linears = {name: m for name, m in self.named_modules() if isinstance(m, Linear)}
+        if isinstance(keep_float, str):
+            keep_float = (keep_float,)
+        kept = set()
+        for pattern in keep_float:
+            matches = {name for name in linears if name == pattern or name.endswith("." + pattern)}
+            if not matches:
+                raise ValueError(f"keep_float names no linear layer of the model: {pattern!r} "
+                                 f"(its linear layers: {', '.join(sorted(linears)[:4])}, ...)")
+            kept |= matches
         tied = self.lm_head.weight is self.backbone.embedding.weight
-        if tied and self.lm_head.weight.dtype != WEIGHT_FORMATS[weights]:
+        if tied and "lm_head" not in kept and self.lm_head.weight.dtype != WEIGHT_FORMATS[weights]:
             self.lm_head.weight = nn.Parameter(self.lm_head.weight.detach().clone())
-        for module in self.modules():
-            if isinstance(module, Linear):
+        for name, module in linears.items():
+            if name not in kept:
                 module.convert_weight(weights)
         return self
 

@@ -31,13 +31,10 @@ def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class Linear(nn.Linear):
-    """nn.Linear for ssmops' models. `keep_float=True` marks a layer whose weight stays in the
-    model's dtype whatever the weight format (Mamba's x_proj and dt_proj, which compute dt)."""
+    """nn.Linear for ssmops' models: its weight can be converted to a weight format for inference."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, keep_float: bool = False,
-                 device=None, dtype=None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.keep_float = keep_float
         self.converted_from: torch.dtype | None = None  # the weight's dtype before convert_weight
         self.register_buffer("weight_scale", None)  # int8 weights only
 
@@ -53,10 +50,10 @@ class Linear(nn.Linear):
     def convert_weight(self, weights: str) -> None:
         """Stores the weight in `weights` format ("fp32", "bf16", "fp16", "int8"; the int8 one
         with a float32 scale per output feature, buffer `weight_scale`) for inference; the
-        activations, the bias and the output keep the layer's dtype. No-op for `keep_float`."""
+        activations, the bias and the output keep the layer's dtype."""
         if weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
-        if self.keep_float or self.weight.dtype == WEIGHT_FORMATS[weights]:
+        if self.weight.dtype == WEIGHT_FORMATS[weights]:
             return
         if self.weight_scale is not None:
             raise ValueError("the weight is int8 already; load the float checkpoint to convert it again")

@@ -70,9 +70,8 @@ class Mamba(nn.Module):
         )
         self.activation = "silu"
         self.act = nn.SiLU()
-        # x_proj and dt_proj compute dt: their weights stay in the model's dtype in every weight format
-        self.x_proj = Linear(self.d_inner, self.dt_rank + d_state * 2, bias=False, keep_float=True, **factory)
-        self.dt_proj = Linear(self.dt_rank, self.d_inner, bias=True, keep_float=True, **factory)
+        self.x_proj = Linear(self.d_inner, self.dt_rank + d_state * 2, bias=False, **factory)
+        self.dt_proj = Linear(self.dt_rank, self.d_inner, bias=True, **factory)
 
         # dt_proj: weights around dt_rank**-0.5 * dt_scale; the bias is softplus^-1 of a dt
         # sampled log-uniformly in [dt_min, dt_max], so softplus(bias) starts in that range.
@@ -190,13 +189,13 @@ class Mamba(nn.Module):
     def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, ssm_state_dtype=None,
                                  **kwargs):
         """Zeroed (conv_state (batch, d_inner, d_conv), ssm_state (batch, d_inner, d_state)), in the
-        weights' dtype or `dtype` as mamba_ssm allocates them; `ssm_state_dtype` overrides the ssm
+        weights' dtype (before any weight format's conversion) or `dtype` as mamba_ssm allocates them; `ssm_state_dtype` overrides the ssm
         state's (float32 keeps a low-precision model's recurrence state in float32). The decoding
         step computes in float32 and writes the state back in its dtype."""
         device = self.out_proj.weight.device
         conv_dtype = self.conv1d.weight.dtype if dtype is None else dtype
         conv_state = torch.zeros(batch_size, self.d_inner, self.d_conv, device=device, dtype=conv_dtype)
-        ssm_dtype = ssm_state_dtype or (self.dt_proj.weight.dtype if dtype is None else dtype)
+        ssm_dtype = ssm_state_dtype or (self.dt_proj.compute_dtype if dtype is None else dtype)
         ssm_state = torch.zeros(batch_size, self.d_inner, self.d_state, device=device, dtype=ssm_dtype)
         return conv_state, ssm_state
 
