@@ -13,7 +13,7 @@ from .ops.state_update.schema import as_multihead
 
 def _tied(t: Tensor | None, tied_dims: int) -> Tensor | None:
     """t without its last `tied_dims` dimensions when they are stride-0 expansions (mamba_ssm's
-    Mamba2 passes dt, A and dt_bias so), else t itself."""
+    Mamba2 passes dt, A, D and dt_bias so), else t itself."""
     if t is None or t.dim() <= tied_dims or any(s != 0 for s in t.stride()[-tied_dims:]):
         return t
     return t[(...,) + (0,) * tied_dims]
@@ -72,6 +72,7 @@ def selective_state_update(
     """
     if isinstance(state, Tensor) and state.dim() == 4:
         dt, A, dt_bias = _tie(dt, A, dt_bias)
+        D = _tied(D, 1)  # mamba_ssm's Mamba2 expands a per-head D too: passed on, the kernel would copy it
         check_multihead_inputs(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices)
         _check_indices(state_batch_indices, state.shape[0])
         step = triton_op_for("multihead_state_update", x) or torch.ops.ssmops.multihead_state_update

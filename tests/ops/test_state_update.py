@@ -227,14 +227,16 @@ def test_reference_multihead_is_the_flat_layout():
 
 
 def test_tied_views_take_one_decay_per_head(monkeypatch):
-    """mamba_ssm's Mamba2 passes dt, A and dt_bias as stride-0 expansions: the operator receives
-    their per-head forms (one exp per head), and the result equals the untied computation."""
+    """mamba_ssm's Mamba2 passes dt, A, dt_bias and a per-head D as stride-0 expansions: the
+    operator receives their per-head forms (one exp per head, no copy of D), and the result equals
+    the untied computation."""
     kw = multihead_inputs()
+    kw["D"] = kw["D"][:, None].expand(kw["x"].shape[1:])
     seen = []
     op = torch.ops.ssmops.multihead_state_update
 
     def spy(*args):
-        seen.append((args[2].dim(), args[3].dim(), args[8].dim()))
+        seen.append(tuple(args[i].dim() for i in (2, 3, 6, 8)))  # dt, A, D, dt_bias
         return op(*args)
 
     monkeypatch.setattr(torch.ops.ssmops, "multihead_state_update", spy)
@@ -242,7 +244,7 @@ def test_tied_views_take_one_decay_per_head(monkeypatch):
     untied["state"] = kw["state"].clone()
     y = ssmops.selective_state_update(**kw)
     y_untied = ssmops.selective_state_update(**untied)
-    assert seen == [(2, 1, 1), (3, 3, 2)]
+    assert seen == [(2, 1, 1, 1), (3, 3, 2, 2)]
     assert_close(y, y_untied, TOLERANCES[torch.float32], "y")
     assert_close(kw["state"], untied["state"], TOLERANCES[torch.float32], "state")
 
