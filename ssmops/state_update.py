@@ -72,7 +72,7 @@ def selective_state_update(
     """
     if isinstance(state, Tensor) and state.dim() == 4:
         dt, A, dt_bias = _tie(dt, A, dt_bias)
-        D = _tied(D, 1)  # mamba_ssm's Mamba2 expands a per-head D too: passed on, the kernel would copy it
+        D = _tied(D, 1)  # a per-head D expanded over headdim: its per-head form spares the kernel a copy
         check_multihead_inputs(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices)
         _check_indices(state_batch_indices, state.shape[0])
         step = triton_op_for("multihead_state_update", x) or torch.ops.ssmops.multihead_state_update

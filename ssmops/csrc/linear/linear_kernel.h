@@ -263,10 +263,8 @@ inline void tile(const LinearArgs& a, int64_t n, int64_t n_end, int64_t m0, int6
     };
     const int64_t k_unrolled = k1 - (k1 - k0) % (A::kStep * U);
     int64_t k = k0;
-    // Unrolled so that acc[..][u] are registers: left as a loop (GCC did not unroll it once the step
-    // held the prefetch), each step loaded and stored its accumulator on the stack, and one thread's
-    // int8 GEMV with one row of x ran at ~56 ns a 768-weight row with its weights in cache, ~25 ns now
-    // (from memory: ~13.6 -> ~29.8 GB/s, where the thread's `sum` reads ~35).
+    // Unrolled so that acc[..][u] stay in registers: as a loop (GCC did not unroll it once the step
+    // held the prefetch) each step loaded and stored its accumulator, ~2x slower (docs/limits.md).
     for (; k < k_unrolled; k += A::kStep * U)
 #pragma GCC unroll 16
       for (int u = 0; u < U; ++u) step(k + u * A::kStep, u);
