@@ -18,9 +18,9 @@ from ssmops._registry import interpreting
 
 
 
-def ssd_examples(n: int):
+def interpreter_examples(n: int):
     """Under Triton's interpreter (tests/test_triton.py runs this file's Triton tests so) an SSD problem
-    takes seconds, its gradients ten: n drawn problems there."""
+    takes seconds, its gradients ten, and a scan's gradients two: n drawn problems there."""
     return settings(max_examples=n) if interpreting() else (lambda test: test)
 
 
@@ -96,6 +96,7 @@ def test_backend_matches_reference_on_drawn_problems(backend, kw):
 
 
 @pytest.mark.parametrize("backend", backend_params())
+@interpreter_examples(10)
 @given(kw=scan_problems(), data=st.data())
 def test_backend_gradients_match_reference_on_drawn_problems(backend, kw, data):
     kw = {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
@@ -188,7 +189,7 @@ def _ssd_results(fn, kw, leaves=None):
 
 
 @pytest.mark.parametrize("backend", backend_params(names=("default", "cpu", "triton")))
-@ssd_examples(8)
+@interpreter_examples(8)
 @given(kw=ssd_problems())
 def test_ssd_backend_matches_reference_on_drawn_problems(backend, kw):
     from ssmops.ops.ssd.reference import ssd_scan_ref
@@ -203,7 +204,7 @@ def test_ssd_backend_matches_reference_on_drawn_problems(backend, kw):
 
 
 @pytest.mark.parametrize("backend", backend_params(names=("default", "cpu", "triton")))
-@ssd_examples(3)
+@interpreter_examples(3)
 @given(kw=ssd_problems())
 def test_ssd_backend_gradients_match_reference_on_drawn_problems(backend, kw):
     from ssmops.ops.ssd.reference import ssd_scan_ref
