@@ -37,6 +37,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -96,6 +97,118 @@ def decode_rates(generators: dict, prompt, new_tokens: int, repeats: int, probe:
     return rates, bandwidth
 
 
+# llama.cpp's names for a Mamba-1 block's tensors (gguf's MODEL_TENSOR names), from ssmops' mixer's
+LLAMA_CPP_MIXER = {"in_proj.weight": "ssm_in.weight", "conv1d.weight": "ssm_conv1d.weight",
+                   "conv1d.bias": "ssm_conv1d.bias", "x_proj.weight": "ssm_x.weight", "dt_proj.weight": "ssm_dt.weight",
+                   "dt_proj.bias": "ssm_dt.bias", "A_log": "ssm_a", "D": "ssm_d", "out_proj.weight": "ssm_out.weight"}
+
+
+def write_gguf(gguf, model: MambaLMHeadModel, path: Path, weights: str) -> int:
+    """Writes a Mamba-1 LM (tied embeddings, float32) as llama.cpp's convert_hf_to_gguf.py would with
+    --outtype f32 or q8_0, and returns the bytes a decoding token reads (every tensor once). Its
+    choices, as facts of the format: A is stored as -exp(A_log), the conv's weight as (d_inner,
+    d_conv); q8_0 quantizes the matrices named *.weight but the conv's and the norms, and stores those
+    whose rows are not a multiple of its 32-weight blocks (dt_proj's) as f16. No tokenizer: the
+    vocabulary is its size ("none")."""
+    sd = {k: v.float().numpy() for k, v in model.state_dict().items()}
+    d_inner, d_model = sd["backbone.layers.0.mixer.in_proj.weight"].shape
+    d_inner //= 2
+    d_state = sd["backbone.layers.0.mixer.A_log"].shape[1]
+    tensors = {"token_embd.weight": sd["backbone.embedding.weight"], "output_norm.weight": sd["backbone.norm_f.weight"]}
+    for i in range(model.config.n_layer):
+        prefix = f"backbone.layers.{i}."
+        tensors[f"blk.{i}.attn_norm.weight"] = sd[prefix + "norm.weight"]
+        for ours, theirs in LLAMA_CPP_MIXER.items():
+            tensors[f"blk.{i}.{theirs}"] = sd[prefix + "mixer." + ours]
+        tensors[f"blk.{i}.ssm_a"] = -np.exp(tensors[f"blk.{i}.ssm_a"])
+        tensors[f"blk.{i}.ssm_conv1d.weight"] = tensors[f"blk.{i}.ssm_conv1d.weight"].reshape(d_inner, -1)
+    writer = gguf.GGUFWriter(str(path), "mamba")
+    writer.add_context_length(2**20)
+    writer.add_embedding_length(d_model)
+    writer.add_feed_forward_length(0)
+    writer.add_head_count(0)
+    writer.add_block_count(model.config.n_layer)
+    writer.add_ssm_conv_kernel(tensors["blk.0.ssm_conv1d.weight"].shape[1])
+    writer.add_ssm_inner_size(d_inner)
+    writer.add_ssm_state_size(d_state)
+    writer.add_ssm_time_step_rank(tensors["blk.0.ssm_dt.weight"].shape[1])
+    writer.add_layer_norm_rms_eps(model.config.norm_epsilon)
+    writer.add_ssm_dt_b_c_rms(False)
+    writer.add_tokenizer_model("none")
+    writer.add_vocab_size(model.config.vocab_size)
+    q8 = weights == "q8_0"
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if q8 else gguf.LlamaFileType.ALL_F32)
+    total = 0
+    for name, data in tensors.items():
+        qtype = gguf.GGMLQuantizationType.F32
+        if q8 and data.ndim == 2 and name.endswith(".weight") and "conv1d" not in name:
+            qtype = gguf.GGMLQuantizationType.Q8_0 if data.shape[1] % 32 == 0 else gguf.GGMLQuantizationType.F16
+        data = gguf.quants.quantize(np.ascontiguousarray(data), qtype)
+        total += data.nbytes
+        writer.add_tensor(name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return total
+
+
+class LlamaCppGenerator:
+    """Greedy decoding with llama.cpp (llama-cpp-python's `Llama`, `threads` threads): each token is one
+    `eval` (llama_decode) and the argmax of its logits, as llama.cpp's own simple example decodes."""
+
+    def __init__(self, llama_cpp, path: Path, threads: int, n_ctx: int):
+        self.llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads,
+                                   n_threads_batch=threads, verbose=False)
+        self.n_vocab = self.llm.n_vocab()
+
+    def last_logits(self) -> np.ndarray:
+        return np.ctypeslib.as_array(self.llm._ctx.get_logits_ith(-1), shape=(self.n_vocab,))
+
+    def prefill(self, ids: torch.Tensor) -> None:
+        self.llm.reset()
+        self.llm.eval(ids.flatten().tolist())
+
+    def __call__(self, ids: torch.Tensor, new_tokens: int) -> list[int]:
+        self.prefill(ids)
+        out = []
+        for i in range(new_tokens):
+            out.append(int(self.last_logits().argmax()))
+            if i + 1 < new_tokens:
+                self.llm.eval(out[-1:])
+        return out
+
+
+def llama_cpp_rows(model: MambaLMHeadModel, prompt: torch.Tensor, long_prompt: torch.Tensor, new_tokens: int,
+                   args, probe: torch.Tensor, row) -> dict:
+    """llama.cpp's f32 and q8_0 rows at batch 1 with the weights of `model` (fp32), after checking that
+    its logits for `prompt` are ssmops' and that its greedy tokens are the same."""
+    import peers
+
+    llama_cpp, gguf = peers.llama_cpp()
+    folder = peers.PEERS_DIR / "gguf"
+    folder.mkdir(parents=True, exist_ok=True)
+    n_ctx = max(long_prompt.shape[1], prompt.shape[1] + new_tokens) + 8
+    generators, weight_bytes = {}, {}
+    for weights in ("f32", "q8_0"):
+        path = folder / f"mamba1-{model.config.d_model}x{model.config.n_layer}-{weights}.gguf"
+        weight_bytes[weights] = write_gguf(gguf, model, path, weights)
+        generators[weights] = LlamaCppGenerator(llama_cpp, path, args.threads, n_ctx)
+    f32 = generators["f32"]
+    f32.prefill(prompt)
+    ours = model(prompt, num_last_tokens=1).logits[0, -1].numpy()
+    ours_tokens = model.generate(prompt, max_length=prompt.shape[1] + new_tokens)[0, prompt.shape[1]:].tolist()
+    print(f"  llama.cpp f32 against ssmops fp32: largest logit difference {np.abs(f32.last_logits() - ours).max():.2e} "
+          f"(logits up to {np.abs(ours).max():.2f}); greedy tokens "
+          f"{'the same' if f32(prompt, new_tokens) == ours_tokens else 'DIFFERENT'}")
+    rates, bandwidth = decode_rates(generators, prompt, new_tokens, args.repeats, probe)
+    results = {}
+    for weights, generate in generators.items():
+        prefill = long_prompt.shape[1] / time_call(lambda: generate.prefill(long_prompt), args.repeats)
+        results[weights] = row(f"llama.cpp {weights}", weight_bytes[weights], 1, rates[weights], bandwidth, prefill)
+    return results
+
+
 # the operators that read the weights (the GEMVs, and Mamba-1's fused mixer step around its own)
 WEIGHT_READERS = ("ssmops::weight_only_linear", "ssmops::mamba_step")
 
@@ -140,7 +253,10 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="eager decoding only (no compiled rows)")
     parser.add_argument("--batches", default="1,8", help="batch sizes to decode (comma-separated)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs after a warm-up (fastest)")
+    parser.add_argument("--no-llama-cpp", action="store_true",
+                        help="skip llama.cpp's rows (Mamba-1 only; its first run builds llama-cpp-python, minutes)")
     args = parser.parse_args()
+    with_llama_cpp = args.family == "mamba1" and not args.no_llama_cpp
     torch.set_num_threads(args.threads)
     try:
         import transformers
@@ -187,6 +303,11 @@ def main() -> None:
             rates, bandwidth = decode_rates({"hf": hf_generate}, prompt, new_tokens, args.repeats, bandwidth_probe)
             results["transformers", batch] = row("transformers (fp32)", hf_bytes, batch, rates["hf"], bandwidth,
                                                  prefill)
+        if with_llama_cpp:
+            prompt = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=gen)
+            for weights, rate in llama_cpp_rows(fp32_model, prompt, long_prompt, new_tokens, args, bandwidth_probe,
+                                                row).items():
+                results["llama.cpp", weights] = rate
         models, prefills = {}, {}
         for weights in ("fp32", "bf16", "int8"):
             model = models[weights] = MambaLMHeadModel(cfg).eval()
@@ -215,6 +336,9 @@ def main() -> None:
     print(f"\nbatch {b}, {'compiled' if cg else 'eager'}: fp32 {fp32 / results['transformers', b]:.2f}x transformers; "
           f"bf16 {results['bf16', cg, b] / fp32:.2f}x fp32; int8 {results['int8', cg, b] / fp32:.2f}x fp32 "
           "(goals at batch 1: fp32 >= 80% of its bound, int8 >= 2.5x fp32)")
+    if with_llama_cpp and b == 1:
+        print(f"batch 1: llama.cpp f32 {results['llama.cpp', 'f32'] / results['fp32', cg, 1]:.2f}x ssmops fp32's tokens/s, "
+              f"q8_0 {results['llama.cpp', 'q8_0'] / results['int8', cg, 1]:.2f}x ssmops int8's")
     for batch in batches[1:]:
         print(f"batch {batch}: tokens/s per sequence {results['fp32', cg, batch] / fp32:.2f}x batch {b}'s (fp32), "
               f"{results['int8', cg, batch] / results['int8', cg, b]:.2f}x (int8)")

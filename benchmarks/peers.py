@@ -3,7 +3,9 @@
 Nothing here is committed code of theirs: `mamba_ssm_module` downloads mamba-ssm's source
 distribution with pip (the CUDA build skipped: only its Python files are read) into
 build/peers/ and loads one of its modules by path; `mambapy` installs mambapy (pure PyTorch)
-with `pip install --no-deps --target build/peers/...` and imports it from there.
+with `pip install --no-deps --target build/peers/...` and imports it from there; `llama_cpp`
+installs llama-cpp-python the same way (built from its source distribution, so for this CPU:
+a few minutes, once) with gguf, llama.cpp's own writer of model files.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from pathlib import Path
 PEERS_DIR = Path(__file__).resolve().parents[1] / "build" / "peers"
 MAMBA_SSM_VERSION = "2.3.2.post1"  # the published sdist (2.3.2 itself is not on the index)
 MAMBAPY_VERSION = "1.2.0"
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+# what llama_cpp's Python side imports beyond numpy and typing_extensions, with gguf (needs numpy, yaml)
+LLAMA_CPP_PACKAGES = (f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "gguf==0.19.0", "diskcache==5.6.3",
+                      "jinja2==3.1.6", "markupsafe==3.0.3")
 
 
 def mamba_ssm_source(version: str = MAMBA_SSM_VERSION) -> Path:
@@ -105,6 +111,22 @@ def mambapy(version: str = MAMBAPY_VERSION) -> types.ModuleType:
     if not (target / "mambapy").exists():
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
                         f"mambapy=={version}"], check=True)
+    return _import_from(target, "mambapy.mamba")
+
+
+def llama_cpp() -> tuple[types.ModuleType, types.ModuleType]:
+    """(llama_cpp, gguf): llama-cpp-python `LLAMA_CPP_PYTHON_VERSION`, built once from its source
+    distribution with llama.cpp's defaults (GGML_NATIVE: for the CPU it is built on) into
+    build/peers/llama_cpp-VERSION, and the gguf package of the same target."""
+    target = PEERS_DIR / f"llama_cpp-{LLAMA_CPP_PYTHON_VERSION}"
+    if not (target / "llama_cpp").exists():
+        print(f"building llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} into {target} (once; minutes)", flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-binary", "llama-cpp-python",
+                        "--target", str(target), *LLAMA_CPP_PACKAGES], check=True)
+    return _import_from(target, "llama_cpp"), importlib.import_module("gguf")
+
+
+def _import_from(target: Path, name: str) -> types.ModuleType:
     if str(target) not in sys.path:
         sys.path.insert(0, str(target))
-    return importlib.import_module("mambapy.mamba")
+    return importlib.import_module(name)
