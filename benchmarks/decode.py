@@ -1,7 +1,8 @@
 """Decoding on CPU against the memory's read bandwidth: the Mamba LM's token loop with fp32, bf16 and
-int8 weights, against transformers' PyTorch path with the same weights.
+int8 weights, against transformers' PyTorch path and llama.cpp with the same weights.
 
     python benchmarks/decode.py [--family mamba1|mamba2] [--threads 2] [--quick] [--no-compile]
+                                [--no-llama-cpp]
 
 A decoding token reads every weight once, so its time is bounded below by (weight bytes read per
 token) / (read bandwidth). The script measures the bandwidth in the same run (the fastest of five
@@ -21,8 +22,12 @@ taking turns so that the same minutes weigh on each:
 * prefill tokens/s (512-token prompt, batch 1);
 
 and transformers' `MambaForCausalLM` / `Mamba2ForCausalLM` (random weights, converted to ssmops
-with `from_hf`, so both run the same function) with fp32 weights. Then a profile of one compiled
-fp32 token: where its time goes.
+with `from_hf`, so both run the same function) with fp32 weights. For Mamba-1, llama.cpp at batch 1
+(llama-cpp-python as published, built for this CPU into build/peers on the first run: a compiler
+and cmake, ~12 minutes on 2 cores): the same weights written as its GGUF file in f32 and in its
+8-bit q8_0 (32 weights and a float16 scale a block), its logits for a prompt compared with ssmops'
+first, its decoding timed as ssmops' is (greedy: a llama_decode and an argmax a token). Then a
+profile of one compiled fp32 token: where its time goes.
 
 Model: mamba-130m's shape (d_model 768, 24 layers, d_state 16, vocab 50280, tied embeddings), or
 with --family mamba2 mamba2-130m's (d_state 128, headdim 64); --quick: d_model 256, 4 layers.
@@ -179,34 +184,32 @@ class LlamaCppGenerator:
         return out
 
 
-def llama_cpp_rows(model: MambaLMHeadModel, prompt: torch.Tensor, long_prompt: torch.Tensor, new_tokens: int,
-                   args, probe: torch.Tensor, row) -> dict:
-    """llama.cpp's f32 and q8_0 rows at batch 1 with the weights of `model` (fp32), after checking that
-    its logits for `prompt` are ssmops' and that its greedy tokens are the same."""
+def llama_cpp_generators(model: MambaLMHeadModel, prompt: torch.Tensor, long_prompt: torch.Tensor,
+                         new_tokens: int, threads: int, repeats: int) -> dict:
+    """{format: (generator, weight bytes per token, prefill tokens/s)} for llama.cpp's f32 and q8_0
+    with the weights of `model` (fp32), after checking that its f32 logits for `prompt` are ssmops' and
+    that its greedy tokens are the same (printed)."""
     import peers
 
     llama_cpp, gguf = peers.llama_cpp()
     folder = peers.PEERS_DIR / "gguf"
     folder.mkdir(parents=True, exist_ok=True)
     n_ctx = max(long_prompt.shape[1], prompt.shape[1] + new_tokens) + 8
-    generators, weight_bytes = {}, {}
+    out = {}
     for weights in ("f32", "q8_0"):
         path = folder / f"mamba1-{model.config.d_model}x{model.config.n_layer}-{weights}.gguf"
-        weight_bytes[weights] = write_gguf(gguf, model, path, weights)
-        generators[weights] = LlamaCppGenerator(llama_cpp, path, args.threads, n_ctx)
-    f32 = generators["f32"]
+        weight_bytes = write_gguf(gguf, model, path, weights)
+        generate = LlamaCppGenerator(llama_cpp, path, threads, n_ctx)
+        prefill = long_prompt.shape[1] / time_call(lambda: generate.prefill(long_prompt), repeats)
+        out[weights] = generate, weight_bytes, prefill
+    f32 = out["f32"][0]
     f32.prefill(prompt)
     ours = model(prompt, num_last_tokens=1).logits[0, -1].numpy()
     ours_tokens = model.generate(prompt, max_length=prompt.shape[1] + new_tokens)[0, prompt.shape[1]:].tolist()
     print(f"  llama.cpp f32 against ssmops fp32: largest logit difference {np.abs(f32.last_logits() - ours).max():.2e} "
           f"(logits up to {np.abs(ours).max():.2f}); greedy tokens "
           f"{'the same' if f32(prompt, new_tokens) == ours_tokens else 'DIFFERENT'}")
-    rates, bandwidth = decode_rates(generators, prompt, new_tokens, args.repeats, probe)
-    results = {}
-    for weights, generate in generators.items():
-        prefill = long_prompt.shape[1] / time_call(lambda: generate.prefill(long_prompt), args.repeats)
-        results[weights] = row(f"llama.cpp {weights}", weight_bytes[weights], 1, rates[weights], bandwidth, prefill)
-    return results
+    return out
 
 
 # the operators that read the weights (the GEMVs, and Mamba-1's fused mixer step around its own)
@@ -303,11 +306,10 @@ def main() -> None:
             rates, bandwidth = decode_rates({"hf": hf_generate}, prompt, new_tokens, args.repeats, bandwidth_probe)
             results["transformers", batch] = row("transformers (fp32)", hf_bytes, batch, rates["hf"], bandwidth,
                                                  prefill)
+        llama = {}
         if with_llama_cpp:
-            prompt = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=gen)
-            for weights, rate in llama_cpp_rows(fp32_model, prompt, long_prompt, new_tokens, args, bandwidth_probe,
-                                                row).items():
-                results["llama.cpp", weights] = rate
+            llama = llama_cpp_generators(fp32_model, torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=gen),
+                                         long_prompt, new_tokens, args.threads, args.repeats)
         models, prefills = {}, {}
         for weights in ("fp32", "bf16", "int8"):
             model = models[weights] = MambaLMHeadModel(cfg).eval()
@@ -324,11 +326,19 @@ def main() -> None:
                 generators = {
                     weights: lambda ids, n, model=model, cg=cg: model.generate(ids, max_length=prompt_len + n, cg=cg)
                     for weights, model in models.items()}
+                # llama.cpp takes turns with ssmops' fastest rows at batch 1, so that the same minutes weigh on both
+                with_llama = batch == 1 and cg != args.no_compile
+                if with_llama:
+                    generators.update({f"llama.cpp {weights}": lambda ids, n, generate=generate: generate(ids[0], n)
+                                       for weights, (generate, _, _) in llama.items()})
                 rates, bandwidth = decode_rates(generators, prompt, new_tokens, args.repeats, bandwidth_probe)
                 for weights, model in models.items():
                     results[weights, cg, batch] = row(f"ssmops {weights} {'compiled' if cg else 'eager'}",
                                                       weight_bytes_per_token(model), batch, rates[weights], bandwidth,
                                                       prefills[weights] if batch == batches[0] and not cg else None)
+                for weights, (_, weight_bytes, prefill) in llama.items() if with_llama else ():
+                    results["llama.cpp", weights] = row(f"llama.cpp {weights}", weight_bytes, batch,
+                                                        rates[f"llama.cpp {weights}"], bandwidth, prefill)
         fp32_model = models["fp32"]
     b = batches[0]
     cg = not args.no_compile
@@ -336,7 +346,7 @@ def main() -> None:
     print(f"\nbatch {b}, {'compiled' if cg else 'eager'}: fp32 {fp32 / results['transformers', b]:.2f}x transformers; "
           f"bf16 {results['bf16', cg, b] / fp32:.2f}x fp32; int8 {results['int8', cg, b] / fp32:.2f}x fp32 "
           "(goals at batch 1: fp32 >= 80% of its bound, int8 >= 2.5x fp32)")
-    if with_llama_cpp and b == 1:
+    if ("llama.cpp", "f32") in results:
         print(f"batch 1: llama.cpp f32 {results['llama.cpp', 'f32'] / results['fp32', cg, 1]:.2f}x ssmops fp32's tokens/s, "
               f"q8_0 {results['llama.cpp', 'q8_0'] / results['int8', cg, 1]:.2f}x ssmops int8's")
     for batch in batches[1:]:
