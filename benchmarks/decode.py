@@ -191,7 +191,7 @@ def llama_cpp_generators(model: MambaLMHeadModel, prompt: torch.Tensor, long_pro
     that its greedy tokens are the same (printed)."""
     import peers
 
-    llama_cpp, gguf = peers.llama_cpp()
+    llama_cpp, gguf = peers.llama_cpp(), peers.gguf()
     folder = peers.PEERS_DIR / "gguf"
     folder.mkdir(parents=True, exist_ok=True)
     n_ctx = max(long_prompt.shape[1], prompt.shape[1] + new_tokens) + 8

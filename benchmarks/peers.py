@@ -23,9 +23,10 @@ PEERS_DIR = Path(__file__).resolve().parents[1] / "build" / "peers"
 MAMBA_SSM_VERSION = "2.3.2.post1"  # the published sdist (2.3.2 itself is not on the index)
 MAMBAPY_VERSION = "1.2.0"
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
-# what llama_cpp's Python side imports beyond numpy and typing_extensions, with gguf (needs numpy, yaml)
-LLAMA_CPP_PACKAGES = (f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "gguf==0.19.0", "diskcache==5.6.3",
-                      "jinja2==3.1.6", "markupsafe==3.0.3")
+# built from source (for this CPU), with what its Python side imports beyond numpy and typing_extensions
+LLAMA_CPP_PIP_ARGS = ("--no-binary", "llama-cpp-python", f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}",
+                      "diskcache==5.6.3", "jinja2==3.1.6", "markupsafe==3.0.3")
+GGUF_VERSION = "0.19.0"  # llama.cpp's writer and reader of its model files (pure Python; numpy, yaml)
 
 
 def mamba_ssm_source(version: str = MAMBA_SSM_VERSION) -> Path:
@@ -107,26 +108,30 @@ def mambapy(version: str = MAMBAPY_VERSION) -> types.ModuleType:
             return importlib.import_module("mambapy.mamba")
     except importlib.metadata.PackageNotFoundError:
         pass
-    target = PEERS_DIR / f"mambapy-{version}"
-    if not (target / "mambapy").exists():
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
-                        f"mambapy=={version}"], check=True)
-    return _import_from(target, "mambapy.mamba")
+    return _installed("mambapy.mamba", f"mambapy-{version}", (f"mambapy=={version}",))
 
 
-def llama_cpp() -> tuple[types.ModuleType, types.ModuleType]:
-    """(llama_cpp, gguf): llama-cpp-python `LLAMA_CPP_PYTHON_VERSION`, built once from its source
-    distribution with llama.cpp's defaults (GGML_NATIVE: for the CPU it is built on) into
-    build/peers/llama_cpp-VERSION, and the gguf package of the same target."""
-    target = PEERS_DIR / f"llama_cpp-{LLAMA_CPP_PYTHON_VERSION}"
-    if not (target / "llama_cpp").exists():
-        print(f"building llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} into {target} (once; minutes)", flush=True)
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-binary", "llama-cpp-python",
-                        "--target", str(target), *LLAMA_CPP_PACKAGES], check=True)
-    return _import_from(target, "llama_cpp"), importlib.import_module("gguf")
+def llama_cpp() -> types.ModuleType:
+    """llama-cpp-python `LLAMA_CPP_PYTHON_VERSION`, built once from its source distribution with
+    llama.cpp's defaults (GGML_NATIVE: for the CPU it is built on) into build/peers/llama_cpp-VERSION."""
+    return _installed("llama_cpp", f"llama_cpp-{LLAMA_CPP_PYTHON_VERSION}", LLAMA_CPP_PIP_ARGS,
+                      f"building llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} (once; minutes)")
 
 
-def _import_from(target: Path, name: str) -> types.ModuleType:
+def gguf() -> types.ModuleType:
+    """The gguf package `GGUF_VERSION`, installed once into build/peers/gguf-VERSION."""
+    return _installed("gguf", f"gguf-{GGUF_VERSION}", (f"gguf=={GGUF_VERSION}",))
+
+
+def _installed(name: str, folder: str, pip_args: tuple[str, ...], announce: str | None = None) -> types.ModuleType:
+    """Module `name` from build/peers/`folder`, where `pip install --no-deps --target` puts `pip_args`
+    (the packages, and options such as --no-binary) on the first call."""
+    target = PEERS_DIR / folder
+    if not (target / name.split(".")[0]).exists():
+        if announce:
+            print(f"{announce}: {target}", flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), *pip_args],
+                       check=True)
     if str(target) not in sys.path:
         sys.path.insert(0, str(target))
     return importlib.import_module(name)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -54,3 +55,66 @@ def test_default_benchmark_runs():
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert "goals:" in out.stdout and "peak memory" in out.stdout
+
+
+def test_gguf_file_holds_the_model(tmp_path):
+    """The files benchmarks/decode.py gives llama.cpp hold the model's weights under llama.cpp's names
+    and layouts (read back with gguf, llama.cpp's own reader): f32 exactly; q8_0 within its rounding,
+    its matrices in 32-weight blocks but dt_proj's short rows (f16) and the conv (f32)."""
+    import peers
+    from decode import write_gguf
+
+    from ssmops.models import MambaConfig, MambaLMHeadModel
+
+    try:
+        gguf = peers.gguf()
+    except subprocess.CalledProcessError as err:
+        pytest.skip(f"gguf is not available here: {err}")
+    torch.manual_seed(0)
+    model = MambaLMHeadModel(MambaConfig(d_model=64, n_layer=2, vocab_size=96, ssm_cfg={"layer": "Mamba1"}))
+    sd = {k: v.numpy() for k, v in model.state_dict().items()}
+    expected = {"token_embd.weight": sd["backbone.embedding.weight"], "output_norm.weight": sd["backbone.norm_f.weight"]}
+    for i in range(2):
+        mixer = f"backbone.layers.{i}.mixer."
+        expected |= {
+            f"blk.{i}.attn_norm.weight": sd[f"backbone.layers.{i}.norm.weight"],
+            f"blk.{i}.ssm_in.weight": sd[mixer + "in_proj.weight"],
+            f"blk.{i}.ssm_conv1d.weight": sd[mixer + "conv1d.weight"][:, 0],
+            f"blk.{i}.ssm_conv1d.bias": sd[mixer + "conv1d.bias"],
+            f"blk.{i}.ssm_x.weight": sd[mixer + "x_proj.weight"],
+            f"blk.{i}.ssm_dt.weight": sd[mixer + "dt_proj.weight"],
+            f"blk.{i}.ssm_dt.bias": sd[mixer + "dt_proj.bias"],
+            f"blk.{i}.ssm_a": -torch.exp(model.state_dict()[mixer + "A_log"]).numpy(),
+            f"blk.{i}.ssm_d": sd[mixer + "D"],
+            f"blk.{i}.ssm_out.weight": sd[mixer + "out_proj.weight"],
+        }
+    for weights in ("f32", "q8_0"):
+        path = tmp_path / f"{weights}.gguf"
+        weight_bytes = write_gguf(gguf, model, path, weights)
+        reader = gguf.GGUFReader(path)
+        fields = {name: reader.fields[f"mamba.{name}"].contents() for name in (
+            "embedding_length", "block_count", "vocab_size", "ssm.conv_kernel", "ssm.inner_size", "ssm.state_size",
+            "ssm.time_step_rank")}
+        assert reader.fields["general.architecture"].contents() == "mamba"
+        assert fields == {"embedding_length": 64, "block_count": 2, "vocab_size": 96, "ssm.conv_kernel": 4,
+                          "ssm.inner_size": 128, "ssm.state_size": 16, "ssm.time_step_rank": 4}
+        tensors = {t.name: t for t in reader.tensors}
+        assert set(tensors) == set(expected)
+        assert weight_bytes == sum(t.n_bytes for t in reader.tensors)
+        for name, want in expected.items():
+            t = tensors[name]
+            got = gguf.quants.dequantize(t.data, t.tensor_type).reshape(want.shape)
+            if weights == "f32" or t.tensor_type.name == "F32":
+                # A = -exp(A_log): numpy's exp and torch's may differ in the last bit
+                rtol = 1e-6 if name.endswith("ssm_a") else 0
+                assert t.tensor_type.name == "F32" and np.allclose(got, want, rtol=rtol, atol=0), name
+                continue
+            short_rows = name.endswith("ssm_dt.weight")
+            assert weights == "q8_0" and t.tensor_type.name == ("F16" if short_rows else "Q8_0"), name
+            assert "conv1d" not in name and want.ndim == 2, name
+            # q8_0: a block's scale is its largest |w| / 127 as a float16 (relative error <= 2**-11), each
+            # weight a multiple of it up to 127: off by at most half a step plus 127 times the scale's error
+            blocks = np.abs(want.reshape(-1, 32)).max(1, keepdims=True) if not short_rows else np.abs(want)
+            tolerance = blocks / 127 * (0.5 + 127 * 2**-11) + 1e-7 if not short_rows else blocks * 2**-11 + 3e-8
+            error = np.abs(got - want).reshape(tolerance.shape[0], -1) if not short_rows else np.abs(got - want)
+            assert (error <= tolerance).all(), name
