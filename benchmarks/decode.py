@@ -115,6 +115,8 @@ def write_gguf(gguf, model: MambaLMHeadModel, path: Path, weights: str) -> int:
     d_conv); q8_0 quantizes the matrices named *.weight but the conv's and the norms, and stores those
     whose rows are not a multiple of its 32-weight blocks (dt_proj's) as f16. No tokenizer: the
     vocabulary is its size ("none")."""
+    if not model.config.tie_embeddings:
+        raise ValueError("write_gguf writes tied embeddings only (llama.cpp's head is then token_embd)")
     sd = {k: v.float().numpy() for k, v in model.state_dict().items()}
     d_inner, d_model = sd["backbone.layers.0.mixer.in_proj.weight"].shape
     d_inner //= 2
