@@ -102,64 +102,6 @@ def decode_rates(generators: dict, prompt, new_tokens: int, repeats: int, probe:
     return rates, bandwidth
 
 
-# llama.cpp's names for a Mamba-1 block's tensors (gguf's MODEL_TENSOR names), from ssmops' mixer's
-LLAMA_CPP_MIXER = {"in_proj.weight": "ssm_in.weight", "conv1d.weight": "ssm_conv1d.weight",
-                   "conv1d.bias": "ssm_conv1d.bias", "x_proj.weight": "ssm_x.weight", "dt_proj.weight": "ssm_dt.weight",
-                   "dt_proj.bias": "ssm_dt.bias", "A_log": "ssm_a", "D": "ssm_d", "out_proj.weight": "ssm_out.weight"}
-
-
-def write_gguf(gguf, model: MambaLMHeadModel, path: Path, weights: str) -> int:
-    """Writes a Mamba-1 LM (tied embeddings, float32) as llama.cpp's convert_hf_to_gguf.py would with
-    --outtype f32 or q8_0, and returns the bytes a decoding token reads (every tensor once). Its
-    choices, as facts of the format: A is stored as -exp(A_log), the conv's weight as (d_inner,
-    d_conv); q8_0 quantizes the matrices named *.weight but the conv's and the norms, and stores those
-    whose rows are not a multiple of its 32-weight blocks (dt_proj's) as f16. No tokenizer: the
-    vocabulary is its size ("none")."""
-    if not model.config.tie_embeddings:
-        raise ValueError("write_gguf writes tied embeddings only (llama.cpp's head is then token_embd)")
-    sd = {k: v.float().numpy() for k, v in model.state_dict().items()}
-    d_inner, d_model = sd["backbone.layers.0.mixer.in_proj.weight"].shape
-    d_inner //= 2
-    d_state = sd["backbone.layers.0.mixer.A_log"].shape[1]
-    tensors = {"token_embd.weight": sd["backbone.embedding.weight"], "output_norm.weight": sd["backbone.norm_f.weight"]}
-    for i in range(model.config.n_layer):
-        prefix = f"backbone.layers.{i}."
-        tensors[f"blk.{i}.attn_norm.weight"] = sd[prefix + "norm.weight"]
-        for ours, theirs in LLAMA_CPP_MIXER.items():
-            tensors[f"blk.{i}.{theirs}"] = sd[prefix + "mixer." + ours]
-        tensors[f"blk.{i}.ssm_a"] = -np.exp(tensors[f"blk.{i}.ssm_a"])
-        tensors[f"blk.{i}.ssm_conv1d.weight"] = tensors[f"blk.{i}.ssm_conv1d.weight"].reshape(d_inner, -1)
-    writer = gguf.GGUFWriter(str(path), "mamba")
-    writer.add_context_length(2**20)
-    writer.add_embedding_length(d_model)
-    writer.add_feed_forward_length(0)
-    writer.add_head_count(0)
-    writer.add_block_count(model.config.n_layer)
-    writer.add_ssm_conv_kernel(tensors["blk.0.ssm_conv1d.weight"].shape[1])
-    writer.add_ssm_inner_size(d_inner)
-    writer.add_ssm_state_size(d_state)
-    writer.add_ssm_time_step_rank(tensors["blk.0.ssm_dt.weight"].shape[1])
-    writer.add_layer_norm_rms_eps(model.config.norm_epsilon)
-    writer.add_ssm_dt_b_c_rms(False)
-    writer.add_tokenizer_model("none")
-    writer.add_vocab_size(model.config.vocab_size)
-    q8 = weights == "q8_0"
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if q8 else gguf.LlamaFileType.ALL_F32)
-    total = 0
-    for name, data in tensors.items():
-        qtype = gguf.GGMLQuantizationType.F32
-        if q8 and data.ndim == 2 and name.endswith(".weight") and "conv1d" not in name:
-            qtype = gguf.GGMLQuantizationType.Q8_0 if data.shape[1] % 32 == 0 else gguf.GGMLQuantizationType.F16
-        data = gguf.quants.quantize(np.ascontiguousarray(data), qtype)
-        total += data.nbytes
-        writer.add_tensor(name, data, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return total
-
-
 class LlamaCppGenerator:
     """Greedy decoding with llama.cpp (llama-cpp-python's `Llama`, `threads` threads): each token is one
     `eval` (llama_decode) and the argmax of its logits, as llama.cpp's own simple example decodes."""
@@ -200,7 +142,7 @@ def llama_cpp_generators(model: MambaLMHeadModel, prompt: torch.Tensor, long_pro
     out = {}
     for weights in ("f32", "q8_0"):
         path = folder / f"mamba1-{model.config.d_model}x{model.config.n_layer}-{weights}.gguf"
-        weight_bytes = write_gguf(gguf, model, path, weights)
+        weight_bytes = peers.write_gguf(gguf, model, path, weights)
         generate = LlamaCppGenerator(llama_cpp, path, threads, n_ctx)
         prefill = long_prompt.shape[1] / time_call(lambda: generate.prefill(long_prompt), repeats)
         out[weights] = generate, weight_bytes, prefill

@@ -62,7 +62,6 @@ def test_gguf_file_holds_the_model(tmp_path):
     and layouts (read back with gguf, llama.cpp's own reader): f32 exactly; q8_0 within its rounding,
     its matrices in 32-weight blocks but dt_proj's short rows (f16) and the conv (f32)."""
     import peers
-    from decode import write_gguf
 
     from ssmops.models import MambaConfig, MambaLMHeadModel
 
@@ -90,7 +89,7 @@ def test_gguf_file_holds_the_model(tmp_path):
         }
     for weights in ("f32", "q8_0"):
         path = tmp_path / f"{weights}.gguf"
-        weight_bytes = write_gguf(gguf, model, path, weights)
+        weight_bytes = peers.write_gguf(gguf, model, path, weights)
         reader = gguf.GGUFReader(path)
         fields = {name: reader.fields[f"mamba.{name}"].contents() for name in (
             "embedding_length", "block_count", "vocab_size", "ssm.conv_kernel", "ssm.inner_size", "ssm.state_size",
