@@ -187,3 +187,24 @@ def test_linear_module_trains_through_aten_and_infers_through_the_operator():
         torch.testing.assert_close(layer(x), expected, atol=0.02, rtol=0.02)
     with pytest.raises(ValueError, match="weights must be one of"):
         layer.convert_weight("int4")
+
+
+@pytest.mark.parametrize("backend", backend_params(names=("cpu",)))
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.int8], ids=str)
+def test_bitwise_across_thread_counts(backend, weight_dtype):
+    """Threads that finish their share of the rows take the rest of the others' (the CPU kernel's
+    `parallel_shares`): with more threads than cores they are descheduled at random, so the rows
+    change hands from call to call. Every output row is computed once, by one thread, the same way:
+    1, 2 and 7 threads give the serial result bit for bit, call after call."""
+    x, w, scale, b = linear_inputs(1, 64, 24 * 200 + 5, weight_dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = ssmops.weight_only_linear(x, w, scale, b)
+        for n in (2, 7):
+            torch.set_num_threads(n)
+            for _ in range(20):
+                assert torch.equal(ssmops.weight_only_linear(x, w, scale, b), serial)
+    finally:
+        torch.set_num_threads(threads)
+    assert_close(serial, weight_only_linear_ref(x, w, scale, b), 1e-5 if weight_dtype == torch.float32 else 1e-3, "y")

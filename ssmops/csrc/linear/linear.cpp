@@ -98,8 +98,13 @@ int64_t StreamedLinear::grain() const {
   return std::max<int64_t>(1, 32768 / (kTaskRows * std::max<int64_t>(args_.K, 1)));
 }
 
+int64_t StreamedLinear::chunk() const {
+  const int64_t task_bytes = kTaskRows * std::max<int64_t>(args_.K, 1) * weight_bytes(args_.kind);
+  return std::max<int64_t>(1, 65536 / task_bytes);
+}
+
 void StreamedLinear::run() const {
-  torch::stable::parallel_for(0, tasks(), grain(), [&](int64_t begin, int64_t end) {
+  parallel_shares(tasks(), grain(), chunk(), [&](int64_t begin, int64_t end) {
     rows(begin * kTaskRows, std::min(end * kTaskRows, args_.N));
   });
 }

@@ -143,7 +143,7 @@ Tensor mamba_step(Tensor hidden_states, Tensor conv_state, Tensor ssm_state, Ten
   float* win = window.mutable_data_ptr<float>();
   const StreamedLinear in_proj(hidden.const_data_ptr<float>(), M, in_w, ptr(in_s), ptr(in_b), xz);
   const int64_t channel_tasks = (d_inner + kTaskRows - 1) / kTaskRows;
-  torch::stable::parallel_for(0, channel_tasks, in_proj.grain(), [&](int64_t begin, int64_t end) {
+  parallel_shares(channel_tasks, in_proj.grain(), in_proj.chunk(), [&](int64_t begin, int64_t end) {
     const int64_t c0 = begin * kTaskRows, c1 = std::min(end * kTaskRows, d_inner);
     in_proj.rows(c0, c1);
     for (int64_t m = 0; m < M; ++m) {
