@@ -271,7 +271,7 @@ def main() -> None:
                     weights: lambda ids, n, model=model, cg=cg: model.generate(ids, max_length=prompt_len + n, cg=cg)
                     for weights, model in models.items()}
                 # llama.cpp takes turns with ssmops' fastest rows at batch 1, so that the same minutes weigh on both
-                with_llama = batch == 1 and cg != args.no_compile
+                with_llama = batch == 1 and (cg or args.no_compile)
                 if with_llama:
                     generators.update({f"llama.cpp {weights}": lambda ids, n, generate=generate: generate(ids[0], n)
                                        for weights, (generate, _, _) in llama.items()})

@@ -118,7 +118,9 @@ def compiled_step_logits(device: torch.device | str = "cpu"):
     kernels. Those checks cost ~75-165 us a token with 24 layers (d_model 64, 2 threads)."""
     cpp_wrapper = torch.device(device).type == "cpu" and "TORCHINDUCTOR_CPP_WRAPPER" not in os.environ
     if cpp_wrapper not in _compiled_step_logits:
-        options = {"size_asserts": False, **({"cpp_wrapper": True} if cpp_wrapper else {})}
+        options = {"size_asserts": False}
+        if cpp_wrapper:
+            options["cpp_wrapper"] = True
         _compiled_step_logits[cpp_wrapper] = torch.compile(step_logits, fullgraph=True, dynamic=False,
                                                            options=options)
     return _compiled_step_logits[cpp_wrapper]

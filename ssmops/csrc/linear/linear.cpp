@@ -83,6 +83,8 @@ StreamedLinear::StreamedLinear(const float* x, int64_t M, const Tensor& weight, 
                      M,
                      N,
                      K};
+  const int64_t task_bytes = kTaskRows * std::max<int64_t>(K, 1) * static_cast<int64_t>(weight.element_size());
+  chunk_ = std::max<int64_t>(1, 65536 / task_bytes);
 }
 
 void StreamedLinear::rows(int64_t n_begin, int64_t n_end) const {
@@ -96,11 +98,6 @@ void StreamedLinear::rows(int64_t n_begin, int64_t n_end) const {
 
 int64_t StreamedLinear::grain() const {
   return std::max<int64_t>(1, 32768 / (kTaskRows * std::max<int64_t>(args_.K, 1)));
-}
-
-int64_t StreamedLinear::chunk() const {
-  const int64_t task_bytes = kTaskRows * std::max<int64_t>(args_.K, 1) * weight_bytes(args_.kind);
-  return std::max<int64_t>(1, 65536 / task_bytes);
 }
 
 void StreamedLinear::run() const {

@@ -8,10 +8,6 @@ namespace ssmops_cpu {
 // How the weight (N, K), row-major, is stored; the kernels widen it to float32 as they read it.
 enum class WeightKind : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kInt8 = 3 };
 
-constexpr int64_t weight_bytes(WeightKind kind) {
-  return kind == WeightKind::kFloat32 ? 4 : kind == WeightKind::kInt8 ? 1 : 2;
-}
-
 // The operators' unit of work: a multiple of every tile's weight rows.
 constexpr int64_t kTaskRows = 24;
 
