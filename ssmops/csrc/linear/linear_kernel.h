@@ -49,8 +49,15 @@ constexpr int kTileRows = xr == 1 ? kOneRowTileRows<kind> : kXRows<kind> == 4 &&
 // thread streaming weights from memory, prefetching into L2 16 KiB ahead instead of into L1 4 KiB
 // ahead took fp32 in_proj (3072 x 768) from ~520 to ~390 us, bf16 from ~375 to ~190, int8 from ~96 to
 // ~90 (AVX-512 and AVX2 builds alike): L1's few fill buffers held the stream back.
+// Not for float32 weights with one row of x in the AVX2 build: on a Zen 3 (2 threads, ~20-30 GB/s)
+// its tiles of 8 rows (24 KiB at mamba-130m's in_proj) stream faster on the hardware prefetcher
+// alone. A compiled mamba-130m fp32 token, both alternating in one process: ~4-13% faster without
+// (median of the rounds' ratios 1.047 and 1.127, faster in 11 of 12 and 15 of 16), where int8 and
+// bf16 tokens were ~12% and ~25% slower without, and a batch-8 fp32 token ~20% slower.
 constexpr int64_t kAheadBytes = 16384;
 constexpr int kPrefetchLocality = 2;  // __builtin_prefetch's: 2 is prefetcht1 on x86
+template <WeightKind kind>
+constexpr bool kOneRowPrefetch = !(kind == WeightKind::kFloat32 && kFewRegisters);
 typedef float vf __attribute__((vector_size(W * 4)));
 typedef uint16_t vu16 __attribute__((vector_size(W * 2)));
 typedef uint32_t vu32 __attribute__((vector_size(W * 4)));
@@ -252,7 +259,7 @@ inline void tile(const LinearArgs& a, int64_t n, int64_t n_end, int64_t m0, int6
     const int64_t k1 = k_vec - k0 < A::block(K) ? k_vec : k0 + A::block(K);
     typename A::Acc acc[xr][R][U] = {};
     auto step = [&](int64_t k, int u) {
-      if (k % kLine == 0)
+      if (rows_ahead > 0 && k % kLine == 0)
         for (int r = 0; r < R; ++r) __builtin_prefetch(ahead + (k / kLine * R + r) * 64, 0, kPrefetchLocality);
       typename A::Wide w[R];
       for (int r = 0; r < R; ++r) w[r] = A::weights(a.weight, row[r] + k);
@@ -316,12 +323,13 @@ inline void last_rows(const LinearArgs& a, int64_t n, int64_t n_end, int64_t m, 
   }
 }
 
-// Weight rows [n_begin, n_end) against every row of x, R weight rows a tile.
+// Weight rows [n_begin, n_end) against every row of x, R weight rows a tile, prefetched or not.
 template <WeightKind kind, int R>
-void sweep(const LinearArgs& a, int64_t n_begin, int64_t n_end) {
-  // the prefetch distance in weight rows: whole tiles, at least one, at least kAheadBytes
+void sweep(const LinearArgs& a, int64_t n_begin, int64_t n_end, bool prefetch = true) {
+  // the prefetch distance in weight rows: whole tiles, at least one, at least kAheadBytes (0: none)
   const int64_t tile_bytes = R * a.K * static_cast<int64_t>(sizeof(WeightT<kind>));
-  const int64_t rows_ahead = R * (tile_bytes >= kAheadBytes ? 1 : (kAheadBytes + tile_bytes - 1) / tile_bytes);
+  const int64_t rows_ahead =
+      prefetch ? R * (tile_bytes >= kAheadBytes ? 1 : (kAheadBytes + tile_bytes - 1) / tile_bytes) : 0;
   for (int64_t n = n_begin; n < n_end; n += R) {
     int64_t m = 0;
     for (; m + kXRows<kind> <= a.M; m += kXRows<kind>) tile<kind, kXRows<kind>, R>(a, n, n_end, m, rows_ahead);
@@ -334,7 +342,7 @@ void rows(const LinearArgs& a, int64_t n_begin, int64_t n_end) {
   // Rows of fewer steps than a tile's accumulators (dt_proj's 48 weights) fill them only 8 rows a
   // tile: with one row a tile, folding 16 accumulators cost more than the row's multiply-adds.
   if (a.M == 1 && a.K < kChains * Arith<kind>::kStep) return sweep<kind, 8>(a, n_begin, n_end);
-  if (a.M == 1) return sweep<kind, kTileRows<kind, 1>>(a, n_begin, n_end);
+  if (a.M == 1) return sweep<kind, kTileRows<kind, 1>>(a, n_begin, n_end, kOneRowPrefetch<kind>);
   sweep<kind, kTileRows<kind, 2>>(a, n_begin, n_end);
 }
 
