@@ -51,9 +51,10 @@ constexpr int kTileRows = xr == 1 ? kOneRowTileRows<kind> : kXRows<kind> == 4 &&
 // ~90 (AVX-512 and AVX2 builds alike): L1's few fill buffers held the stream back.
 // Not for float32 weights with one row of x in the AVX2 build: on a Zen 3 (2 threads, ~20-30 GB/s)
 // its tiles of 8 rows (24 KiB at mamba-130m's in_proj) stream faster on the hardware prefetcher
-// alone. A compiled mamba-130m fp32 token, both alternating in one process: ~4-13% faster without
-// (median of the rounds' ratios 1.047 and 1.127, faster in 11 of 12 and 15 of 16), where int8 and
-// bf16 tokens were ~12% and ~25% slower without, and a batch-8 fp32 token ~20% slower.
+// alone. A compiled mamba-130m fp32 token, both alternating in one process: ~2-13% faster without
+// (medians of the rounds' ratios 1.015-1.127 in five runs, faster in 8-15 of 12-16 rounds; a
+// mamba2-130m one ~1%), where int8 and bf16 tokens were ~12% and ~25% slower without, and a
+// batch-8 fp32 token ~20% slower.
 constexpr int64_t kAheadBytes = 16384;
 constexpr int kPrefetchLocality = 2;  // __builtin_prefetch's: 2 is prefetcht1 on x86
 template <WeightKind kind>
