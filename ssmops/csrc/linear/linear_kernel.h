@@ -52,7 +52,7 @@ constexpr int kTileRows = xr == 1 ? kOneRowTileRows<kind> : kXRows<kind> == 4 &&
 // Not for float32 weights with one row of x in the AVX2 build: on a Zen 3 (2 threads, ~20-30 GB/s)
 // its tiles of 8 rows (24 KiB at mamba-130m's in_proj) stream faster on the hardware prefetcher
 // alone. A compiled mamba-130m fp32 token, both alternating in one process: ~2-13% faster without
-// (medians of the rounds' ratios 1.015-1.127 in five runs, faster in 8-15 of 12-16 rounds; a
+// (medians of the rounds' ratios 1.015-1.127 in five runs, faster in 7-15 of 12-16 rounds; a
 // mamba2-130m one ~1%), where int8 and bf16 tokens were ~12% and ~25% slower without, and a
 // batch-8 fp32 token ~20% slower.
 constexpr int64_t kAheadBytes = 16384;
