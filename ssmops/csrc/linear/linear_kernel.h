@@ -58,7 +58,7 @@ constexpr int kTileRows = xr == 1 ? kOneRowTileRows<kind> : kXRows<kind> == 4 &&
 constexpr int64_t kAheadBytes = 16384;
 constexpr int kPrefetchLocality = 2;  // __builtin_prefetch's: 2 is prefetcht1 on x86
 template <WeightKind kind>
-constexpr bool kOneRowPrefetch = !(kind == WeightKind::kFloat32 && kFewRegisters);
+constexpr bool kOneRowPrefetch = !(kind == WeightKind::kFloat32 && W == 8);  // W == 8: the AVX2 build
 typedef float vf __attribute__((vector_size(W * 4)));
 typedef uint16_t vu16 __attribute__((vector_size(W * 2)));
 typedef uint32_t vu32 __attribute__((vector_size(W * 4)));
