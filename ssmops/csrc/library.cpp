@@ -49,4 +49,10 @@ STABLE_TORCH_LIBRARY(ssmops, m) {
       "Tensor? in_proj_scale, Tensor? in_proj_bias, Tensor conv_weight, Tensor? conv_bias, Tensor x_proj_weight, "
       "Tensor? x_proj_scale, Tensor dt_proj_weight, Tensor? dt_proj_scale, Tensor? dt_proj_bias, Tensor A_log, "
       "Tensor? D, Tensor out_proj_weight, Tensor? out_proj_scale, Tensor? out_proj_bias) -> Tensor");
+  m.def(
+      "mamba_layers_step(Tensor hidden_states, Tensor? residual, Tensor(a!)[] conv_states, Tensor(b!)[] ssm_states, "
+      "Tensor[] norm_weight, float norm_eps, Tensor[] in_proj_weight, Tensor?[] in_proj_scale, Tensor?[] in_proj_bias, "
+      "Tensor[] conv_weight, Tensor?[] conv_bias, Tensor[] x_proj_weight, Tensor?[] x_proj_scale, "
+      "Tensor[] dt_proj_weight, Tensor?[] dt_proj_scale, Tensor?[] dt_proj_bias, Tensor[] A_log, Tensor?[] D, "
+      "Tensor[] out_proj_weight, Tensor?[] out_proj_scale, Tensor?[] out_proj_bias) -> (Tensor, Tensor)");
 }

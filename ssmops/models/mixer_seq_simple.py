@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from ..checkpoint import load_state_dict
 from ..layernorm_gated import rmsnorm_fn
 from ..modules.linear import WEIGHT_FORMATS, Linear
+from ..modules.mamba import Mamba
 from ..modules.mlp import GatedMLP
 from .config_mamba import MambaConfig
 from .convert_hf import convert_hf_config, convert_hf_state_dict, is_hf_config
@@ -109,8 +110,13 @@ class MixerModel(nn.Module):
     def forward(self, input_ids: Tensor, inference_params=None, **mixer_kwargs) -> Tensor:
         hidden_states = self.embedding(input_ids)
         residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(hidden_states, residual, inference_params=inference_params, **mixer_kwargs)
+        layers_step = self._layers_step_arguments(hidden_states, inference_params, mixer_kwargs)
+        if layers_step is not None:
+            hidden_states, residual = (t.unsqueeze(1) for t in torch.ops.ssmops.mamba_layers_step(*layers_step))
+        else:
+            for layer in self.layers:
+                hidden_states, residual = layer(hidden_states, residual, inference_params=inference_params,
+                                                **mixer_kwargs)
         residual = hidden_states + residual if residual is not None else hidden_states
         return self.norm_f(residual.to(self.norm_f.weight.dtype))
 
@@ -119,6 +125,31 @@ class MixerModel(nn.Module):
             i: layer.allocate_inference_cache(batch_size, max_seqlen, dtype=dtype, **kwargs)
             for i, layer in enumerate(self.layers)
         }
+
+    def _layers_step_arguments(self, hidden_states: Tensor, inference_params, mixer_kwargs: dict) -> list | None:
+        """`mamba_layers_step`'s arguments for one decoding token through every layer, or None where it
+        does not serve: a layer that is not a Mamba-1 block with RMSNorm and no MLP, or whose mixer's
+        `step` would not be one `mamba_step` call (CPU, float32 activations and states, no autograd),
+        or norms of different eps."""
+        if (inference_params is None or inference_params.seqlen_offset == 0 or mixer_kwargs
+                or hidden_states.shape[1] != 1):
+            return None
+        eps = self.layers[0].norm.eps if isinstance(self.layers[0].norm, RMSNorm) else None
+        conv_states, ssm_states, norm_weights, mixers = [], [], [], []
+        for layer in self.layers:
+            mixer, norm = layer.mixer, layer.norm
+            if (layer.mlp is not None or not isinstance(mixer, Mamba) or not isinstance(norm, RMSNorm)
+                    or norm.eps != eps or norm.weight.dtype != torch.float32):
+                return None
+            conv_state, ssm_state = mixer._get_states_from_cache(inference_params, hidden_states.shape[0])
+            if not mixer._fused_step_serves(hidden_states, conv_state, ssm_state):
+                return None
+            conv_states.append(conv_state)
+            ssm_states.append(ssm_state)
+            norm_weights.append(norm.weight)
+            mixers.append(mixer.step_parameters())
+        return [hidden_states.squeeze(1), None, conv_states, ssm_states, norm_weights, eps,
+                *map(list, zip(*mixers, strict=True))]
 
 
 CausalLMOutput = namedtuple("CausalLMOutput", ["logits"])

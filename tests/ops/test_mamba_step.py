@@ -1,7 +1,9 @@
 """The fused decoding step of a Mamba block's mixer (`mamba_step`): every backend against the
 reference, for every weight format; the states updated in place, strided or not; the checks;
 opcheck; bitwise results across thread counts and concurrent callers; and the Mamba block, whose
-`step` runs it on CPU, against its unfused step.
+`step` runs it on CPU, against its unfused step. Then the same for a stack of blocks
+(`mamba_layers_step`), and the language model, whose decoding token runs it on CPU, against its
+layer-by-layer step.
 
 The reference (`ssmops/ops/mamba_step/reference.py`) is built from the references of the
 operators it fuses (each tested in its own module) and the conv window's formula, tested here."""
@@ -16,7 +18,7 @@ from conftest import assert_close, backend_params, run_in_threads
 from ssmops.mamba_inner import causal_conv1d_update
 from ssmops.modules import Mamba
 from ssmops.modules.linear import quantize_int8
-from ssmops.ops.mamba_step.reference import mamba_step_ref
+from ssmops.ops.mamba_step.reference import mamba_layers_step_ref, mamba_step_ref
 
 WEIGHT_FORMATS = (torch.float32, torch.bfloat16, torch.float16, torch.int8)
 # (batch, d_model, d_inner, d_state, d_conv, dt_rank): mamba-130m's layer (d_inner 1536 = 64 tasks of
@@ -231,8 +233,8 @@ def test_bitwise_across_thread_counts_and_concurrent_callers(backend):
         assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
-def test_exported_decoding_step_records_one_call_a_layer():
-    """A CPU export of a Mamba-1 LM's step records the fused operator, once a layer (tests/test_deploy.py
+def test_exported_decoding_step_records_one_call_for_all_layers():
+    """A CPU export of a Mamba-1 LM's step records `mamba_layers_step` once for its layers (tests/test_deploy.py
     runs such packages in the C++ runner against eager, for each weight format)."""
     from ssmops.export import decoding_step_program
     from ssmops.models import MambaConfig, MambaLMHeadModel
@@ -241,9 +243,8 @@ def test_exported_decoding_step_records_one_call_a_layer():
     model = MambaLMHeadModel(MambaConfig(d_model=32, n_layer=3, vocab_size=64, ssm_cfg={}, tie_embeddings=True))
     model.convert_weights("int8")
     ep = decoding_step_program(model, batch_size=2, max_seqlen=16)
-    calls = [n for n in ep.graph.nodes if n.op == "call_function" and "mamba_step" in str(n.target)]
-    assert len(calls) == 3
-    assert "selective_state_update" not in str(ep.graph)
+    calls = [str(n.target) for n in ep.graph.nodes if n.op == "call_function" and "ssmops" in str(n.target)]
+    assert calls == ["ssmops.mamba_layers_step.default", "ssmops.weight_only_linear.default"]  # the layers, the head
 
 
 @pytest.mark.parametrize("backend", backend_params(names=("default", "cpu")))
@@ -255,3 +256,146 @@ def test_empty_sizes(backend):
         got = run_step(torch.ops.ssmops.mamba_step, args)
     for name, a, b in zip(("out", "conv_state", "ssm_state"), got, run_step(mamba_step_ref, args)):
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5), name
+
+
+# --- a stack of blocks: mamba_layers_step ---------------------------------------------------
+
+
+def layers_inputs(layers, shape, weight_dtype=torch.float32, residual=True, optional=True) -> list:
+    """mamba_layers_step's arguments, in order: `layers` layers of mamba_step's `shape` (whose out_proj
+    gives d_model), each drawn with its own seed, norm_eps 1e-5."""
+    per_layer = [step_inputs(*shape, weight_dtype, optional=optional, seed=i) for i in range(layers)]
+    gen = torch.Generator().manual_seed(layers)
+    hidden = per_layer[0][0]
+    return [hidden, torch.randn(hidden.shape, generator=gen) if residual else None,
+            [p[1] for p in per_layer], [p[2] for p in per_layer],
+            [torch.rand(hidden.shape[1], generator=gen) + 0.5 for _ in per_layer], 1e-5,
+            *([p[k] for p in per_layer] for k in range(3, 18))]
+
+
+def run_layers(fn, args):
+    """fn on copies of args; returns (hidden_states, residual, *conv_states, *ssm_states)."""
+    def copy(a):
+        return [copy(t) for t in a] if isinstance(a, list) else a.clone() if isinstance(a, torch.Tensor) else a
+
+    args = copy(args)
+    return (*fn(*args), *args[2], *args[3])
+
+
+@pytest.mark.parametrize("backend", backend_params(names=("default", "cpu")))
+@pytest.mark.parametrize("weight_dtype", WEIGHT_FORMATS, ids=str)
+@pytest.mark.parametrize("residual", [True, False], ids=["residual", "first"])
+def test_layers_step_matches_reference(backend, weight_dtype, residual):
+    args = layers_inputs(3, (2, 40, 100, 5, 3, 7), weight_dtype, residual=residual)
+    with ssmops.use_backend(backend):
+        got = run_layers(torch.ops.ssmops.mamba_layers_step, args)
+    tol = 2e-5
+    if backend == "cpu" and weight_dtype == torch.int8:
+        tol = 2e-3  # activations rounded to int16 (mamba_step's test above bounds it layer by layer, exactly)
+    for i, (a, b) in enumerate(zip(got, run_layers(mamba_layers_step_ref, args), strict=True)):
+        assert_close(a, b, tol, f"output {i}")
+
+
+@pytest.mark.parametrize("backend", backend_params(names=("default", "cpu")))
+def test_layers_step_is_mamba_step_layer_by_layer(backend):
+    """The operator against its formula written with the other operators of the same backend: per
+    layer the residual add, RMSNorm (aten's) and `mamba_step`; int8 weights with the optional
+    arguments left out, so the int16 rounding of the activations is the same on both sides."""
+    args = layers_inputs(4, (3, 32, 48, 8, 4, 2), torch.int8, optional=False)
+    assert args[1] is not None and all(b is None for b in args[8])  # in_proj_bias left out
+    conv_states, ssm_states = [t.clone() for t in args[2]], [t.clone() for t in args[3]]
+    with ssmops.use_backend(backend):
+        got = run_layers(torch.ops.ssmops.mamba_layers_step, args)
+        hidden, residual = args[0], args[1]
+        for i in range(4):
+            residual = hidden + residual
+            normed = torch.nn.functional.rms_norm(residual, (32,), args[4][i], 1e-5)
+            hidden = torch.ops.ssmops.mamba_step(normed, conv_states[i], ssm_states[i], *(lst[i] for lst in args[6:]))
+    expected = (hidden, residual, *conv_states, *ssm_states)
+    for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+        assert_close(a, b, 1e-5, f"output {i}")
+
+
+def test_layers_step_opcheck():
+    for weight_dtype in (torch.float32, torch.int8):
+        for residual in (True, False):
+            torch.library.opcheck(torch.ops.ssmops.mamba_layers_step.default,
+                                  layers_inputs(2, (2, 16, 24, 4, 3, 2), weight_dtype, residual=residual))
+
+
+def _replace_in_list(index, layer, value):
+    def change(args):
+        args = list(args)
+        args[index] = [value(t) if i == layer else t for i, t in enumerate(args[index])]
+        return args
+    return change
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (_replace(1, lambda t: t[:, :-1]), ValueError, r"residual must have shape \(2, 16\)"),
+        (_replace(4, lambda lst: []), ValueError, "norm_weight must hold one tensor per layer, at least one"),
+        (_replace(3, lambda lst: lst[:1]), ValueError, r"ssm_states must hold one entry per layer \(2\), got 1"),
+        (_replace(7, lambda lst: lst[:1]), ValueError, r"in_proj_scale must hold one entry per layer \(2\), got 1"),
+        (_replace_in_list(4, 1, lambda t: t[:-1]), ValueError, r"layer 1: norm_weight must have shape \(16,\)"),
+        (_replace_in_list(6, 1, lambda t: t[:, :-1]), ValueError, r"layer 1: in_proj_weight must have shape \(48, 16\)"),
+        (_replace_in_list(7, 0, lambda t: None), ValueError, "layer 0: an int8 in_proj_weight needs in_proj_scale"),
+        (_replace_in_list(3, 1, lambda t: t.double()), TypeError, "layer 1: ssm_state must have dtype float32"),
+        (_replace_in_list(18, 1, lambda t: t[:-1]), ValueError, "layer 1: out_proj_weight must have d_model=16 output"),
+    ],
+)
+@pytest.mark.parametrize("backend", backend_params(names=("default", "cpu")))
+def test_layers_step_errors_name_the_argument_and_layer(backend, change, error, match):
+    args = layers_inputs(2, (2, 16, 24, 4, 3, 2), torch.int8)
+    if "d_model=16 output" in match:  # out_proj with another width, and its scale and bias with it
+        args = _replace_in_list(19, 1, lambda t: t[:-1])(_replace_in_list(20, 1, lambda t: t[:-1])(args))
+    args = change(args)
+    with ssmops.use_backend(backend), pytest.raises(error if backend == "default" else RuntimeError, match=match):
+        torch.ops.ssmops.mamba_layers_step(*args)
+
+
+def _lm(weights: str, n_layer: int = 3):
+    from ssmops.models import MambaConfig, MambaLMHeadModel
+
+    torch.manual_seed(0)
+    model = MambaLMHeadModel(MambaConfig(d_model=32, n_layer=n_layer, vocab_size=64, ssm_cfg={}))
+    return model.eval().convert_weights(weights)
+
+
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "int8"])
+def test_lm_decoding_token_is_one_layers_call_and_matches_the_layer_by_layer_step(weights, monkeypatch):
+    """generate() on CPU: every token after the prompt through one `mamba_layers_step` call; the
+    scores and tokens those of the blocks stepped one by one (each a `mamba_step`)."""
+    from ssmops.models.mixer_seq_simple import MixerModel
+
+    model, prompt = _lm(weights), torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    calls = []
+    layers_step = torch.ops.ssmops.mamba_layers_step
+    monkeypatch.setattr(torch.ops.ssmops, "mamba_layers_step", lambda *a: calls.append(1) or layers_step(*a))
+    fused = model.generate(prompt, max_length=12, return_dict_in_generate=True, output_scores=True)
+    assert len(calls) == 6  # the tokens after the first: one call each
+    monkeypatch.setattr(MixerModel, "_layers_step_arguments", lambda *a: None)
+    by_layer = model.generate(prompt, max_length=12, return_dict_in_generate=True, output_scores=True)
+    assert torch.equal(fused.sequences, by_layer.sequences)
+    for a, b in zip(fused.scores, by_layer.scores, strict=True):
+        assert_close(a, b, 1e-5, "logits")
+
+
+def test_lm_layer_by_layer_where_the_layers_operator_does_not_serve():
+    """LayerNorm blocks, norms of different eps, and a model with gradients step layer by layer."""
+    from ssmops.models import InferenceParams
+
+    model = _lm("fp32")
+    token = torch.zeros(2, 1, dtype=torch.long)
+    params = InferenceParams(max_seqlen=4, max_batch_size=2, seqlen_offset=1)
+    hidden = model.backbone.embedding(token)
+    with torch.no_grad():
+        assert model.backbone._layers_step_arguments(hidden, params, {}) is not None
+        assert model.backbone._layers_step_arguments(hidden, InferenceParams(4, 2), {}) is None  # the prompt
+        model.backbone.layers[1].norm.eps = 1e-3
+        assert model.backbone._layers_step_arguments(hidden, params, {}) is None
+        model.backbone.layers[1].norm = torch.nn.LayerNorm(32)
+        assert model.backbone._layers_step_arguments(hidden, params, {}) is None
+    model.backbone.layers[1].norm = model.backbone.layers[0].norm
+    assert model.backbone._layers_step_arguments(hidden, params, {}) is None  # autograd

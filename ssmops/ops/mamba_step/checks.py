@@ -84,3 +84,45 @@ def check_mamba_step_inputs(hidden_states, conv_state, ssm_state, in_proj_weight
     _check_linear("out_proj", out_proj_weight, out_proj_scale, out_proj_bias, d_inner, out_features, device,
                   "in_proj_weight")
     return batch, d_model, d_inner, d_state, d_conv, dt_rank, out_features
+
+
+# mamba_layers_step's per-layer lists after norm_eps, in order (the optional ones hold None for a layer without)
+LAYER_LISTS = ("in_proj_weight", "in_proj_scale", "in_proj_bias", "conv_weight", "conv_bias", "x_proj_weight",
+               "x_proj_scale", "dt_proj_weight", "dt_proj_scale", "dt_proj_bias", "A_log", "D", "out_proj_weight",
+               "out_proj_scale", "out_proj_bias")
+
+
+def layer_arguments(conv_states, ssm_states, lists) -> list[list]:
+    """mamba_layers_step's per-layer lists, as each layer's mamba_step arguments after hidden_states
+    (conv_state, ssm_state, in_proj_weight, in_proj_scale, ...)."""
+    return [[conv_states[i], ssm_states[i], *(lst[i] for lst in lists)] for i in range(len(conv_states))]
+
+
+def check_mamba_layers_step_inputs(hidden_states, residual, conv_states, ssm_states, norm_weight, norm_eps,
+                                   *lists) -> tuple[int, int]:
+    """Returns (batch, d_model). A layer's mixer is checked as mamba_step's arguments are, its
+    messages opened by the layer's index."""
+    _check_2d("hidden_states", hidden_states, "(batch, d_model)")
+    batch, d_model = hidden_states.shape
+    device = hidden_states.device
+    if residual is not None:
+        check_tensor("residual", residual, F32, (batch, d_model), device, like="hidden_states",
+                     sizes_from="hidden_states")
+    layers = len(norm_weight)
+    if layers == 0:
+        raise ValueError("norm_weight must hold one tensor per layer, at least one, got none")
+    named = [("conv_states", conv_states), ("ssm_states", ssm_states), *zip(LAYER_LISTS, lists, strict=True)]
+    for name, lst in named:
+        if len(lst) != layers:
+            raise ValueError(f"{name} must hold one entry per layer ({layers}), got {len(lst)}")
+    for i, args in enumerate(layer_arguments(conv_states, ssm_states, lists)):
+        try:
+            check_tensor("norm_weight", norm_weight[i], F32, (d_model,), device, like="hidden_states",
+                         sizes_from="hidden_states")
+            out_features = check_mamba_step_inputs(hidden_states, *args)[-1]
+            if out_features != d_model:
+                raise ValueError(f"out_proj_weight must have d_model={d_model} output features (the next layer's "
+                                 f"input), got shape {tuple(args[-3].shape)}")
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"layer {i}: {err}") from None
+    return batch, d_model

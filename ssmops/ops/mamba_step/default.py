@@ -1,5 +1,5 @@
-"""`mamba_step` in pure PyTorch, any device: the `default` backend's kernel, the mixer's step as
-the `default` kernels of the operators it fuses."""
+"""`mamba_step` and `mamba_layers_step` in pure PyTorch, any device: the `default` backend's kernels,
+the mixer's step as the `default` kernels of the operators it fuses."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ..linear.default import weight_only_linear
 from ..state_update.default import selective_state_update
-from .checks import check_mamba_step_inputs
+from .checks import check_mamba_layers_step_inputs, check_mamba_step_inputs, layer_arguments
 
 
 def causal_conv1d_update(x, conv_state, weight, bias=None, silu: bool = False):
@@ -36,3 +36,11 @@ def mamba_step(hidden_states, conv_state, ssm_state, in_proj_weight, in_proj_sca
     dt = weight_only_linear(dt, dt_proj_weight, dt_proj_scale, None)
     y = selective_state_update(ssm_state, x, dt, -torch.exp(A_log), B, C, D, z, dt_proj_bias, True)
     return weight_only_linear(y, out_proj_weight, out_proj_scale, out_proj_bias)
+
+
+def mamba_layers_step(hidden_states, residual, conv_states, ssm_states, norm_weight, norm_eps, *lists):
+    check_mamba_layers_step_inputs(hidden_states, residual, conv_states, ssm_states, norm_weight, norm_eps, *lists)
+    for norm_w, args in zip(norm_weight, layer_arguments(conv_states, ssm_states, lists), strict=True):
+        residual = hidden_states.clone() if residual is None else hidden_states + residual  # never an input
+        hidden_states = mamba_step(F.rms_norm(residual, norm_w.shape, norm_w, norm_eps), *args)
+    return hidden_states, residual

@@ -1,4 +1,4 @@
-"""`mamba_step` in plain PyTorch, formula by formula: the executable form of its contract
+"""`mamba_step` and `mamba_layers_step` in plain PyTorch, formula by formula: the executable form of its contract
 (docs/design.md). Every backend is tested against it; it is built from the references of the
 operators it fuses (the projections in float64), each tested against its own formulas."""
 
@@ -9,6 +9,7 @@ from torch import Tensor
 
 from ..linear.reference import weight_only_linear_ref
 from ..state_update.reference import selective_state_update_ref
+from .checks import layer_arguments
 
 
 def mamba_step_ref(hidden_states: Tensor, conv_state: Tensor, ssm_state: Tensor, in_proj_weight: Tensor,
@@ -48,3 +49,23 @@ def mamba_step_ref(hidden_states: Tensor, conv_state: Tensor, ssm_state: Tensor,
                                    None if dt_proj_bias is None else dt_proj_bias.double(), dt_softplus=True)
     ssm_state.copy_(state64)
     return weight_only_linear_ref(y, out_proj_weight, out_proj_scale, out_proj_bias).to(hidden_states.dtype)
+
+
+def mamba_layers_step_ref(hidden_states: Tensor, residual: Tensor | None, conv_states: list[Tensor],
+                          ssm_states: list[Tensor], norm_weight: list[Tensor], norm_eps: float,
+                          *lists: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """Updates every layer's states in place and returns (hidden_states, residual) after the last::
+
+        for each layer i:
+            residual      = hidden_states + residual        (hidden_states alone at the first layer
+                                                             when residual is None)
+            hidden_states = mamba_step(residual / sqrt(mean(residual^2) + norm_eps) * norm_weight[i])
+
+    in float64, each layer's mixer by `mamba_step_ref`; `lists` are the mixer's per-layer lists in the
+    operator's order."""
+    hidden, res = hidden_states.double(), None if residual is None else residual.double()
+    for norm_w, args in zip(norm_weight, layer_arguments(conv_states, ssm_states, lists), strict=True):
+        res = hidden if res is None else hidden + res
+        normed = res * (res.pow(2).mean(-1, keepdim=True) + norm_eps).rsqrt() * norm_w.double()
+        hidden = mamba_step_ref(normed, *args)
+    return hidden.to(hidden_states.dtype), res.to(hidden_states.dtype)
