@@ -157,7 +157,7 @@ def llama_cpp_generators(model: MambaLMHeadModel, prompt: torch.Tensor, long_pro
 
 
 # the operators that read the weights (the GEMVs, and Mamba-1's fused mixer step around its own)
-WEIGHT_READERS = ("ssmops::weight_only_linear", "ssmops::mamba_step")
+WEIGHT_READERS = ("ssmops::weight_only_linear", "ssmops::mamba_step", "ssmops::mamba_layers_step")
 
 
 def profile_compiled_token(model, prompt, bandwidth: float, tokens: int = 8, top: int = 8) -> None:
@@ -187,7 +187,7 @@ def profile_compiled_token(model, prompt, bandwidth: float, tokens: int = 8, top
         print(f"    {e.key[:48]:48s} {ms:7.2f} ms  {100 * ms / total:5.1f}%  ({e.count // tokens} calls)")
     readers = sum(e.self_cpu_time_total for e in events if e.key in WEIGHT_READERS) / tokens / 1e3
     weight_bytes = weight_bytes_per_token(model)
-    print(f"  {' and '.join(WEIGHT_READERS)} read the {weight_bytes / 1e6:.1f} MB of weights in {readers:.2f} ms "
+    print(f"  {', '.join(WEIGHT_READERS)} read the {weight_bytes / 1e6:.1f} MB of weights in {readers:.2f} ms "
           f"({weight_bytes / readers / 1e6:.1f} GB/s, {weight_bytes / readers / 1e6 / (bandwidth / 1e9):.0%} of the "
           f"{bandwidth / 1e9:.1f} GB/s measured); everything else: {total - readers:.2f} ms")
 
