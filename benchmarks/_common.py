@@ -58,6 +58,19 @@ def contenders(backends):
     return named
 
 
+def seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def read_bandwidth(x: torch.Tensor, tries: int = 5) -> float:
+    """Bytes per second: the fastest of `tries` sums over x (float32, far larger than the caches)."""
+    x.sum()
+    best = min(seconds(x.sum) for _ in range(tries))
+    return x.numel() * 4 / best
+
+
 def time_call(fn, repeats=3) -> float:
     """Median seconds of fn() after one warm-up; a call over 5 s is timed once."""
     t0 = time.perf_counter()

@@ -47,23 +47,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import time_call  # noqa: E402
+from _common import read_bandwidth, seconds, time_call  # noqa: E402
 from models import build  # noqa: E402
 from ssmops.models import InferenceParams, MambaLMHeadModel  # noqa: E402
 from ssmops.models.generation import COMPILED_STEP_LIMIT, compiled_step_logits  # noqa: E402
-
-
-def read_bandwidth(x: torch.Tensor, tries: int = 5) -> float:
-    """Bytes per second: the fastest of `tries` sums over x (float32, far larger than the caches)."""
-    x.sum()
-    best = min(_seconds(x.sum) for _ in range(tries))
-    return x.numel() * 4 / best
-
-
-def _seconds(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def weight_bytes_per_token(model: MambaLMHeadModel) -> int:
@@ -95,8 +82,8 @@ def decode_rates(generators: dict, prompt, new_tokens: int, repeats: int, probe:
     bandwidth = read_bandwidth(probe)
     for _ in range(repeats):
         for name, generate in generators.items():
-            t_one[name].append(_seconds(lambda: generate(prompt, 1)))
-            t_many[name].append(_seconds(lambda: generate(prompt, new_tokens)))
+            t_one[name].append(seconds(lambda: generate(prompt, 1)))
+            t_many[name].append(seconds(lambda: generate(prompt, new_tokens)))
             bandwidth = max(bandwidth, read_bandwidth(probe))
     rates = {name: (new_tokens - 1) / max(min(t_many[name]) - min(t_one[name]), 1e-9) for name in generators}
     return rates, bandwidth

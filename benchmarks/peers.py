@@ -6,7 +6,8 @@ build/peers/ and loads one of its modules by path; `mambapy` installs mambapy (p
 with `pip install --no-deps --target build/peers/...` and imports it from there; `llama_cpp`
 installs llama-cpp-python the same way (built from its source distribution, so for this CPU:
 a few minutes, once), and `gguf` llama.cpp's own writer and reader of model files, which
-`write_gguf` uses to write an ssmops model for it.
+`write_gguf` uses to write an ssmops model for it; `torchao` installs PyTorch's quantization
+library the same way, for its int8 weight-only linear layers.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 LLAMA_CPP_PIP_ARGS = ("--no-binary", "llama-cpp-python", f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}",
                       "diskcache==5.6.3", "jinja2==3.1.6", "markupsafe==3.0.3")
 GGUF_VERSION = "0.19.0"  # llama.cpp's writer and reader of its model files (pure Python; numpy, yaml)
+TORCHAO_VERSION = "0.18.0"
 
 
 def mamba_ssm_source(version: str = MAMBA_SSM_VERSION) -> Path:
@@ -124,6 +126,13 @@ def llama_cpp() -> types.ModuleType:
 def gguf() -> types.ModuleType:
     """The gguf package `GGUF_VERSION`, installed once into build/peers/gguf-VERSION."""
     return _installed("gguf", f"gguf-{GGUF_VERSION}", (f"gguf=={GGUF_VERSION}",))
+
+
+def torchao() -> types.ModuleType:
+    """torchao `TORCHAO_VERSION` (its wheel: its CPU paths are Python over aten), installed once into
+    build/peers/torchao-VERSION; its CUDA-only libraries fail to load on a CPU machine, which it
+    reports and survives."""
+    return _installed("torchao", f"torchao-{TORCHAO_VERSION}", (f"torchao=={TORCHAO_VERSION}",))
 
 
 def _installed(name: str, folder: str, pip_args: tuple[str, ...], announce: str | None = None) -> types.ModuleType:

@@ -120,3 +120,37 @@ def test_gguf_file_holds_the_model(tmp_path):
                 error = error.reshape(-1, 32)
                 tolerance = np.abs(want.reshape(-1, 32)).max(1, keepdims=True) / 127 * (0.5 + 127 * 2**-11) + 1e-7
             assert (error <= tolerance).all(), name
+
+
+def test_torchao_int8_layer_is_the_same_product_as_ssmops(no_stand_ins_left):
+    """benchmarks/linear.py times torchao's int8 weight-only layer (as published) against ssmops'
+    int8 `weight_only_linear`: both give the layer's float product within int8's rounding (their
+    grids differ by a level here and there: ~0.7% apart here)."""
+    import peers
+
+    from ssmops.modules.linear import quantize_int8
+
+    try:
+        torchao = peers.torchao()
+    except (subprocess.CalledProcessError, ImportError) as err:
+        pytest.skip(f"torchao is not available here: {err}")
+    gen = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(96, 40, bias=False)
+    x = torch.randn(3, 96, generator=gen)
+    with torch.inference_mode():
+        expected = layer(x)
+        int8, scale = quantize_int8(layer.weight.detach())
+        torchao.quantization.quantize_(layer, torchao.quantization.Int8WeightOnlyConfig())
+        assert_close(layer(x), expected, 2e-2, "torchao")
+        assert_close(torch.ops.ssmops.weight_only_linear(x, int8, scale, None), expected, 2e-2, "ssmops")
+        assert_close(layer(x), torch.ops.ssmops.weight_only_linear(x, int8, scale, None), 2e-2, "torchao vs ssmops")
+
+
+@pytest.mark.slow
+def test_linear_benchmark_runs():
+    out = subprocess.run([sys.executable, "benchmarks/linear.py", "--quick"], cwd=REPO, capture_output=True,
+                         text=True, timeout=600)
+    if out.returncode != 0 and "torchao" in out.stderr and "pip" in out.stderr:
+        pytest.skip(f"torchao could not be installed here: {out.stderr[-300:]}")
+    assert out.returncode == 0, out.stderr
+    assert "torchao int8 (compiled)" in out.stdout and "torchao's int8 layers take up to" in out.stdout
