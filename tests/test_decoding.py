@@ -110,9 +110,11 @@ def test_a_converted_state_dict_is_refused_by_name(tmp_path):
 
 @pytest.mark.parametrize("name", ["mamba1", pytest.param("mamba2", marks=pytest.mark.slow),
                                   pytest.param("hybrid", marks=pytest.mark.slow)])
-def test_compiled_step_generates_the_eager_tokens(name):
+def test_compiled_step_generates_the_eager_tokens(name, monkeypatch):
     """cg=True: every token after the prompt from one compiled graph, caches advanced in place (on
-    CPU, its kernels and operators called from inductor's C++ wrapper)."""
+    CPU, its kernels and operators called from inductor's C++ wrapper). A Mamba-1 LM on CPU decodes
+    through its own step instead (the test below): here it compiles as any other model would."""
+    monkeypatch.setattr(MambaLMHeadModel, "decoding_step", lambda *args: None)
     torch.manual_seed(0)
     model = MambaLMHeadModel(tiny_config()).eval() if name == "mamba1" else tiny_mamba2_model(name)
     prompt = torch.randint(0, 61, (2, 5), generator=torch.Generator().manual_seed(1))
@@ -122,9 +124,10 @@ def test_compiled_step_generates_the_eager_tokens(name):
     torch.testing.assert_close(torch.stack(compiled.scores), torch.stack(eager.scores), rtol=1e-5, atol=1e-5)
 
 
-def test_compiled_steps_of_models_and_batch_sizes_taking_turns_keep_their_own_tokens():
+def test_compiled_steps_of_models_and_batch_sizes_taking_turns_keep_their_own_tokens(monkeypatch):
     """cg=True evaluates the compiled step's guards on each generation's first token only; models and
     batch sizes that take turns still each decode their own eager tokens."""
+    monkeypatch.setattr(MambaLMHeadModel, "decoding_step", lambda *args: None)
     models = []
     for seed in (0, 1):
         torch.manual_seed(seed)
@@ -145,6 +148,7 @@ _PYTHON_WRAPPER_CHECK = """
 import torch
 from ssmops.models import MambaLMHeadModel
 from test_models import tiny_config
+MambaLMHeadModel.decoding_step = lambda *args: None  # the compiled step, not the model's own
 torch.manual_seed(0)
 model = MambaLMHeadModel(tiny_config()).eval()
 prompt = torch.randint(0, 61, (2, 5), generator=torch.Generator().manual_seed(1))
@@ -163,6 +167,32 @@ def test_compiled_step_under_inductors_python_wrapper():
     TORCHINDUCTOR_CPP_WRAPPER=0 keeps its Python wrapper, which gives the eager tokens too."""
     res = run_python(_PYTHON_WRAPPER_CHECK, env={"TORCHINDUCTOR_CPP_WRAPPER": "0", "PYTHONPATH": "tests"})
     assert res.returncode == 0 and "OK" in res.stdout, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int8"])
+def test_mamba1_lm_on_cpu_decodes_through_its_own_step_with_or_without_cg(weights, monkeypatch):
+    """A Mamba-1 LM's tokens after the prompt come from `decoding_step` (its layers' arguments to one
+    `mamba_layers_step` call gathered once a generation), cg=True or not: nothing is compiled, and the
+    logits are `step_logits`' bit for bit."""
+    from ssmops.models import generation
+
+    model = MambaLMHeadModel(tiny_config(n_layer=3)).eval().convert_weights(weights)
+    prompt = torch.randint(0, 61, (2, 5), generator=torch.Generator().manual_seed(1))
+    by_step_logits = {}
+    for cg in (False, True):
+        monkeypatch.setattr(generation, "compiled_step_logits", lambda device: pytest.fail("compiled"))
+        out = model.generate(prompt, max_length=12, cg=cg, return_dict_in_generate=True, output_scores=True)
+        monkeypatch.setattr(MambaLMHeadModel, "decoding_step", lambda *args: None)
+        monkeypatch.setattr(generation, "compiled_step_logits", lambda device: generation.step_logits)
+        by_step_logits[cg] = model.generate(prompt, max_length=12, cg=cg, return_dict_in_generate=True,
+                                            output_scores=True)
+        monkeypatch.undo()
+        assert torch.equal(out.sequences, by_step_logits[cg].sequences)
+        assert all(torch.equal(a, b) for a, b in zip(out.scores, by_step_logits[cg].scores, strict=True))
+    with torch.inference_mode():
+        memory = model.allocate_inference_cache(2, 8)
+        assert model.decoding_step(memory, 2) is not None
+        assert model.decoding_step(model.allocate_inference_cache(17, 8), 17) is None  # past 16 sequences
 
 
 def test_compiled_step_uses_cpp_wrapper_on_cpu_unless_the_environment_says(monkeypatch):

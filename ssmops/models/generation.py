@@ -4,7 +4,8 @@ Mirrors `mamba_ssm.utils.generation` (InferenceParams, top-k / top-p / min-p sam
 `decode`): the per-token cost is one decoding step per layer, independent of the prompt length.
 Where mamba_ssm captures the step in a CUDA graph (`cg=True`), ssmops compiles it: the whole
 one-token step (every layer and the output projection) becomes one `torch.compile` graph that
-advances the caches in place, on any device.
+advances the caches in place, on any device. A Mamba-1 LM on CPU needs neither: its layers are
+one operator call a token (`MambaLMHeadModel.decoding_step`).
 """
 
 from __future__ import annotations
@@ -126,6 +127,21 @@ def compiled_step_logits(device: torch.device | str = "cpu"):
     return _compiled_step_logits[cpp_wrapper]
 
 
+def token_step(model, memory: dict, batch_size: int, device: torch.device, cg: bool):
+    """The step that `decode` runs for each token after the prompt: (input_ids (batch, 1), positions)
+    -> logits (batch, vocab), and whether it is the compiled graph. A model that offers a step of
+    its own for these caches (`model.decoding_step(memory, batch_size)`: a Mamba-1 LM on CPU, all its
+    layers in one operator call) decodes with it whatever `cg` says: it is faster than the compiled
+    graph there and compiles nothing. Otherwise `compiled_step_logits(device)` with `cg`, else
+    `step_logits`."""
+    own = getattr(model, "decoding_step", None)
+    bound = own(memory, batch_size) if own is not None else None
+    if bound is not None:
+        return lambda input_ids, positions: bound(input_ids), False
+    step = compiled_step_logits(device) if cg else step_logits
+    return lambda input_ids, positions: step(model, memory, input_ids, positions), cg
+
+
 def _prefill(model, input_ids: Tensor | list[Tensor], memory: dict, max_length: int) -> Tensor:
     """Runs the prompt(s) through the model, filling `memory`; returns the last logits (batch, vocab).
     Prompts of different lengths go one at a time into their own rows of the caches."""
@@ -172,7 +188,9 @@ def decode(
     `end()` at the end (the transformers streamer protocol). The ssm states are kept in the
     weights' dtype unless `ssm_state_dtype` is given (see InferenceParams). With `cg`, each token
     after the prompt runs through `compiled_step_logits(device)`: no Python per layer, no per-token
-    dispatch of dozens of small operators (the first call for a batch size compiles it).
+    dispatch of dozens of small operators (the first call for a batch size compiles it) — except
+    where the model has a faster step of its own for these caches (`token_step`: a Mamba-1 LM on CPU
+    runs all its layers as one operator call a token, with or without `cg`).
     """
     ragged = not isinstance(input_ids, Tensor)
     if ragged:
@@ -198,12 +216,12 @@ def decode(
     if ragged and repetition_penalty != 1.0:
         seen = torch.stack([torch.cat([p, p[:1].expand(prompt_len - p.numel())]) for p in input_ids])
     positions = torch.tensor(lengths, dtype=torch.long, device=device)
-    step = compiled_step_logits(device) if cg else step_logits
+    step, compiled = token_step(model, memory, batch, device, cg)
     new_tokens, scores = [], []
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    with contextlib.ExitStack() as compiled:
-        if cg:
-            compiled.enter_context(torch._dynamo.config.patch(recompile_limit=COMPILED_STEP_LIMIT))
+    with contextlib.ExitStack() as stance:
+        if compiled:
+            stance.enter_context(torch._dynamo.config.patch(recompile_limit=COMPILED_STEP_LIMIT))
         while True:
             if vocab_size is not None:
                 logits = logits[:, :vocab_size]
@@ -224,13 +242,13 @@ def decode(
                 streamer.put(token.cpu())
             if prompt_len + len(new_tokens) >= max_length or (eos_token_id is not None and bool(finished.all())):
                 break
-            logits = step(model, memory, new_tokens[-1], positions)
+            logits = step(new_tokens[-1], positions)
             positions += 1
-            if cg and len(new_tokens) == 1:
+            if compiled and len(new_tokens) == 1:
                 # The first call picked (or compiled) the graph for this model, batch and caches; every
                 # later one passes the same objects, so its guards cannot fail: skipping them saves
                 # ~0.3 ms a token (of ~8 ms, int8 weights at mamba-130m's shape).
-                compiled.enter_context(torch.compiler.set_stance(skip_guard_eval_unsafe=True))
+                stance.enter_context(torch.compiler.set_stance(skip_guard_eval_unsafe=True))
     if streamer is not None:
         streamer.end()
     generated = torch.cat(new_tokens, dim=1)
