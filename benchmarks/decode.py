@@ -16,8 +16,10 @@ taking turns so that the same minutes weigh on each:
   batch > 1: prompts of 16, 15, 14, ... tokens, decoded together, each at its own position), timed as
   (fastest time for N tokens - fastest time for 1 token) / (N - 1), so prefill is excluded (the
   prompts are short so that the prefill's noise, which the difference keeps, stays small); "eager"
-  runs the step layer by layer, "compiled" is `generate(..., cg=True)` (one graph per token; compiled once
-  before timing);
+  is `generate(...)`, "compiled" `generate(..., cg=True)` (one graph per token; compiled once before
+  timing). A Mamba-1 model on CPU decodes through its own step either way (its layers in one operator
+  call a token, `MambaLMHeadModel.decoding_step`), so its two rows time the same path; Mamba-2's
+  eager rows step layer by layer;
 * its share of the bound: tokens/s * weight bytes per token / bandwidth;
 * prefill tokens/s (512-token prompt, batch 1);
 
@@ -27,7 +29,7 @@ with `from_hf`, so both run the same function) with fp32 weights. For Mamba-1, l
 and cmake, ~12 minutes on 2 cores): the same weights written as its GGUF file in f32 and in its
 8-bit q8_0 (32 weights and a float16 scale a block), its logits for a prompt compared with ssmops'
 first, its decoding timed as ssmops' is (greedy: a llama_decode and an argmax a token). Then a
-profile of one compiled fp32 token: where its time goes.
+profile of one fp32 token as `generate(..., cg=True)` runs it: where its time goes.
 
 Model: mamba-130m's shape (d_model 768, 24 layers, d_state 16, vocab 50280, tied embeddings), or
 with --family mamba2 mamba2-130m's (d_state 128, headdim 64); --quick: d_model 256, 4 layers.
@@ -37,6 +39,7 @@ Needs transformers (a test-only dependency of ssmops).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -50,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import read_bandwidth, seconds, time_call  # noqa: E402
 from models import build  # noqa: E402
 from ssmops.models import InferenceParams, MambaLMHeadModel  # noqa: E402
-from ssmops.models.generation import COMPILED_STEP_LIMIT, compiled_step_logits  # noqa: E402
+from ssmops.models.generation import COMPILED_STEP_LIMIT, token_step  # noqa: E402
 
 
 def weight_bytes_per_token(model: MambaLMHeadModel) -> int:
@@ -147,27 +150,29 @@ def llama_cpp_generators(model: MambaLMHeadModel, prompt: torch.Tensor, long_pro
 WEIGHT_READERS = ("ssmops::weight_only_linear", "ssmops::mamba_step", "ssmops::mamba_layers_step")
 
 
-def profile_compiled_token(model, prompt, bandwidth: float, tokens: int = 8, top: int = 8) -> None:
+def profile_token(model, prompt, bandwidth: float, tokens: int = 8, top: int = 8) -> None:
+    """Where a decoding token's time goes, the token as generate(cg=True) runs those after its first."""
     from torch.profiler import ProfilerActivity, profile
 
     batch, prompt_len = prompt.shape
     params = InferenceParams(max_seqlen=prompt_len + tokens + 1, max_batch_size=batch)
-    step = compiled_step_logits(prompt.device)
     with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=COMPILED_STEP_LIMIT):
         model(prompt, inference_params=params, num_last_tokens=1)
+        step, compiled = token_step(model, params.key_value_memory_dict, batch, prompt.device, cg=True)
         positions = torch.full((batch,), prompt_len)
         token = prompt[:, -1:]
-        step(model, params.key_value_memory_dict, token, positions)  # compiled already
+        step(token, positions)  # compiled already; its guards checked on this one
+        stance = torch.compiler.set_stance(skip_guard_eval_unsafe=True) if compiled else contextlib.nullcontext()
         t0 = time.perf_counter()
-        # as generate(cg=True) runs every token after its first: the guards were checked on that one
-        with torch.compiler.set_stance(skip_guard_eval_unsafe=True), profile(activities=[ProfilerActivity.CPU]) as prof:
+        with stance, profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(tokens):
-                step(model, params.key_value_memory_dict, token, positions)
+                step(token, positions)
         wall = (time.perf_counter() - t0) / tokens
     events = [e for e in prof.key_averages() if not e.key.startswith(("Torch-Compiled Region", "CompiledFunction"))]
     events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events) / tokens / 1e3
-    print(f"  one compiled fp32 token: {wall * 1e3:.2f} ms under the profiler, {total:.2f} ms of it in operators "
+    how = "the compiled graph" if compiled else "MambaLMHeadModel.decoding_step"
+    print(f"  one fp32 token ({how}): {wall * 1e3:.2f} ms under the profiler, {total:.2f} ms of it in operators "
           "and kernels; the largest:")
     for e in events[:top]:
         ms = e.self_cpu_time_total / tokens / 1e3
@@ -284,7 +289,7 @@ def main() -> None:
         print(f"batch {batch}: tokens/s per sequence {results['fp32', cg, batch] / fp32:.2f}x batch {b}'s (fp32), "
               f"{results['int8', cg, batch] / results['int8', cg, b]:.2f}x (int8)")
     if cg:
-        profile_compiled_token(fp32_model, torch.randint(0, cfg.vocab_size, (b, prompt_len), generator=gen),
+        profile_token(fp32_model, torch.randint(0, cfg.vocab_size, (b, prompt_len), generator=gen),
                                read_bandwidth(bandwidth_probe))
 
 
