@@ -316,6 +316,18 @@ def test_layers_step_is_mamba_step_layer_by_layer(backend):
         assert_close(a, b, 1e-5, f"output {i}")
 
 
+@pytest.mark.parametrize("backend", backend_params(names=("default", "cpu")))
+def test_layers_step_empty_sizes(backend):
+    """No sequences; and a zero-width residual stream, from which each out_proj gives its bias."""
+    with ssmops.use_backend(backend):
+        out = torch.ops.ssmops.mamba_layers_step(*layers_inputs(2, (0, 16, 24, 4, 3, 2), torch.int8))
+        assert [tuple(t.shape) for t in out] == [(0, 16), (0, 16)]
+        args = layers_inputs(2, (2, 0, 24, 4, 3, 2))
+        got = run_layers(torch.ops.ssmops.mamba_layers_step, args)
+    for i, (a, b) in enumerate(zip(got, run_layers(mamba_layers_step_ref, args), strict=True)):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5), f"output {i}"
+
+
 def test_layers_step_opcheck():
     for weight_dtype in (torch.float32, torch.int8):
         for residual in (True, False):
