@@ -283,8 +283,8 @@ def main() -> None:
           f"bf16 {results['bf16', cg, b] / fp32:.2f}x fp32; int8 {results['int8', cg, b] / fp32:.2f}x fp32 "
           "(goals at batch 1: fp32 >= 80% of its bound, int8 >= 2.5x fp32)")
     if ("llama.cpp", "f32") in results:
-        print(f"batch 1: llama.cpp f32 {results['llama.cpp', 'f32'] / results['fp32', cg, 1]:.2f}x ssmops fp32's tokens/s, "
-              f"q8_0 {results['llama.cpp', 'q8_0'] / results['int8', cg, 1]:.2f}x ssmops int8's")
+        print(f"batch 1: llama.cpp f32 {results['llama.cpp', 'f32'] / results['fp32', cg, 1]:.2f}x ssmops fp32's "
+              f"tokens/s, q8_0 {results['llama.cpp', 'q8_0'] / results['int8', cg, 1]:.2f}x ssmops int8's")
     for batch in batches[1:]:
         print(f"batch {batch}: tokens/s per sequence {results['fp32', cg, batch] / fp32:.2f}x batch {b}'s (fp32), "
               f"{results['int8', cg, batch] / results['int8', cg, b]:.2f}x (int8)")

@@ -72,7 +72,8 @@ def test_gguf_file_holds_the_model(tmp_path):
     torch.manual_seed(0)
     model = MambaLMHeadModel(MambaConfig(d_model=64, n_layer=2, vocab_size=96, ssm_cfg={"layer": "Mamba1"}))
     sd = {k: v.numpy() for k, v in model.state_dict().items()}
-    expected = {"token_embd.weight": sd["backbone.embedding.weight"], "output_norm.weight": sd["backbone.norm_f.weight"]}
+    expected = {"token_embd.weight": sd["backbone.embedding.weight"],
+                "output_norm.weight": sd["backbone.norm_f.weight"]}
     for i in range(2):
         mixer = f"backbone.layers.{i}.mixer."
         expected |= {

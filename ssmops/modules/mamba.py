@@ -189,9 +189,9 @@ class Mamba(nn.Module):
     def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, ssm_state_dtype=None,
                                  **kwargs):
         """Zeroed (conv_state (batch, d_inner, d_conv), ssm_state (batch, d_inner, d_state)), in the
-        weights' dtype (before any weight format's conversion) or `dtype` as mamba_ssm allocates them; `ssm_state_dtype` overrides the ssm
-        state's (float32 keeps a low-precision model's recurrence state in float32). The decoding
-        step computes in float32 and writes the state back in its dtype."""
+        weights' dtype (before any weight format's conversion) or `dtype` as mamba_ssm allocates them;
+        `ssm_state_dtype` overrides the ssm state's (float32 keeps a low-precision model's recurrence
+        state in float32). The decoding step computes in float32 and writes the state back in its dtype."""
         device = self.out_proj.weight.device
         conv_dtype = self.conv1d.weight.dtype if dtype is None else dtype
         conv_state = torch.zeros(batch_size, self.d_inner, self.d_conv, device=device, dtype=conv_dtype)

@@ -1,6 +1,6 @@
-"""`mamba_step` and `mamba_layers_step` in plain PyTorch, formula by formula: the executable form of its contract
-(docs/design.md). Every backend is tested against it; it is built from the references of the
-operators it fuses (the projections in float64), each tested against its own formulas."""
+"""`mamba_step` and `mamba_layers_step` in plain PyTorch, formula by formula: the executable form of
+their contract (docs/design.md). Every backend is tested against it; it is built from the references
+of the operators it fuses (the projections in float64), each tested against its own formulas."""
 
 from __future__ import annotations
 
