@@ -202,7 +202,8 @@ def add_generate_parser(sub) -> None:
     gen.add_argument("--seed", type=int, help="seeds the sampling, for a repeatable continuation")
     add_weights_argument(gen)
     gen.add_argument("--compile", action="store_true",
-                     help="compile the one-token step into one graph first (faster tokens after a one-off compile)")
+                     help="compile the one-token step into one graph first (faster tokens after a one-off compile; "
+                          "a Mamba-1 LM on CPU needs none: its layers are one operator call a token either way)")
 
 
 def add_weights_argument(parser) -> None:
