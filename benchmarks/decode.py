@@ -5,12 +5,21 @@ int8 weights, against transformers' PyTorch path and llama.cpp with the same wei
                                 [--no-llama-cpp]
 
 A decoding token reads every weight once, so its time is bounded below by (weight bytes read per
-token) / (read bandwidth). The script measures the bandwidth in the same run (the fastest of five
-`torch.sum`s over 512 MiB, which reads at the memory's speed: a hand-written AVX2 loop read 28.5 GB/s
-where it read 28.0 on the machine this was written on) around the rows it times together, and
-takes the highest (a shared machine's bandwidth moved between 35 and 62 GB/s from one minute to the
-next here). For each weight format (`MambaLMHeadModel.convert_weights`) and batch size, the formats
-taking turns so that the same minutes weigh on each:
+token) / (read bandwidth). The script measures the bandwidth in the same run, with `torch.sum` over
+512 MiB (which reads at the memory's speed: a hand-written AVX2 loop read 28.5 GB/s where it read 28.0
+on the machine this was written on), two ways, and prints the share of each bound:
+
+* sustained: the sums timed exactly as the tokens are (below), taking turns with them: N sums of
+  512 MiB, the fastest of `--repeats` runs less the fastest single sum, over N - 1. This is the rate
+  of a "token" that does nothing but read its bytes, under the same noise and the same statistic, and
+  the share the goals are read against. On a shared machine the bandwidth moves within seconds
+  (single sums of the same bytes took 26-38 ms within a minute on a 2-vCPU Zen 3), so a bound set by
+  the fastest single sum asks a token's average over N tokens to match the machine's best moment;
+* peak: the fastest single sum (of five, before and after every turn) in those minutes, what this
+  script printed before: the share of it is lower, by as much as the machine's noise.
+
+For each weight format (`MambaLMHeadModel.convert_weights`) and batch size, the formats taking turns
+so that the same minutes weigh on each:
 
 * decode tokens/s per sequence: greedy generation of N new tokens after a 16-token prompt (ssmops,
   batch > 1: prompts of 16, 15, 14, ... tokens, decoded together, each at its own position), timed as
@@ -20,7 +29,7 @@ taking turns so that the same minutes weigh on each:
   timing). A Mamba-1 model on CPU decodes through its own step either way (its layers in one operator
   call a token, `MambaLMHeadModel.decoding_step`), so its two rows time the same path; Mamba-2's
   eager rows step layer by layer;
-* its share of the bound: tokens/s * weight bytes per token / bandwidth;
+* its share of each bound: tokens/s * weight bytes per token / bandwidth;
 * prefill tokens/s (512-token prompt, batch 1);
 
 and transformers' `MambaForCausalLM` / `Mamba2ForCausalLM` (random weights, converted to ssmops
@@ -71,25 +80,30 @@ def weight_bytes_per_token(model: MambaLMHeadModel) -> int:
 
 def decode_rates(generators: dict, prompt, new_tokens: int, repeats: int, probe: torch.Tensor):
     """Tokens per second per sequence of each generator, prefill excluded, and the read bandwidth in
-    the same minutes. A rate is the fastest of `repeats` generations of new_tokens less the fastest of 1
-    (medians of 2 let the prefill's noise through). The difference keeps the prefill's noise, so the
-    prompts are short: 8 prompts of ~60 tokens prefilled one by one moved by ~0.6 s between runs here,
-    as much as 32 tokens take, and once gave a bf16 batch-8 rate of 3.3x its bound. The generators
-    take turns, and the bandwidth is the most it measured before and after each turn: a shared
-    machine's moved between 35 and 62 GB/s from one minute to the next here, so formats timed minutes
-    apart were not comparable."""
+    the same minutes, (peak, sustained) in bytes/s. A rate is the fastest of `repeats` generations of
+    new_tokens less the fastest of 1 (medians of 2 let the prefill's noise through). The difference
+    keeps the prefill's noise, so the prompts are short: 8 prompts of ~60 tokens prefilled one by one
+    moved by ~0.6 s between runs here, as much as 32 tokens take, and once gave a bf16 batch-8 rate of
+    3.3x its bound. The generators take turns, and with them a reader of `probe` that sums it once a
+    "token", timed the same way: its rate times the probe's bytes is the sustained bandwidth. The peak
+    is the most that read_bandwidth measured before and after each turn: a shared machine's moved
+    between 35 and 62 GB/s from one minute to the next here, so formats timed minutes apart were not
+    comparable."""
+    reader = "(read bandwidth)"
+    generators = {**generators, reader: lambda ids, n: [probe.sum() for _ in range(n)]}
     for generate in generators.values():
         generate(prompt, new_tokens)
     t_one = {name: [] for name in generators}
     t_many = {name: [] for name in generators}
-    bandwidth = read_bandwidth(probe)
+    peak = read_bandwidth(probe)
     for _ in range(repeats):
         for name, generate in generators.items():
             t_one[name].append(seconds(lambda: generate(prompt, 1)))
             t_many[name].append(seconds(lambda: generate(prompt, new_tokens)))
-            bandwidth = max(bandwidth, read_bandwidth(probe))
+            peak = max(peak, read_bandwidth(probe))
     rates = {name: (new_tokens - 1) / max(min(t_many[name]) - min(t_one[name]), 1e-9) for name in generators}
-    return rates, bandwidth
+    sustained = rates.pop(reader) * probe.numel() * probe.element_size()
+    return rates, (peak, sustained)
 
 
 class LlamaCppGenerator:
@@ -215,15 +229,21 @@ def main() -> None:
     print(f"model: {cfg.ssm_cfg.get('layer', 'Mamba1')}, d_model {cfg.d_model}, {cfg.n_layer} layers, vocab "
           f"{cfg.vocab_size}; decode: {new_tokens - 1} tokens after a {prompt_len}-token prompt (greedy); "
           f"prefill: {prefill_len} tokens, batch 1")
-    print(f"\n  {'':28s} {'batch':>5s} {'MB/token':>9s} {'GB/s':>5s} {'bound tok/s':>11s} {'decode tok/s':>12s} "
-          f"{'of bound':>8s} {'prefill tok/s':>13s}")
+    print("\n  GB/s: the read bandwidth in the minutes of the row, sustained (timed as the tokens are) / peak "
+          "(the fastest single sum); bound: the tokens/s that reading a token's weights at the sustained rate "
+          "allows; of bound: decode tok/s as a share of the sustained / the peak bound")
+    print(f"  {'':28s} {'batch':>5s} {'MB/token':>9s} {'GB/s':>9s} {'bound tok/s':>11s} {'decode tok/s':>12s} "
+          f"{'of bound':>9s} {'prefill tok/s':>13s}")
 
     def row(name, weight_bytes, batch, rate, bandwidth, prefill=None):
-        bound = bandwidth / weight_bytes
+        """Prints a row; returns (tokens/s, share of the sustained bound, share of the peak bound)."""
+        peak, sustained = bandwidth
+        of_sustained, of_peak = rate * weight_bytes / sustained, rate * weight_bytes / peak
         pre = f"{prefill:13.1f}" if prefill is not None else f"{'':13s}"
-        print(f"  {name:28s} {batch:5d} {weight_bytes / 1e6:9.1f} {bandwidth / 1e9:5.1f} {bound:11.1f} {rate:12.1f} "
-              f"{100 * rate / bound:7.0f}% {pre}", flush=True)
-        return rate
+        print(f"  {name:28s} {batch:5d} {weight_bytes / 1e6:9.1f} {sustained / 1e9:4.1f}/{peak / 1e9:4.1f} "
+              f"{sustained / weight_bytes:11.1f} {rate:12.1f} {100 * of_sustained:3.0f}%/{100 * of_peak:3.0f}% {pre}",
+              flush=True)
+        return rate, of_sustained, of_peak
 
     long_prompt = torch.randint(0, cfg.vocab_size, (1, prefill_len), generator=gen)
     results = {}
@@ -278,19 +298,23 @@ def main() -> None:
         fp32_model = models["fp32"]
     b = batches[0]
     cg = not args.no_compile
-    fp32 = results["fp32", cg, b]
-    print(f"\nbatch {b}, {'compiled' if cg else 'eager'}: fp32 {fp32 / results['transformers', b]:.2f}x transformers; "
-          f"bf16 {results['bf16', cg, b] / fp32:.2f}x fp32; int8 {results['int8', cg, b] / fp32:.2f}x fp32 "
+    rate = {key: value[0] for key, value in results.items()}
+    fp32, fp32_of_sustained, fp32_of_peak = results["fp32", cg, b]
+    print(f"\nbatch {b}, {'compiled' if cg else 'eager'}: fp32 {100 * fp32_of_sustained:.0f}% of its sustained bound "
+          f"({100 * fp32_of_peak:.0f}% of its peak bound), {fp32 / rate['transformers', b]:.2f}x transformers; "
+          f"bf16 {rate['bf16', cg, b] / fp32:.2f}x fp32; int8 {rate['int8', cg, b] / fp32:.2f}x fp32 "
           "(goals at batch 1: fp32 >= 80% of its bound, int8 >= 2.5x fp32)")
     if ("llama.cpp", "f32") in results:
-        print(f"batch 1: llama.cpp f32 {results['llama.cpp', 'f32'] / results['fp32', cg, 1]:.2f}x ssmops fp32's "
-              f"tokens/s, q8_0 {results['llama.cpp', 'q8_0'] / results['int8', cg, 1]:.2f}x ssmops int8's")
+        _, llama_of_sustained, llama_of_peak = results["llama.cpp", "f32"]
+        print(f"batch 1: llama.cpp f32 {rate['llama.cpp', 'f32'] / rate['fp32', cg, 1]:.2f}x ssmops fp32's tokens/s "
+              f"({100 * llama_of_sustained:.0f}% of its sustained bound, {100 * llama_of_peak:.0f}% of its peak), "
+              f"q8_0 {rate['llama.cpp', 'q8_0'] / rate['int8', cg, 1]:.2f}x ssmops int8's")
     for batch in batches[1:]:
-        print(f"batch {batch}: tokens/s per sequence {results['fp32', cg, batch] / fp32:.2f}x batch {b}'s (fp32), "
-              f"{results['int8', cg, batch] / results['int8', cg, b]:.2f}x (int8)")
+        print(f"batch {batch}: tokens/s per sequence {rate['fp32', cg, batch] / fp32:.2f}x batch {b}'s (fp32), "
+              f"{rate['int8', cg, batch] / rate['int8', cg, b]:.2f}x (int8)")
     if cg:
         profile_token(fp32_model, torch.randint(0, cfg.vocab_size, (b, prompt_len), generator=gen),
-                               read_bandwidth(bandwidth_probe))
+                      read_bandwidth(bandwidth_probe))
 
 
 if __name__ == "__main__":
