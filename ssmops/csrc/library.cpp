@@ -54,5 +54,6 @@ STABLE_TORCH_LIBRARY(ssmops, m) {
       "Tensor[] norm_weight, float norm_eps, Tensor[] in_proj_weight, Tensor?[] in_proj_scale, Tensor?[] in_proj_bias, "
       "Tensor[] conv_weight, Tensor?[] conv_bias, Tensor[] x_proj_weight, Tensor?[] x_proj_scale, "
       "Tensor[] dt_proj_weight, Tensor?[] dt_proj_scale, Tensor?[] dt_proj_bias, Tensor[] A_log, Tensor?[] D, "
-      "Tensor[] out_proj_weight, Tensor?[] out_proj_scale, Tensor?[] out_proj_bias) -> (Tensor, Tensor)");
+      "Tensor[] out_proj_weight, Tensor?[] out_proj_scale, Tensor?[] out_proj_bias, Tensor? final_norm_weight=None) "
+      "-> (Tensor, Tensor)");
 }

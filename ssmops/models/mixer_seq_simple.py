@@ -112,7 +112,10 @@ class MixerModel(nn.Module):
         residual = None
         layers_step = self._layers_step_arguments(hidden_states, inference_params, mixer_kwargs)
         if layers_step is not None:
-            hidden_states, residual = (t.unsqueeze(1) for t in torch.ops.ssmops.mamba_layers_step(*layers_step))
+            hidden_states, residual = torch.ops.ssmops.mamba_layers_step(*layers_step)
+            if layers_step[-1] is not None:  # norm_f applied by the operator
+                return hidden_states.unsqueeze(1)
+            hidden_states, residual = hidden_states.unsqueeze(1), residual.unsqueeze(1)
         else:
             for layer in self.layers:
                 hidden_states, residual = layer(hidden_states, residual, inference_params=inference_params,
@@ -130,7 +133,8 @@ class MixerModel(nn.Module):
         """`mamba_layers_step`'s arguments for one decoding token through every layer, or None where it
         does not serve: a layer that is not a Mamba-1 block with RMSNorm and no MLP, or whose mixer's
         `step` would not be one `mamba_step` call (CPU, float32 activations and states, no autograd),
-        or norms of different eps."""
+        or norms of different eps. The last argument, final_norm_weight, is norm_f's weight where the
+        operator can apply norm_f too (RMSNorm of the same eps, float32), else None."""
         if (inference_params is None or inference_params.seqlen_offset == 0 or mixer_kwargs
                 or hidden_states.shape[1] != 1 or len(self.layers) == 0):
             return None
@@ -148,8 +152,10 @@ class MixerModel(nn.Module):
             ssm_states.append(ssm_state)
             norm_weights.append(norm.weight)
             mixers.append(mixer.step_parameters())
+        norm_f = self.norm_f
+        fuses_norm_f = isinstance(norm_f, RMSNorm) and norm_f.eps == eps and norm_f.weight.dtype == torch.float32
         return [hidden_states.squeeze(1), None, conv_states, ssm_states, norm_weights, eps,
-                *map(list, zip(*mixers, strict=True))]
+                *map(list, zip(*mixers, strict=True)), norm_f.weight if fuses_norm_f else None]
 
 
 CausalLMOutput = namedtuple("CausalLMOutput", ["logits"])
@@ -212,12 +218,14 @@ class MambaLMHeadModel(nn.Module):
         arguments = backbone._layers_step_arguments(like, params, {})
         if arguments is None:
             return None
-        layer_arguments = arguments[1:]
+        layer_arguments, fuses_norm_f = arguments[1:], arguments[-1] is not None
 
         def step(input_ids: Tensor) -> Tensor:
             hidden_states, residual = torch.ops.ssmops.mamba_layers_step(
                 backbone.embedding(input_ids[:, -1]), *layer_arguments)
-            return self.lm_head(backbone.norm_f((hidden_states + residual).to(backbone.norm_f.weight.dtype)))
+            if not fuses_norm_f:
+                hidden_states = backbone.norm_f((hidden_states + residual).to(backbone.norm_f.weight.dtype))
+            return self.lm_head(hidden_states)
 
         return step
 

@@ -261,16 +261,17 @@ def test_empty_sizes(backend):
 # --- a stack of blocks: mamba_layers_step ---------------------------------------------------
 
 
-def layers_inputs(layers, shape, weight_dtype=torch.float32, residual=True, optional=True) -> list:
+def layers_inputs(layers, shape, weight_dtype=torch.float32, residual=True, optional=True, final_norm=False) -> list:
     """mamba_layers_step's arguments, in order: `layers` layers of mamba_step's `shape` (whose out_proj
-    gives d_model), each drawn with its own seed, norm_eps 1e-5."""
+    gives d_model), each drawn with its own seed, norm_eps 1e-5; with `final_norm`, a final_norm_weight."""
     per_layer = [step_inputs(*shape, weight_dtype, optional=optional, seed=i) for i in range(layers)]
     gen = torch.Generator().manual_seed(layers)
     hidden = per_layer[0][0]
     return [hidden, torch.randn(hidden.shape, generator=gen) if residual else None,
             [p[1] for p in per_layer], [p[2] for p in per_layer],
             [torch.rand(hidden.shape[1], generator=gen) + 0.5 for _ in per_layer], 1e-5,
-            *([p[k] for p in per_layer] for k in range(3, 18))]
+            *([p[k] for p in per_layer] for k in range(3, 18)),
+            *([torch.rand(hidden.shape[1], generator=gen) + 0.5] if final_norm else [])]
 
 
 def run_layers(fn, args):
@@ -284,9 +285,10 @@ def run_layers(fn, args):
 
 @pytest.mark.parametrize("backend", backend_params(names=("default", "cpu")))
 @pytest.mark.parametrize("weight_dtype", WEIGHT_FORMATS, ids=str)
-@pytest.mark.parametrize("residual", [True, False], ids=["residual", "first"])
-def test_layers_step_matches_reference(backend, weight_dtype, residual):
-    args = layers_inputs(3, (2, 40, 100, 5, 3, 7), weight_dtype, residual=residual)
+@pytest.mark.parametrize("residual, final_norm", [(True, False), (False, False), (True, True)],
+                         ids=["residual", "first", "final-norm"])
+def test_layers_step_matches_reference(backend, weight_dtype, residual, final_norm):
+    args = layers_inputs(3, (2, 40, 100, 5, 3, 7), weight_dtype, residual=residual, final_norm=final_norm)
     with ssmops.use_backend(backend):
         got = run_layers(torch.ops.ssmops.mamba_layers_step, args)
     tol = 2e-5
@@ -300,8 +302,9 @@ def test_layers_step_matches_reference(backend, weight_dtype, residual):
 def test_layers_step_is_mamba_step_layer_by_layer(backend):
     """The operator against its formula written with the other operators of the same backend: per
     layer the residual add, RMSNorm (aten's) and `mamba_step`; int8 weights with the optional
-    arguments left out, so the int16 rounding of the activations is the same on both sides."""
-    args = layers_inputs(4, (3, 32, 48, 8, 4, 2), torch.int8, optional=False)
+    arguments left out, so the int16 rounding of the activations is the same on both sides; then the
+    final norm."""
+    args = layers_inputs(4, (3, 32, 48, 8, 4, 2), torch.int8, optional=False, final_norm=True)
     assert args[1] is not None and all(b is None for b in args[8])  # in_proj_bias left out
     conv_states, ssm_states = [t.clone() for t in args[2]], [t.clone() for t in args[3]]
     with ssmops.use_backend(backend):
@@ -310,7 +313,10 @@ def test_layers_step_is_mamba_step_layer_by_layer(backend):
         for i in range(4):
             residual = hidden + residual
             normed = torch.nn.functional.rms_norm(residual, (32,), args[4][i], 1e-5)
-            hidden = torch.ops.ssmops.mamba_step(normed, conv_states[i], ssm_states[i], *(lst[i] for lst in args[6:]))
+            mixer = (lst[i] for lst in args[6:21])
+            hidden = torch.ops.ssmops.mamba_step(normed, conv_states[i], ssm_states[i], *mixer)
+        residual = hidden + residual
+        hidden = torch.nn.functional.rms_norm(residual, (32,), args[21], 1e-5)
     expected = (hidden, residual, *conv_states, *ssm_states)
     for i, (a, b) in enumerate(zip(got, expected, strict=True)):
         assert_close(a, b, 1e-5, f"output {i}")
@@ -330,9 +336,10 @@ def test_layers_step_empty_sizes(backend):
 
 def test_layers_step_opcheck():
     for weight_dtype in (torch.float32, torch.int8):
-        for residual in (True, False):
+        for residual, final_norm in ((True, False), (False, False), (False, True)):
             torch.library.opcheck(torch.ops.ssmops.mamba_layers_step.default,
-                                  layers_inputs(2, (2, 16, 24, 4, 3, 2), weight_dtype, residual=residual))
+                                  layers_inputs(2, (2, 16, 24, 4, 3, 2), weight_dtype, residual=residual,
+                                                final_norm=final_norm))
 
 
 def _replace_in_list(index, layer, value):
@@ -348,6 +355,7 @@ def _replace_in_list(index, layer, value):
     [
         (_replace(1, lambda t: t[:, :-1]), ValueError, r"residual must have shape \(2, 16\)"),
         (_replace(4, lambda lst: []), ValueError, "norm_weight must hold one tensor per layer, at least one"),
+        (_replace(21, lambda t: t[:-1]), ValueError, r"final_norm_weight must have shape \(16,\)"),
         (_replace(3, lambda lst: lst[:1]), ValueError, r"ssm_states must hold one entry per layer \(2\), got 1"),
         (_replace(7, lambda lst: lst[:1]), ValueError, r"in_proj_scale must hold one entry per layer \(2\), got 1"),
         (_replace_in_list(4, 1, lambda t: t[:-1]), ValueError, r"layer 1: norm_weight must have shape \(16,\)"),
@@ -360,7 +368,7 @@ def _replace_in_list(index, layer, value):
 )
 @pytest.mark.parametrize("backend", backend_params(names=("default", "cpu")))
 def test_layers_step_errors_name_the_argument_and_layer(backend, change, error, match):
-    args = layers_inputs(2, (2, 16, 24, 4, 3, 2), torch.int8)
+    args = layers_inputs(2, (2, 16, 24, 4, 3, 2), torch.int8, final_norm=True)
     if "d_model=16 output" in match:  # out_proj with another width, and its scale and bias with it
         args = _replace_in_list(19, 1, lambda t: t[:-1])(_replace_in_list(20, 1, lambda t: t[:-1])(args))
     args = change(args)

@@ -92,6 +92,12 @@ LAYER_LISTS = ("in_proj_weight", "in_proj_scale", "in_proj_bias", "conv_weight",
                "out_proj_scale", "out_proj_bias")
 
 
+def split_final_norm(lists_and_final: tuple) -> tuple[tuple, torch.Tensor | None]:
+    """mamba_layers_step's arguments after norm_eps: (the per-layer lists, final_norm_weight or None)."""
+    n = len(LAYER_LISTS)
+    return lists_and_final[:n], lists_and_final[n] if len(lists_and_final) > n else None
+
+
 def layer_arguments(conv_states, ssm_states, lists) -> list[list]:
     """mamba_layers_step's per-layer lists, as each layer's mamba_step arguments after hidden_states
     (conv_state, ssm_state, in_proj_weight, in_proj_scale, ...)."""
@@ -99,14 +105,18 @@ def layer_arguments(conv_states, ssm_states, lists) -> list[list]:
 
 
 def check_mamba_layers_step_inputs(hidden_states, residual, conv_states, ssm_states, norm_weight, norm_eps,
-                                   *lists) -> tuple[int, int]:
+                                   *lists_and_final) -> tuple[int, int]:
     """Returns (batch, d_model). A layer's mixer is checked as mamba_step's arguments are, its
     messages opened by the layer's index."""
+    lists, final_norm_weight = split_final_norm(lists_and_final)
     _check_2d("hidden_states", hidden_states, "(batch, d_model)")
     batch, d_model = hidden_states.shape
     device = hidden_states.device
     if residual is not None:
         check_tensor("residual", residual, F32, (batch, d_model), device, like="hidden_states",
+                     sizes_from="hidden_states")
+    if final_norm_weight is not None:
+        check_tensor("final_norm_weight", final_norm_weight, F32, (d_model,), device, like="hidden_states",
                      sizes_from="hidden_states")
     layers = len(norm_weight)
     if layers == 0:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ..linear.default import weight_only_linear
 from ..state_update.default import selective_state_update
-from .checks import check_mamba_layers_step_inputs, check_mamba_step_inputs, layer_arguments
+from .checks import check_mamba_layers_step_inputs, check_mamba_step_inputs, layer_arguments, split_final_norm
 
 
 def causal_conv1d_update(x, conv_state, weight, bias=None, silu: bool = False):
@@ -38,9 +38,14 @@ def mamba_step(hidden_states, conv_state, ssm_state, in_proj_weight, in_proj_sca
     return weight_only_linear(y, out_proj_weight, out_proj_scale, out_proj_bias)
 
 
-def mamba_layers_step(hidden_states, residual, conv_states, ssm_states, norm_weight, norm_eps, *lists):
-    check_mamba_layers_step_inputs(hidden_states, residual, conv_states, ssm_states, norm_weight, norm_eps, *lists)
+def mamba_layers_step(hidden_states, residual, conv_states, ssm_states, norm_weight, norm_eps, *lists_and_final):
+    check_mamba_layers_step_inputs(hidden_states, residual, conv_states, ssm_states, norm_weight, norm_eps,
+                                   *lists_and_final)
+    lists, final_norm_weight = split_final_norm(lists_and_final)
     for norm_w, args in zip(norm_weight, layer_arguments(conv_states, ssm_states, lists), strict=True):
         residual = hidden_states.clone() if residual is None else hidden_states + residual  # never an input
         hidden_states = mamba_step(F.rms_norm(residual, norm_w.shape, norm_w, norm_eps), *args)
+    if final_norm_weight is not None:
+        residual = hidden_states + residual
+        hidden_states = F.rms_norm(residual, final_norm_weight.shape, final_norm_weight, norm_eps)
     return hidden_states, residual

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from ..linear.reference import weight_only_linear_ref
 from ..state_update.reference import selective_state_update_ref
-from .checks import layer_arguments
+from .checks import layer_arguments, split_final_norm
 
 
 def mamba_step_ref(hidden_states: Tensor, conv_state: Tensor, ssm_state: Tensor, in_proj_weight: Tensor,
@@ -53,19 +53,30 @@ def mamba_step_ref(hidden_states: Tensor, conv_state: Tensor, ssm_state: Tensor,
 
 def mamba_layers_step_ref(hidden_states: Tensor, residual: Tensor | None, conv_states: list[Tensor],
                           ssm_states: list[Tensor], norm_weight: list[Tensor], norm_eps: float,
-                          *lists: list[Tensor]) -> tuple[Tensor, Tensor]:
+                          *lists_and_final) -> tuple[Tensor, Tensor]:
     """Updates every layer's states in place and returns (hidden_states, residual) after the last::
 
+        rms_norm(r, w) = r / sqrt(mean(r^2) + norm_eps) * w
         for each layer i:
             residual      = hidden_states + residual        (hidden_states alone at the first layer
                                                              when residual is None)
-            hidden_states = mamba_step(residual / sqrt(mean(residual^2) + norm_eps) * norm_weight[i])
+            hidden_states = mamba_step(rms_norm(residual, norm_weight[i]))
+        with final_norm_weight:
+            residual      = hidden_states + residual
+            hidden_states = rms_norm(residual, final_norm_weight)
 
-    in float64, each layer's mixer by `mamba_step_ref`; `lists` are the mixer's per-layer lists in the
-    operator's order."""
+    in float64, each layer's mixer by `mamba_step_ref`; `lists_and_final` are the mixer's per-layer
+    lists in the operator's order, then final_norm_weight if given."""
+    lists, final_norm_weight = split_final_norm(lists_and_final)
+
+    def rms_norm(r: Tensor, w: Tensor) -> Tensor:
+        return r * (r.pow(2).mean(-1, keepdim=True) + norm_eps).rsqrt() * w.double()
+
     hidden, res = hidden_states.double(), None if residual is None else residual.double()
     for norm_w, args in zip(norm_weight, layer_arguments(conv_states, ssm_states, lists), strict=True):
         res = hidden if res is None else hidden + res
-        normed = res * (res.pow(2).mean(-1, keepdim=True) + norm_eps).rsqrt() * norm_w.double()
-        hidden = mamba_step_ref(normed, *args)
+        hidden = mamba_step_ref(rms_norm(res, norm_w), *args)
+    if final_norm_weight is not None:
+        res = hidden + res
+        hidden = rms_norm(res, final_norm_weight)
     return hidden.to(hidden_states.dtype), res.to(hidden_states.dtype)

@@ -11,8 +11,10 @@ declares the same schemas.
 `mamba_layers_step` is one token through a stack of mamba_ssm's pre-norm `Block`s with RMSNorm:
 for each layer, residual += hidden_states (residual = hidden_states at the first layer when no
 residual is given), hidden_states = mamba_step(rms_norm(residual) * norm_weight). It returns
-(hidden_states, residual) of the last layer, as the blocks do. Each mixer argument is a list with
-one entry per layer, None where an optional one is left out.
+(hidden_states, residual) of the last layer, as the blocks do; with `final_norm_weight` (the
+model's last norm, `norm_f`) it does the residual add and RMSNorm once more, after the last layer,
+and returns (the normed residual, residual). Each mixer argument is a list with one entry per
+layer, None where an optional one is left out.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ LAYERS_SCHEMA = (
     "Tensor[] norm_weight, float norm_eps, Tensor[] in_proj_weight, Tensor?[] in_proj_scale, Tensor?[] in_proj_bias, "
     "Tensor[] conv_weight, Tensor?[] conv_bias, Tensor[] x_proj_weight, Tensor?[] x_proj_scale, "
     "Tensor[] dt_proj_weight, Tensor?[] dt_proj_scale, Tensor?[] dt_proj_bias, Tensor[] A_log, Tensor?[] D, "
-    "Tensor[] out_proj_weight, Tensor?[] out_proj_scale, Tensor?[] out_proj_bias) -> (Tensor, Tensor)"
+    "Tensor[] out_proj_weight, Tensor?[] out_proj_scale, Tensor?[] out_proj_bias, Tensor? final_norm_weight=None) "
+    "-> (Tensor, Tensor)"
 )
 
 
