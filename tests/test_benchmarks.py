@@ -156,3 +156,16 @@ def test_linear_benchmark_runs():
         pytest.skip(f"torchao could not be installed here: {out.stderr[-300:]}")
     assert out.returncode == 0, out.stderr
     assert "torchao int8 (compiled)" in out.stdout and "torchao's int8 layers take up to" in out.stdout
+
+
+@pytest.mark.slow
+def test_decode_benchmark_runs():
+    """benchmarks/decode.py at its smallest (d_model 256, 4 layers, batch 1, no llama.cpp): every format's
+    row and the summary, with the shares of both bounds."""
+    pytest.importorskip("transformers", reason="benchmarks/decode.py compares with transformers")
+    out = subprocess.run([sys.executable, "benchmarks/decode.py", "--quick", "--batches", "1", "--no-compile",
+                          "--no-llama-cpp", "--repeats", "1"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    for row in ("transformers (fp32)", "ssmops fp32 eager", "ssmops bf16 eager", "ssmops int8 eager"):
+        assert row in out.stdout, row
+    assert "of its sustained bound" in out.stdout and "of its peak bound" in out.stdout
