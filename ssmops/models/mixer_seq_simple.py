@@ -112,16 +112,23 @@ class MixerModel(nn.Module):
         residual = None
         layers_step = self._layers_step_arguments(hidden_states, inference_params, mixer_kwargs)
         if layers_step is not None:
-            hidden_states, residual = torch.ops.ssmops.mamba_layers_step(*layers_step)
-            if layers_step[-1] is not None:  # norm_f applied by the operator
-                return hidden_states.unsqueeze(1)
-            hidden_states, residual = hidden_states.unsqueeze(1), residual.unsqueeze(1)
-        else:
-            for layer in self.layers:
-                hidden_states, residual = layer(hidden_states, residual, inference_params=inference_params,
-                                                **mixer_kwargs)
+            return self._layers_step(*layers_step).unsqueeze(1)
+        for layer in self.layers:
+            hidden_states, residual = layer(hidden_states, residual, inference_params=inference_params,
+                                            **mixer_kwargs)
+        return self._final_norm(hidden_states, residual)
+
+    def _final_norm(self, hidden_states: Tensor, residual: Tensor | None) -> Tensor:
         residual = hidden_states + residual if residual is not None else hidden_states
         return self.norm_f(residual.to(self.norm_f.weight.dtype))
+
+    def _layers_step(self, hidden_states: Tensor, *arguments) -> Tensor:
+        """One token (batch, d_model) through every layer by one `mamba_layers_step` call with the rest
+        of `_layers_step_arguments`, and norm_f: the normed output, (batch, d_model)."""
+        hidden_states, residual = torch.ops.ssmops.mamba_layers_step(hidden_states, *arguments)
+        if arguments[-1] is not None:  # final_norm_weight: norm_f applied by the operator
+            return hidden_states
+        return self._final_norm(hidden_states, residual)
 
     def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, **kwargs):
         return {
@@ -218,14 +225,10 @@ class MambaLMHeadModel(nn.Module):
         arguments = backbone._layers_step_arguments(like, params, {})
         if arguments is None:
             return None
-        layer_arguments, fuses_norm_f = arguments[1:], arguments[-1] is not None
+        layer_arguments = arguments[1:]
 
         def step(input_ids: Tensor) -> Tensor:
-            hidden_states, residual = torch.ops.ssmops.mamba_layers_step(
-                backbone.embedding(input_ids[:, -1]), *layer_arguments)
-            if not fuses_norm_f:
-                hidden_states = backbone.norm_f((hidden_states + residual).to(backbone.norm_f.weight.dtype))
-            return self.lm_head(hidden_states)
+            return self.lm_head(backbone._layers_step(backbone.embedding(input_ids[:, -1]), *layer_arguments))
 
         return step
 

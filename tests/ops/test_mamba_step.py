@@ -403,6 +403,26 @@ def test_lm_decoding_token_is_one_layers_call_and_matches_the_layer_by_layer_ste
         assert_close(a, b, 1e-5, "logits")
 
 
+def test_lm_decoding_token_applies_a_final_norm_of_another_eps_after_the_layers_call(monkeypatch):
+    """norm_f with an eps of its own: `mamba_layers_step` gets no final_norm_weight and the model
+    applies norm_f after the call; the tokens and scores still those of the blocks stepped one by one."""
+    from ssmops.models import InferenceParams
+    from ssmops.models.mixer_seq_simple import MixerModel
+
+    model, prompt = _lm("fp32"), torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    model.backbone.norm_f.eps = 1e-3
+    params = InferenceParams(max_seqlen=4, max_batch_size=2, seqlen_offset=1)
+    with torch.no_grad():
+        hidden = model.backbone.embedding(torch.zeros(2, 1, dtype=torch.long))
+        assert model.backbone._layers_step_arguments(hidden, params, {})[-1] is None
+    fused = model.generate(prompt, max_length=12, return_dict_in_generate=True, output_scores=True)
+    monkeypatch.setattr(MixerModel, "_layers_step_arguments", lambda *a: None)
+    by_layer = model.generate(prompt, max_length=12, return_dict_in_generate=True, output_scores=True)
+    assert torch.equal(fused.sequences, by_layer.sequences)
+    for a, b in zip(fused.scores, by_layer.scores, strict=True):
+        assert_close(a, b, 1e-5, "logits")
+
+
 def test_lm_layer_by_layer_where_the_layers_operator_does_not_serve():
     """LayerNorm blocks, norms of different eps, and a model with gradients step layer by layer."""
     from ssmops.models import InferenceParams
