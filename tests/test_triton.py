@@ -398,6 +398,59 @@ def test_triton_ssd_kernels_compile_for_gpus_without_spilling(target, name):
         assert usage["spills"] <= (0 if name == "mamba2-2.7b" else 32), (kernel.__name__, usage)
 
 
+def _recorded_launches_of_every_family() -> list:
+    """(kernel, args, meta, input tensors) of the launches of every Triton operator, forward and backward,
+    with every optional input and without (the decoding steps: with the state they update in place)."""
+    from ssmops.ops import triton_aot as aot
+    from ssmops.ops.state_update import triton as state_update_triton
+    from ops.test_state_update import multihead_inputs
+
+    recorded = []
+    for args, deterministic in [(_fwd_args(Case(B="g2", C="g2", initial_state=True)), False),
+                                (_fwd_args(Case(B="var", C="const", D=False, z=False, delta_bias=False)), True)]:
+        recorded += [(*launch, args) for launch in aot.record_scan(args, deterministic)]
+    for args in [_ssd_args(seq_idx=True), _ssd_args(batch=1, varlen=True), _ssd_args()[:5] + (None,) * 6 + (16, False, [])]:
+        recorded += [(*launch, args) for launch in aot.record_ssd(args)]
+    single, heads = state_update_inputs(groups=2), multihead_inputs(tied=False, D="channel", cache=4)
+    with aot.recorded_launches() as launches:
+        state_update_triton.selective_state_update(*single.values())
+        state_update_triton.multihead_state_update(
+            *(heads[k] for k in ("state", "x", "dt", "A", "B", "C", "D", "z", "dt_bias", "state_batch_indices")),
+            heads["dt_softplus"])
+    for launch, kw in zip(launches, (single, heads)):
+        recorded.append((*launch, tuple(v for k, v in kw.items() if k != "state")))
+    return recorded
+
+
+@pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
+@pytest.mark.skipif(interpreting(), reason="analyses the JIT kernels, which the interpreter replaces")
+def test_triton_kernels_write_only_flat_buffers_of_their_own():
+    """torch.compile and AOTInductor copy every tensor that torch's analysis of a kernel (its TTIR, here for
+    an H100) finds written, and AOTAutograd records such an input as mutated. Two ways this broke a
+    training step's compile on CUDA, both decided before any GPU code runs: an input found written (an
+    index of an output computed in a helper that also took the inputs made every input look written: SSD's
+    x, a leaf that requires grad, was then "used in an in-place operation"), and a written buffer with a
+    size-1 dimension ahead of a dynamic one, whose copy torch 2.10-2.11's inductor traces twice into graphs
+    of different lengths (pytorch#181735, the Mamba-1 scan's backward at batch 1 or one B/C group). So
+    every tensor a launch writes is a 1-D buffer its launcher allocated, or the state a decoding step
+    updates in place."""
+    from ssmops.ops import triton_aot as aot
+
+    seen = set()
+    for kernel, args, meta, inputs in _recorded_launches_of_every_family():
+        written = aot.written_arguments(kernel, args, meta)
+        by_name = dict(zip(kernel.arg_names, args))
+        assert written, kernel.__name__
+        for name in written:
+            t = by_name[name]
+            assert not any(t is i for i in inputs if isinstance(i, torch.Tensor)), (kernel.__name__, name)
+            if kernel.__name__.endswith("state_update_kernel") and name == "state_ptr":
+                continue
+            assert t.dim() == 1 and t._base is None, (kernel.__name__, name, tuple(t.shape))
+        seen.add(kernel.__name__)
+    assert len(seen) == 10, seen
+
+
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
 @pytest.mark.skipif(interpreting(), reason="compiles the JIT kernels, which the interpreter replaces")
 def test_triton_static_estimate_shows_time_inside_the_threads():

@@ -5,8 +5,10 @@ on CPU tensors, and the JIT helpers of more than one kernel. Imports Triton: onl
 
 from __future__ import annotations
 
+import math
 import os
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -25,6 +27,16 @@ def launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
     place kernels are launched: `triton_aot.recorded_launches` replaces it to compile the exact
     launches for GPU targets ahead of time, without a GPU; call it as `_triton.launch`.)"""
     wrap_triton(kernel)[grid](*args, **meta)
+
+
+def output(shape: tuple, dtype: torch.dtype, device: torch.device, zero: bool = False) -> Tensor:
+    """A buffer for a kernel to write: 1-D, of the elements of a contiguous `shape`, which the launcher
+    views as `shape` once the kernel has run. (Inductor copies each tensor a Triton kernel writes
+    with its strides; torch 2.10-2.11 trace that copy of a tensor with a size-1 dimension ahead of a
+    dynamic one, e.g. batch 1 at a dynamic seqlen, into two graphs of different lengths and fail,
+    pytorch#181735. A 1-D buffer has no such dimension.)"""
+    make = torch.zeros if zero else torch.empty
+    return make(math.prod(shape), dtype=dtype, device=device)
 
 
 def keep_opaque_on_cpu(op_def) -> None:

@@ -93,6 +93,33 @@ def compile_launch(kernel, args: tuple, meta: dict, target: str):
                    options={"num_warps": num_warps})
 
 
+class _TargetDriver:
+    """Stands in for Triton's active driver where torch asks it only for the target to compile for."""
+
+    def __init__(self, target: str):
+        self.target = GPUTarget(*TARGETS[target])
+
+    def get_current_target(self) -> GPUTarget:
+        return self.target
+
+
+def written_arguments(kernel, args: tuple, meta: dict, target: str = "sm90") -> list[str]:
+    """The arguments of one recorded launch that torch finds the kernel writes (its analysis of the
+    kernel's TTIR for TARGETS[target]): the tensors that torch.compile and AOTInductor copy before the
+    launch, and that AOTAutograd takes as mutated inputs of a graph."""
+    from torch._higher_order_ops.triton_kernel_wrap import get_mutated_tensors, kernel_side_table
+
+    constants = {name: value for name, value in meta.items() if name in kernel.arg_names}
+    driver = triton.runtime.driver
+    active = driver._active  # (None where no driver was asked for yet; a machine without a GPU has none)
+    driver.set_active(_TargetDriver(target))
+    try:
+        return get_mutated_tensors(kernel_side_table.add_kernel(kernel), kernel_side_table.add_constant_args(constants),
+                                   dict(zip(kernel.arg_names, args)), {})
+    finally:
+        driver._active = active
+
+
 def _cuobjdump(compiled, flag: str) -> str:
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

@@ -92,11 +92,13 @@ def selective_scan_fwd(
     _check_real_A(A)
     batch, dim, seqlen, dstate, _ = dims
     cfg = _config(seqlen, dstate, backward=False)
-    out = torch.empty((batch, dim, seqlen), dtype=u.dtype, device=u.device)
-    out_z = torch.empty_like(out) if z is not None else u.new_empty(0)
     n_chunks = num_chunks(seqlen)
-    x = torch.empty((batch, dim, n_chunks * 2 * dstate), dtype=torch.float32, device=u.device)
-    last = torch.empty((batch, dim, dstate), dtype=torch.float32, device=u.device)
+    # every buffer a kernel writes is 1-D, viewed as its shape after the launch (_triton.output)
+    out_shape, x_shape, last_shape = (batch, dim, seqlen), (batch, dim, n_chunks * 2 * dstate), (batch, dim, dstate)
+    out = _triton.output(out_shape, u.dtype, u.device)
+    out_z = _triton.output(out_shape, u.dtype, u.device) if z is not None else u.new_empty(0)
+    x = _triton.output(x_shape, torch.float32, u.device)
+    last = _triton.output(last_shape, torch.float32, u.device)
     grid = (dim, batch)
     _triton.launch(selective_scan_fwd_kernel, grid, (
         u, delta, A, B, C, D if D is not None else A, z if z is not None else u,
@@ -108,9 +110,10 @@ def selective_scan_fwd(
         *A.stride(),
         *_bc_strides(B), *_bc_strides(C),
         *_strides3(initial_state),
-        out.stride(0), out.stride(1), x.stride(0), x.stride(1), last.stride(0), last.stride(1),
+        dim * seqlen, seqlen, x_shape[1] * x_shape[2], x_shape[2], dim * dstate, dstate,
     ), dict(**_flags(B, C, D, z, delta_bias, initial_state, delta_softplus), **cfg))
-    return out, x, out_z, last
+    return out.view(out_shape), x.view(x_shape), out_z.view(out_shape) if z is not None else out_z, \
+        last.view(last_shape)
 
 
 def selective_scan_bwd(
@@ -131,20 +134,20 @@ def selective_scan_bwd(
     n_programs = dim // channels
     n_chunks = num_chunks(seqlen)
     f32 = dict(dtype=torch.float32, device=u.device)
-    du = torch.empty((batch, dim, seqlen), dtype=u.dtype, device=u.device)
-    ddelta = torch.empty_like(du)
-    dz = torch.empty_like(du) if z is not None else u.new_empty(0)
-    dA_part = torch.zeros((batch, dim, dstate), **f32)
-    dD_part = torch.empty((batch, dim), **f32) if D is not None else u.new_empty(0, dtype=torch.float32)
-    dbias_part = torch.empty((batch, dim), **f32) if delta_bias is not None else u.new_empty(0, dtype=torch.float32)
-    carry = torch.empty((batch, dim, 2, dstate), **f32)  # d initial_state in half n_chunks % 2 at the end
+    # every buffer a kernel writes is 1-D, viewed as its shape after the launch (_triton.output)
+    grad_shape = (batch, dim, seqlen)
+    du = _triton.output(grad_shape, u.dtype, u.device)
+    ddelta = _triton.output(grad_shape, u.dtype, u.device)
+    dz = _triton.output(grad_shape, u.dtype, u.device) if z is not None else u.new_empty(0)
+    dA_part = _triton.output((batch, dim, dstate), **f32, zero=True)
+    dD_part = _triton.output((batch, dim), **f32) if D is not None else u.new_empty(0, dtype=torch.float32)
+    dbias_part = _triton.output((batch, dim), **f32) if delta_bias is not None else u.new_empty(0, dtype=torch.float32)
+    carry = _triton.output((batch, dim, 2, dstate), **f32)  # d initial_state in half n_chunks % 2 at the end
 
     def bc_partial(M: Tensor) -> Tensor:
         if M.dim() == 2:
-            return torch.zeros((batch, dim, dstate), **f32)
-        if bc_atomic:
-            return torch.zeros((batch, _groups(M), dstate, seqlen), **f32)
-        return torch.zeros((batch, n_programs, dstate, seqlen), **f32)
+            return _triton.output((batch, dim, dstate), **f32, zero=True)
+        return _triton.output((batch, _groups(M) if bc_atomic else n_programs, dstate, seqlen), **f32, zero=True)
 
     dB_part, dC_part = bc_partial(B), bc_partial(C)
     grid = (n_programs, batch)
@@ -162,22 +165,26 @@ def selective_scan_bwd(
         *_bc_strides(B), *_bc_strides(C),
         *_strides3(initial_state), scan_intermediates.stride(0), scan_intermediates.stride(1),
         *_strides3(dlast_state),
-        du.stride(0), du.stride(1),
+        dim * seqlen, seqlen,
     ), dict(HAS_DLAST=dlast_state is not None, BC_ATOMIC=bc_atomic, CHANNELS=channels,
             **_flags(B, C, D, z, delta_bias, initial_state, delta_softplus), **cfg))
 
     def bc_grad(part: Tensor, M: Tensor) -> Tensor:
         if M.dim() == 2:
-            return part.sum(0).to(M.dtype)
+            return part.view(batch, dim, dstate).sum(0).to(M.dtype)
         if not bc_atomic:
             part = part.view(batch, _groups(M), n_programs // _groups(M), dstate, seqlen).sum(2)
         return part.view(M.shape).to(M.dtype)
 
+    def summed(part: Tensor, present: bool) -> Tensor:  # a (batch, dim) partial over the batch
+        return part.view(batch, dim).sum(0) if present else part
+
     return (
-        du, ddelta, dA_part.sum(0), bc_grad(dB_part, B), bc_grad(dC_part, C),
-        dD_part.sum(0) if D is not None else dD_part,
-        dbias_part.sum(0) if delta_bias is not None else dbias_part,
-        dz, carry[:, :, n_chunks % 2].clone() if initial_state is not None else u.new_empty(0, **f32),
+        du.view(grad_shape), ddelta.view(grad_shape), dA_part.view(batch, dim, dstate).sum(0), bc_grad(dB_part, B),
+        bc_grad(dC_part, C), summed(dD_part, D is not None), summed(dbias_part, delta_bias is not None),
+        dz.view(grad_shape) if z is not None else dz,
+        carry.view(batch, dim, 2, dstate)[:, :, n_chunks % 2].clone() if initial_state is not None
+        else u.new_empty(0, **f32),
     )
 
 

@@ -105,12 +105,14 @@ def _start_state(x_prev, init_row, c, n, s_in, HAS_INIT: tl.constexpr):
 
 
 @triton.jit
-def _channel(pid_b, d64, u_ptr, delta_ptr, z_ptr, A_ptr, x_ptr, init_ptr, B_ptr, C_ptr, bias_ptr, D_ptr,
-             dpg_B, dpg_C, s_ub, s_ud, s_db, s_dd, s_zb, s_zd, s_Ad, s_xb, s_xd, s_ib, s_id,
+def _channel(pid_b, d64, u_ptr, delta_ptr, z_ptr, A_ptr, init_ptr, B_ptr, C_ptr, bias_ptr, D_ptr,
+             dpg_B, dpg_C, s_ub, s_ud, s_db, s_dd, s_zb, s_zd, s_Ad, s_ib, s_id,
              s_Bb, s_Bg, s_Cb, s_Cg,
              HAS_BIAS: tl.constexpr, HAS_D: tl.constexpr, B_VAR: tl.constexpr, C_VAR: tl.constexpr):
-    """Where a (batch, channel)'s rows of u, delta, z, A, x (scan_intermediates) and initial_state
-    start, and of B and C; and its delta_bias and D (0 when absent)."""
+    """Where a (batch, channel)'s rows of u, delta, z, A and initial_state start, and of B and C; and
+    its delta_bias and D (0 when absent). Only inputs: torch's analysis of which arguments a kernel
+    writes follows a stored-to address back through the whole call that made it, so a pointer that
+    is written through (x, scan_intermediates) is never returned from here."""
     bias = 0.0
     if HAS_BIAS:
         bias = tl.load(bias_ptr + d64)
@@ -118,8 +120,7 @@ def _channel(pid_b, d64, u_ptr, delta_ptr, z_ptr, A_ptr, x_ptr, init_ptr, B_ptr,
     if HAS_D:
         Dv = tl.load(D_ptr + d64)
     return (u_ptr + pid_b * s_ub + d64 * s_ud, delta_ptr + pid_b * s_db + d64 * s_dd,
-            z_ptr + pid_b * s_zb + d64 * s_zd, A_ptr + d64 * s_Ad, x_ptr + pid_b * s_xb + d64 * s_xd,
-            init_ptr + pid_b * s_ib + d64 * s_id, _bc_base(B_ptr, pid_b, d64, dpg_B, s_Bb, s_Bg, B_VAR),
+            z_ptr + pid_b * s_zb + d64 * s_zd, A_ptr + d64 * s_Ad, init_ptr + pid_b * s_ib + d64 * s_id, _bc_base(B_ptr, pid_b, d64, dpg_B, s_Bb, s_Bg, B_VAR),
             _bc_base(C_ptr, pid_b, d64, dpg_C, s_Cb, s_Cg, C_VAR), bias, Dv)
 
 
@@ -140,10 +141,11 @@ def selective_scan_fwd_kernel(
     d64 = tl.program_id(0).to(tl.int64)
     pid_b = tl.program_id(1).to(tl.int64)
     tt = tl.arange(0, BLOCK_T)
-    u_row, delta_row, z_row, A_row, x_row, init_row, B_base, C_base, bias, Dv = _channel(
-        pid_b, d64, u_ptr, delta_ptr, z_ptr, A_ptr, x_ptr, init_ptr, B_ptr, C_ptr, bias_ptr, D_ptr,
-        dpg_B, dpg_C, s_ub, s_ud, s_db, s_dd, s_zb, s_zd, s_Ad, s_xb, s_xd, s_ib, s_id, s_Bb, s_Bg, s_Cb, s_Cg,
+    u_row, delta_row, z_row, A_row, init_row, B_base, C_base, bias, Dv = _channel(
+        pid_b, d64, u_ptr, delta_ptr, z_ptr, A_ptr, init_ptr, B_ptr, C_ptr, bias_ptr, D_ptr,
+        dpg_B, dpg_C, s_ub, s_ud, s_db, s_dd, s_zb, s_zd, s_Ad, s_ib, s_id, s_Bb, s_Bg, s_Cb, s_Cg,
         HAS_BIAS, HAS_D, B_VAR, C_VAR)
+    x_row = x_ptr + pid_b * s_xb + d64 * s_xd
     out_row = out_ptr + pid_b * s_ob + d64 * s_od
     out_z_row = out_z_ptr + pid_b * s_ob + d64 * s_od
 
@@ -246,10 +248,11 @@ def selective_scan_bwd_kernel(
     for ch in range(0, CHANNELS):
         d64 = (d_first + ch).to(tl.int64)
         if d64 < dim:
-            u_row, delta_row, z_row, A_row, x_row, init_row, B_base, C_base, bias, Dv = _channel(
-                pid_b, d64, u_ptr, delta_ptr, z_ptr, A_ptr, x_ptr, init_ptr, B_ptr, C_ptr, bias_ptr, D_ptr,
-                dpg_B, dpg_C, s_ub, s_ud, s_db, s_dd, s_zb, s_zd, s_Ad, s_xb, s_xd, s_ib, s_id, s_Bb, s_Bg, s_Cb, s_Cg,
+            u_row, delta_row, z_row, A_row, init_row, B_base, C_base, bias, Dv = _channel(
+                pid_b, d64, u_ptr, delta_ptr, z_ptr, A_ptr, init_ptr, B_ptr, C_ptr, bias_ptr, D_ptr,
+                dpg_B, dpg_C, s_ub, s_ud, s_db, s_dd, s_zb, s_zd, s_Ad, s_ib, s_id, s_Bb, s_Bg, s_Cb, s_Cg,
                 HAS_BIAS, HAS_D, B_VAR, C_VAR)
+            x_row = x_ptr + pid_b * s_xb + d64 * s_xd
             dout_row = dout_ptr + pid_b * s_gb + d64 * s_gd
             grad_row = pid_b * s_ob + d64 * s_od  # du, ddelta, dz
             bd = pid_b * dim + d64  # row of the (batch, dim, ...) partials

@@ -127,8 +127,9 @@ def ssd_fwd(
                   dt_limit)
     f32 = dict(dtype=torch.float32, device=x.device)
     batch, nheads, headdim, dstate = run.batch, run.nheads, run.headdim, run.dstate
-    states = torch.empty((batch, run.nchunks * nheads, headdim, dstate), **f32)
-    final = torch.empty((batch, nheads, headdim, dstate), **f32)
+    # every buffer a kernel writes is 1-D (contiguous), viewed as its shape after the launch (_triton.output)
+    states_shape, final_shape = (batch, run.nchunks * nheads, headdim, dstate), (batch, nheads, headdim, dstate)
+    states, final = _triton.output(states_shape, **f32), _triton.output(final_shape, **f32)
     tiles = _state_tiles(headdim, dstate)
     _triton.launch(ssd_states_fwd_kernel, run.state_grid(tiles, batch * nheads), (
         *(run.ptr(n) for n in ("x", "dt", "A", "B", "bias")),
@@ -136,16 +137,17 @@ def ssd_fwd(
         *run.token_strides("x", "dt", "B", "seq"), *_strides(initial_states, 4),
     ), dict(HAS_INIT=initial_states is not None, **run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles,
             num_warps=STATE_WARPS))
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = _triton.output(x.shape, x.dtype, x.device)
     run.chunk_scan(states, out, None)
     varlen = x.new_empty(0, dtype=torch.float32)
     if cu_seqlens is not None:
-        varlen = torch.empty((run.nseq, nheads, headdim, dstate), **f32)
+        varlen = _triton.output((run.nseq, nheads, headdim, dstate), **f32)
         _triton.launch(ssd_varlen_states_kernel, run.state_grid(tiles, run.nseq * nheads), (
             *(run.ptr(n) for n in ("x", "dt", "A", "B", "bias", "seq")), cu_seqlens, states, varlen, *run.sizes,
             *x.stride()[1:], *dt.stride()[1:], *B.stride()[1:], seq_idx.stride(1),
         ), dict(**run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles, num_warps=STATE_WARPS))
-    return out, final, states, varlen
+    return out.view(x.shape), final.view(final_shape), states.view(states_shape), \
+        varlen.view(run.nseq, nheads, headdim, dstate) if cu_seqlens is not None else varlen
 
 
 def ssd_bwd(
@@ -168,13 +170,14 @@ def ssd_bwd(
     varlen_args = (dvarlen, cu_seqlens, firsts) if dvarlen is not None else (states, states, states)
     dz = x.new_empty(0, dtype=torch.float32)
     if z is not None:  # the gradient of the gate needs the output before it: recomputed
-        dz = torch.empty(x.shape, dtype=z.dtype, device=x.device)
+        dz = _triton.output(x.shape, z.dtype, x.device)
         run.chunk_scan(states, dz, dout)
 
     # the gradient of the state after each chunk, walking the chunks back
-    dends = torch.empty_like(states)
-    dinit = torch.empty((batch, nheads, headdim, dstate), **f32) if initial_states is not None else \
-        x.new_empty(0, dtype=torch.float32)
+    # every buffer a kernel writes is 1-D (contiguous), viewed as its shape after the launch (_triton.output)
+    state_shape = (batch, nheads, headdim, dstate)
+    dends = _triton.output(states.shape, **f32)
+    dinit = _triton.output(state_shape, **f32) if initial_states is not None else x.new_empty(0, dtype=torch.float32)
     tiles = _state_tiles(headdim, dstate)
     _triton.launch(ssd_state_grads_kernel, run.state_grid(tiles, batch * nheads), (
         *(run.ptr(n) for n in ("dt", "A", "C", "bias", "z", "seq")), dout,
@@ -186,16 +189,16 @@ def ssd_bwd(
 
     # every chunk's gradients, by blocks of tokens; B and C's per head, then summed over each group's heads
     # in a fixed order
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    ddt = torch.empty(dt.shape, dtype=dt.dtype, device=x.device)
-    dB_heads = torch.empty((batch, seqlen, nheads, dstate), **f32)
-    dC_heads = torch.empty_like(dB_heads)
+    dx = _triton.output(x.shape, x.dtype, x.device)
+    ddt = _triton.output(dt.shape, dt.dtype, x.device)
+    dB_heads, dC_heads = (_triton.output((batch, seqlen, nheads, dstate), **f32) for _ in range(2))
     cfg = dict(run.cfg, BLOCK_T=min(run.cfg["BLOCK_T"], BWD_BLOCK_T), BLOCK_P=max(16, triton.next_power_of_2(headdim)))
     blocks = triton.cdiv(chunk_size, cfg["BLOCK_T"])
     parts = batch * nchunks * nheads
-    dA_part, dbias_part = torch.empty(parts, **f32), torch.empty(parts, **f32)
-    dD_part = torch.empty((parts * blocks, headdim), **f32)
-    dlC, dlB, R, xdx = torch.empty((4, batch * nheads * seqlen), **f32)  # per token: the kernels' scratch rows
+    dA_part, dbias_part = _triton.output((parts,), **f32), _triton.output((parts,), **f32)
+    dD_part = _triton.output((parts * blocks, headdim), **f32)
+    # per token: the kernels' scratch rows
+    dlC, dlB, R, xdx = (_triton.output((batch * nheads * seqlen,), **f32) for _ in range(4))
     grid = (nchunks * blocks, batch * nheads)
     strides = (*run.token_strides("x", "dt", "B", "C", "z"), *dout.stride(), *run.token_strides("seq"))
     for mode in ("dC", "dX", "dB"):
@@ -219,9 +222,10 @@ def ssd_bwd(
 
     dD = dD_part.view(-1, nheads, headdim).sum(0)
     return (
-        dx, ddt, dA_part.view(-1, nheads).sum(0), per_group(dB_heads, B), per_group(dC_heads, C),
-        optional(dD if D is None or D.dim() == 2 else dD.sum(-1), D), dz,
-        optional(dbias_part.view(-1, nheads).sum(0), dt_bias), optional(dinit, initial_states),
+        dx.view(x.shape), ddt.view(dt.shape), dA_part.view(-1, nheads).sum(0), per_group(dB_heads, B),
+        per_group(dC_heads, C), optional(dD if D is None or D.dim() == 2 else dD.sum(-1), D),
+        dz.view(x.shape) if z is not None else dz, optional(dbias_part.view(-1, nheads).sum(0), dt_bias),
+        optional(dinit.view(state_shape) if initial_states is not None else dinit, initial_states),
     )
 
 

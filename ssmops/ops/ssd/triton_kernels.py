@@ -195,16 +195,22 @@ def _state_at(state, t0, e, seq_before, Q, seqlen, x_row, dt_row, B_row, seq_row
 
 
 @triton.jit
-def _head(pid_bh, nheads, heads_per_group, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, bias_ptr, seq_ptr,
+def _batch_head(pid_bh, nheads):
+    """(batch, head) of a program. Index helpers take no pointer: torch's analysis of which arguments a
+    kernel writes follows a stored-to address back through the whole call that made it, so an index
+    that addresses an output must not come out of a call that also takes the inputs."""
+    return (pid_bh // nheads).to(tl.int64), pid_bh % nheads
+
+
+@triton.jit
+def _head(b, h, heads_per_group, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, bias_ptr, seq_ptr,
           s_xb, s_xh, s_dtb, s_dth, s_Bb, s_Bg, s_Cb, s_Cg, s_seqb, HAS_BIAS: tl.constexpr):
-    """(batch, head) of a program, where its rows of x, dt, B, C and seq_idx start, its dt_bias and A."""
-    b = (pid_bh // nheads).to(tl.int64)
-    h = pid_bh % nheads
+    """Where (batch b, head h)'s rows of x, dt, B, C and seq_idx start, its dt_bias and A."""
     g = h // heads_per_group
     bias = 0.0
     if HAS_BIAS:
         bias = tl.load(bias_ptr + h).to(tl.float32)
-    return (b, h, x_ptr + b * s_xb + h * s_xh, dt_ptr + b * s_dtb + h * s_dth, B_ptr + b * s_Bb + g * s_Bg,
+    return (x_ptr + b * s_xb + h * s_xh, dt_ptr + b * s_dtb + h * s_dth, B_ptr + b * s_Bb + g * s_Bg,
             C_ptr + b * s_Cb + g * s_Cg, seq_ptr + b * s_seqb, bias, tl.load(A_ptr + h))
 
 
@@ -223,8 +229,9 @@ def ssd_states_fwd_kernel(
     tiles_n = tl.cdiv(dstate, BLOCK_N)
     pp = (tl.program_id(0) // tiles_n) * BLOCK_P + tl.arange(0, BLOCK_P)
     nn = (tl.program_id(0) % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    b, h, x_row, dt_row, B_row, _, seq_row, bias, A = _head(
-        tl.program_id(1), nheads, heads_per_group, x_ptr, dt_ptr, A_ptr, B_ptr, B_ptr, bias_ptr, seq_ptr,
+    b, h = _batch_head(tl.program_id(1), nheads)
+    x_row, dt_row, B_row, _, seq_row, bias, A = _head(
+        b, h, heads_per_group, x_ptr, dt_ptr, A_ptr, B_ptr, B_ptr, bias_ptr, seq_ptr,
         s_xb, s_xh, s_dtb, s_dth, s_Bb, s_Bg, s_Bb, s_Bg, s_seqb, HAS_BIAS)
     if HAS_INIT:
         state = tl.load(init_ptr + b * s_ib + h * s_ih + pp[:, None] * s_ip + nn[None, :] * s_in,
@@ -255,8 +262,9 @@ def ssd_varlen_states_kernel(
     pp = (tl.program_id(0) // tiles_n) * BLOCK_P + tl.arange(0, BLOCK_P)
     nn = (tl.program_id(0) % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     i = tl.program_id(1) // nheads
-    _, h, x_row, dt_row, B_row, _, seq_row, bias, A = _head(
-        tl.program_id(1) % nheads, nheads, heads_per_group, x_ptr, dt_ptr, A_ptr, B_ptr, B_ptr, bias_ptr, seq_ptr,
+    h = tl.program_id(1) % nheads
+    x_row, dt_row, B_row, _, seq_row, bias, A = _head(
+        0, h, heads_per_group, x_ptr, dt_ptr, A_ptr, B_ptr, B_ptr, bias_ptr, seq_ptr,
         0, s_xh, 0, s_dth, 0, s_Bg, 0, s_Bg, 0, HAS_BIAS)
     e = tl.load(cu_ptr + i + 1).to(tl.int32) - 1
     c = tl.maximum(e, 0) // Q  # (an empty first sequence ends before token 0: chunk 0's entering state)
@@ -282,8 +290,9 @@ def ssd_chunk_scan_kernel(
     or, with DZ, the gradient of z from dout (the output recomputed)."""
     c = tl.program_id(0) // blocks_per_chunk
     i = tl.program_id(0) % blocks_per_chunk
-    b, h, x_row, dt_row, B_row, C_row, seq_row, bias, A = _head(
-        tl.program_id(1), nheads, heads_per_group, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, bias_ptr, seq_ptr,
+    b, h = _batch_head(tl.program_id(1), nheads)
+    x_row, dt_row, B_row, C_row, seq_row, bias, A = _head(
+        b, h, heads_per_group, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, bias_ptr, seq_ptr,
         s_xb, s_xh, s_dtb, s_dth, s_Bb, s_Bg, s_Cb, s_Cg, s_seqb, HAS_BIAS)
     pp = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
     nn = tl.arange(0, BLOCK_N)
@@ -351,8 +360,9 @@ def ssd_state_grads_kernel(
     tiles_n = tl.cdiv(dstate, BLOCK_N)
     pp = (tl.program_id(0) // tiles_n) * BLOCK_P + tl.arange(0, BLOCK_P)
     nn = (tl.program_id(0) % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    b, h, _, dt_row, _, C_row, seq_row, bias, A = _head(
-        tl.program_id(1), nheads, heads_per_group, dt_ptr, dt_ptr, A_ptr, C_ptr, C_ptr, bias_ptr, seq_ptr,
+    b, h = _batch_head(tl.program_id(1), nheads)
+    _, dt_row, _, C_row, seq_row, bias, A = _head(
+        b, h, heads_per_group, dt_ptr, dt_ptr, A_ptr, C_ptr, C_ptr, bias_ptr, seq_ptr,
         0, 0, s_dtb, s_dth, s_Cb, s_Cg, s_Cb, s_Cg, s_seqb, HAS_BIAS)
     z_row = z_ptr + b * s_zb + h * s_zh
     dout_row = dout_ptr + b * s_gb + h * s_gh
@@ -403,19 +413,24 @@ def _store_rows(ptr, row0, t, valid, cols, ncols, value):
 
 
 @triton.jit
-def _chunk_program(pid_bh, c, nheads, heads_per_group, Q, seqlen, nchunks, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr,
-                   bias_ptr, seq_ptr, z_ptr, dout_ptr, s_xb, s_xh, s_dtb, s_dth, s_Bb, s_Bg, s_Cb, s_Cg, s_seqb, s_seqt,
+def _chunk_program(b, h, t0, heads_per_group, Q, seqlen, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, bias_ptr, seq_ptr,
+                   z_ptr, dout_ptr, s_xb, s_xh, s_dtb, s_dth, s_Bb, s_Bg, s_Cb, s_Cg, s_seqb, s_seqt,
                    s_zb, s_zh, s_gb, s_gh, HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr):
-    """What the backward's chunk kernels share: _head's, z's and dout's rows, the chunk's start, the
-    sequence before it and at its end, its state row and scratch row, and its token-0 output row."""
-    b, h, x_row, dt_row, B_row, C_row, seq_row, bias, A = _head(
-        pid_bh, nheads, heads_per_group, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, bias_ptr, seq_ptr,
+    """What the backward's chunk kernels read for (batch b, head h, chunk c from token t0): _head's, z's and
+    dout's rows, and the sequence before the chunk and at its end."""
+    x_row, dt_row, B_row, C_row, seq_row, bias, A = _head(
+        b, h, heads_per_group, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, bias_ptr, seq_ptr,
         s_xb, s_xh, s_dtb, s_dth, s_Bb, s_Bg, s_Cb, s_Cg, s_seqb, HAS_BIAS)
-    t0 = c * Q
-    return (b, h, x_row, dt_row, B_row, C_row, seq_row, bias, A, z_ptr + b * s_zb + h * s_zh,
-            dout_ptr + b * s_gb + h * s_gh, t0, _seq_at(seq_row, t0 - 1, s_seqt, HAS_SEQ),
-            _seq_at(seq_row, tl.minimum(t0 + Q, seqlen) - 1, s_seqt, HAS_SEQ), (b * nchunks + c) * nheads + h,
-            (b * nheads + h) * seqlen, b * seqlen * nheads + h)
+    return (x_row, dt_row, B_row, C_row, seq_row, bias, A, z_ptr + b * s_zb + h * s_zh,
+            dout_ptr + b * s_gb + h * s_gh, _seq_at(seq_row, t0 - 1, s_seqt, HAS_SEQ),
+            _seq_at(seq_row, tl.minimum(t0 + Q, seqlen) - 1, s_seqt, HAS_SEQ))
+
+
+@triton.jit
+def _chunk_rows(b, h, c, nheads, nchunks, seqlen):
+    """(batch b, head h, chunk c)'s row of the chunk states, its scratch row and its token-0 output row
+    (indices only: see _batch_head)."""
+    return (b * nchunks + c) * nheads + h, (b * nheads + h) * seqlen, b * seqlen * nheads + h
 
 
 @triton.jit
@@ -477,11 +492,12 @@ def ssd_bwd_block_kernel(
       end state's part into the scratch row dlB."""
     c = tl.program_id(0) // blocks_per_chunk
     j = tl.program_id(0) % blocks_per_chunk
-    b, h, x_row, dt_row, B_row, C_row, seq_row, bias, A, z_row, dout_row, t0, seq_before, seq_end, state_row, \
-        scratch_row, out_row = _chunk_program(
-            tl.program_id(1), c, nheads, heads_per_group, Q, seqlen, nchunks, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr,
-            bias_ptr, seq_ptr, z_ptr, dout_ptr, s_xb, s_xh, s_dtb, s_dth, s_Bb, s_Bg, s_Cb, s_Cg, s_seqb, s_seqt,
-            s_zb, s_zh, s_gb, s_gh, HAS_BIAS, HAS_SEQ)
+    b, h = _batch_head(tl.program_id(1), nheads)
+    t0 = c * Q
+    x_row, dt_row, B_row, C_row, seq_row, bias, A, z_row, dout_row, seq_before, seq_end = _chunk_program(
+        b, h, t0, heads_per_group, Q, seqlen, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, bias_ptr, seq_ptr, z_ptr, dout_ptr,
+        s_xb, s_xh, s_dtb, s_dth, s_Bb, s_Bg, s_Cb, s_Cg, s_seqb, s_seqt, s_zb, s_zh, s_gb, s_gh, HAS_BIAS, HAS_SEQ)
+    state_row, scratch_row, out_row = _chunk_rows(b, h, c, nheads, nchunks, seqlen)
     pp = tl.arange(0, BLOCK_P)
     nn = tl.arange(0, BLOCK_N)
     nblocks = tl.cdiv(tl.minimum(Q, seqlen - t0), BLOCK_T)
@@ -585,10 +601,12 @@ def ssd_bwd_ddt_kernel(
     output e. For the end state, H_end = w_end S + sum_s v_s X_s B_s^T, those terms add up in da_t to
     w_end <dE, S> + sum_{s < t} R_s, taken so: summing the large terms that cancel would round."""
     c = tl.program_id(0)
-    b, h, x_row, dt_row, B_row, _, seq_row, bias, A, _, _, t0, seq_before, seq_end, state_row, scratch_row, _ = \
-        _chunk_program(tl.program_id(1), c, nheads, heads_per_group, Q, seqlen, nchunks, x_ptr, dt_ptr, A_ptr,
-                       B_ptr, B_ptr, bias_ptr, seq_ptr, x_ptr, x_ptr, s_xb, s_xh, s_dtb, s_dth, s_Bb, s_Bg, s_Bb,
-                       s_Bg, s_seqb, s_seqt, 0, 0, 0, 0, HAS_BIAS, HAS_SEQ)
+    b, h = _batch_head(tl.program_id(1), nheads)
+    t0 = c * Q
+    x_row, dt_row, B_row, _, seq_row, bias, A, _, _, seq_before, seq_end = _chunk_program(
+        b, h, t0, heads_per_group, Q, seqlen, x_ptr, dt_ptr, A_ptr, B_ptr, B_ptr, bias_ptr, seq_ptr, x_ptr, x_ptr,
+        s_xb, s_xh, s_dtb, s_dth, s_Bb, s_Bg, s_Bb, s_Bg, s_seqb, s_seqt, 0, 0, 0, 0, HAS_BIAS, HAS_SEQ)
+    state_row, scratch_row, _ = _chunk_rows(b, h, c, nheads, nchunks, seqlen)
     pp = tl.arange(0, BLOCK_P)
     nn = tl.arange(0, BLOCK_N)
     nblocks = tl.cdiv(tl.minimum(Q, seqlen - t0), BLOCK_T)

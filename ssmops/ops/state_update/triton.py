@@ -21,7 +21,7 @@ def selective_state_update(
     z: Optional[Tensor], dt_bias: Optional[Tensor], dt_softplus: bool,
 ) -> Tensor:
     batch, dim, dstate, groups = check_state_update_inputs(state, x, dt, A, B, C, D, z, dt_bias)
-    out = torch.empty((batch, dim), dtype=x.dtype, device=x.device)
+    out = _triton.output((batch, dim), x.dtype, x.device)  # 1-D while a kernel writes it (_triton.output)
     block_n = max(triton.next_power_of_2(dstate), 2)
     block_d = min(max(1024 // block_n, 1), triton.next_power_of_2(dim))  # a (block_d, block_n) tile of 1024
 
@@ -34,10 +34,10 @@ def selective_state_update(
         dim, dstate, dim // groups,
         *state.stride(), *x.stride(), *dt.stride(), *(z.stride() if z is not None else (0, 0)), *A.stride(),
         *bc_strides(B), *bc_strides(C), D.stride(0) if D is not None else 0,
-        dt_bias.stride(0) if dt_bias is not None else 0, out.stride(0),
+        dt_bias.stride(0) if dt_bias is not None else 0, dim,
     ), dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
             BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4))
-    return out
+    return out.view(batch, dim)
 
 
 def multihead_state_update(
@@ -48,7 +48,7 @@ def multihead_state_update(
         state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices)
     if type(state_batch_indices) is Tensor:  # (it reads the indices: not while tracing)
         check_state_batch_indices(state_batch_indices, cache_size)
-    out = torch.empty((batch, nheads, headdim), dtype=x.dtype, device=x.device)
+    out = _triton.output((batch, nheads, headdim), x.dtype, x.device)  # 1-D while a kernel writes it
     block_n = max(triton.next_power_of_2(dstate), 2)
     block_p = min(max(2048 // block_n, 1), triton.next_power_of_2(headdim))  # a (block_p, block_n) tile of 2048
 
@@ -71,7 +71,7 @@ def multihead_state_update(
     ), dict(DT_CHANNEL=dt_channel, A_ELEMENT=A.dim() == 3, HAS_D=D is not None, HAS_Z=z is not None,
             HAS_BIAS=dt_bias is not None, HAS_INDEX=state_batch_indices is not None, SOFTPLUS=bool(dt_softplus),
             BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4))
-    return out
+    return out.view(batch, nheads, headdim)
 
 
 @triton_op("ssmops::selective_state_update_triton", mutates_args={"state"})
