@@ -153,26 +153,53 @@ def run_in_threads(fn, count: int, repeats: int = 3, timeout: float = 300) -> li
     return results
 
 
-def backend_params(cases=None, names=None):
-    """Every backend (or those `names`), times every case, skipped with its reason where it cannot run on CPU
-    tensors here. Triton runs CPU tensors only under its interpreter (tests/test_triton.py
-    sweeps CUDA tensors on a GPU machine), where its multi-chunk cases are slow."""
+# The devices a family's grid runs on: the CPU always, and a GPU where one is present (its Triton kernels
+# natively, and the default backend there).
+GRID_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+
+
+class Backend(str):
+    """A backend's name, as `ssmops.use_backend` takes it, and the device its test builds inputs on."""
+
+    device: str
+
+    def __new__(cls, name: str, device: str = "cpu"):
+        backend = super().__new__(cls, name)
+        backend.device = device
+        return backend
+
+
+def on_device(values: dict, device) -> dict:
+    """values with every tensor moved to device."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+
+
+def backend_params(cases=None, names=None, devices=("cpu",)):
+    """Every backend (or those `names`), times every case, on each of `devices` (a family's grids pass
+    GRID_DEVICES), each a `Backend`, skipped with its reason where it cannot run here. The CPU's
+    Triton cases run only under the interpreter (tests/test_triton.py runs them so), where its
+    multi-chunk cases are slow; on a GPU, `triton` and `default` run on CUDA tensors natively."""
     from ssmops._registry import interpreting
 
     params = []
-    for case in cases or [None]:
-        for name, status in ssmops.available_backends().items():
-            if names is not None and name not in names:
-                continue
-            marks = []
-            if status != "available":
-                marks.append(pytest.mark.skip(reason=f"{name}: {status}"))
-            elif name == "triton" and not interpreting():
-                marks.append(pytest.mark.skip(reason="triton: CPU tensors need TRITON_INTERPRET=1"))
-            if name == "triton" and case is not None and case.seqlen > CHUNK_LEN:
-                marks.append(pytest.mark.slow)
-            values = (name,) if case is None else (name, case)
-            params.append(pytest.param(*values, marks=marks, id=name if case is None else f"{case}-{name}"))
+    for device in devices:
+        for case in cases or [None]:
+            for name, status in ssmops.available_backends().items():
+                if (names is not None and name not in names) or (device != "cpu" and name == "cpu"):
+                    continue
+                marks = []
+                if status != "available":
+                    marks.append(pytest.mark.skip(reason=f"{name}: {status}"))
+                elif device == "cpu" and name == "triton" and not interpreting():
+                    marks.append(pytest.mark.skip(reason="triton: CPU tensors need TRITON_INTERPRET=1"))
+                elif device != "cpu" and interpreting():
+                    marks.append(pytest.mark.skip(reason=f"{device} tensors do not run under TRITON_INTERPRET=1"))
+                if device == "cpu" and name == "triton" and case is not None and case.seqlen > CHUNK_LEN:
+                    marks.append(pytest.mark.slow)
+                backend = Backend(name, device)
+                label = name if device == "cpu" else f"{name}-{device}"
+                values = (backend,) if case is None else (backend, case)
+                params.append(pytest.param(*values, marks=marks, id=label if case is None else f"{case}-{label}"))
     return params
 
 

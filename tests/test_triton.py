@@ -189,8 +189,11 @@ def _ssd_args(batch=2, seqlen=37, nheads=4, headdim=8, ngroups=2, dstate=16, chu
 def _ssd_bwd_args(fwd_args: tuple, fwd=None) -> tuple:
     out, final, states, varlen = (fwd or torch.ops.ssmops.ssd_scan_fwd_triton)(*fwd_args)
     g = torch.Generator().manual_seed(1)
-    return (*fwd_args, torch.randn(out.shape, generator=g).to(out.dtype), states, torch.randn(final.shape, generator=g),
-            torch.randn(varlen.shape, generator=g) if fwd_args[10] is not None else None)
+
+    def randn(like: torch.Tensor) -> torch.Tensor:  # (drawn on the CPU, for the same values on every device)
+        return torch.randn(like.shape, generator=g).to(like.device, like.dtype)
+
+    return (*fwd_args, randn(out), states, randn(final), randn(varlen) if fwd_args[10] is not None else None)
 
 
 @needs_interpreter
@@ -281,10 +284,24 @@ def test_triton_env_selector_routes_cpu_tensors_to_triton():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "'cpu': 'not loaded because SSMOPS_BACKEND=triton'" in proc.stdout
     env.pop("TRITON_INTERPRET")
-    if not HAS_CUDA:  # without a GPU or the interpreter the selector cannot be honoured: say so at import
-        proc = subprocess.run([sys.executable, "-c", "import ssmops"], cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=300)
-        assert proc.returncode != 0 and "TRITON_INTERPRET=1" in proc.stderr
+    # without the interpreter CPU tensors cannot run: on a machine without a GPU ssmops says so at import, on
+    # one with a GPU at the call, naming the device
+    proc = subprocess.run([sys.executable, "-c", code if HAS_CUDA else "import ssmops"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "TRITON_INTERPRET=1" in proc.stderr, proc.stderr[-3000:]
+    if HAS_CUDA:
+        assert "ValueError" in proc.stderr and "u is on cpu" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
+@pytest.mark.skipif(interpreting(), reason="the interpreter runs CPU tensors")
+def test_triton_launchers_reject_cpu_tensors_with_the_device_and_the_ways_out():
+    """What a GPU machine does with CPU tensors sent to the Triton kernels (use_backend("triton"), or
+    SSMOPS_BACKEND=triton): a clear error before any launch, not one from inside wrap_triton."""
+    from ssmops.ops.selective_scan.triton import selective_scan_fwd
+
+    with pytest.raises(ValueError, match=r"u is on cpu.*cpu or default backend.*TRITON_INTERPRET=1"):
+        selective_scan_fwd(*_fwd_args(Case()))
 
 
 # --- compiled for GPUs ahead of time (no GPU needed) ------------------------------------
@@ -451,8 +468,17 @@ def test_triton_kernels_write_only_flat_buffers_of_their_own():
     assert len(seen) == 10, seen
 
 
+def _triton_version() -> tuple:
+    import triton
+
+    return tuple(int(part) for part in triton.__version__.split(".")[:2])
+
+
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
 @pytest.mark.skipif(interpreting(), reason="compiles the JIT kernels, which the interpreter replaces")
+@pytest.mark.skipif(TRITON_INSTALLED and _triton_version() < (3, 9),
+                    reason="the counts are Triton 3.9's lowering: 3.6 (torch 2.11's) lowers the backward's "
+                           "tl.gather across lanes, 18.75 shuffles per element (issue 42)")
 def test_triton_static_estimate_shows_time_inside_the_threads():
     """benchmarks/triton_static.py runs without a GPU. Its lane-shuffle counts guard the kernels'
     layout: with time inside the threads the forward's loop needs under 4 shuffles per (step,
@@ -586,7 +612,7 @@ def test_triton_cuda_matches_reference(case):
 @pytest.mark.parametrize("case", STATE_UPDATE_CASES, ids=state_update_case_id)
 def test_triton_cuda_state_update_matches_default(case):
     kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v
-          for k, v in state_update_inputs(batch=4, dim=192, dstate=16, **case).items()}
+          for k, v in state_update_inputs(**{"batch": 4, "dim": 192, "dstate": 16, **case}).items()}
     # on CUDA, selective_state_update calls the Triton op
     _check_state_update_against_default(kw, kw["state"].clone(), ssmops.selective_state_update)
 
@@ -665,10 +691,30 @@ class _Scan(torch.nn.Module):
         return ssmops.selective_scan_fn(u, delta, A, B, C, D, z, delta_bias, delta_softplus=True)
 
 
+_AOTI_CONTROL = """
+import sys, torch
+class Plain(torch.nn.Module):
+    def forward(self, x, w):
+        return torch.relu(x @ w + 1)
+args = (torch.randn(8, 16, device="cuda"), torch.randn(16, 4, device="cuda"))
+ep = torch.export.export(Plain(), args)
+path = torch._inductor.aoti_compile_and_package(ep, package_path=sys.argv[1])
+torch.testing.assert_close(torch._inductor.aoti_load_package(path)(*args), Plain()(*args))
+print("control ok")
+"""
+
+
 @gpu
 @pytest.mark.slow
 def test_triton_aoti_package_embeds_the_kernels(tmp_path):
-    """The AOTInductor package launches the Triton kernels itself: no proxy-executor call for the scan."""
+    """The AOTInductor package launches the Triton kernels itself: no proxy-executor call for the scan.
+    A package of a plain model (no ssmops) is built and loaded first, in its own process: where that
+    crashes, this torch build's AOTInductor cannot load packages here at all (torch 2.11+cu130 on one H100
+    segfaulted so) and the test skips, saying so; where only ssmops' package fails, it fails."""
+    control = run_python(_AOTI_CONTROL, args=[str(tmp_path / "plain.pt2")], timeout=600)
+    if control.returncode != 0:
+        reason = f"signal {-control.returncode}" if control.returncode < 0 else control.stderr.strip()[-300:]
+        pytest.skip(f"AOTInductor fails for a plain model without ssmops on this torch build ({reason})")
     kw = make_inputs(Case(batch=2, dim=64, seqlen=500, dstate=16, B="var", C="var"), device="cuda")
     args = tuple(kw[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias"))
     seqlen = torch.export.Dim("seqlen", min=2, max=1 << 16)

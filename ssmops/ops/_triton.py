@@ -26,6 +26,14 @@ def launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
     """Launches through `wrap_triton`, so that a tracer records the launch itself. (The one
     place kernels are launched: `triton_aot.recorded_launches` replaces it to compile the exact
     launches for GPU targets ahead of time, without a GPU; call it as `_triton.launch`.)"""
+    first = args[0]
+    if not INTERPRETED and first.device.type not in GPU_DEVICES:
+        # (SSMOPS_BACKEND=triton or use_backend("triton") with CPU tensors on a machine with a GPU)
+        raise ValueError(
+            f"ssmops' Triton kernels take GPU tensors (CUDA, ROCm or XPU), but {kernel.fn.__name__}'s "
+            f"{kernel.arg_names[0].removesuffix('_ptr')} is on {first.device}: move the inputs to the GPU, or run "
+            "CPU tensors on the cpu or default backend, or under Triton's interpreter (TRITON_INTERPRET=1 set "
+            "before Python starts)")
     wrap_triton(kernel)[grid](*args, **meta)
 
 

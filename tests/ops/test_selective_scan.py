@@ -23,6 +23,7 @@ from conftest import (
     TOLERANCES,
     Case,
     assert_close,
+    GRID_DEVICES,
     backend_params,
     make_inputs,
     run_scan_with_grads,
@@ -156,9 +157,10 @@ COMPLEX_SWEEP = [
 CPU_BACKENDS = ("default", "cpu")
 
 
-@pytest.mark.parametrize("backend, case", backend_params(SWEEP) + backend_params(COMPLEX_SWEEP, names=CPU_BACKENDS))
+@pytest.mark.parametrize("backend, case", backend_params(SWEEP, devices=GRID_DEVICES)
+                         + backend_params(COMPLEX_SWEEP, names=CPU_BACKENDS))
 def test_backend_matches_reference(backend, case):
-    kw = make_inputs(case)
+    kw = make_inputs(case, device=backend.device)
     y_ref, last_ref, g_ref = run_scan_with_grads(ssmops.selective_scan_ref, kw)
     with ssmops.use_backend(backend):
         y, last, grads = run_scan_with_grads(ssmops.selective_scan_fn, kw)
@@ -169,10 +171,10 @@ def test_backend_matches_reference(backend, case):
         assert_close(g, g_ref[name], tol, f"d{name}")
 
 
-@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("backend", backend_params(devices=GRID_DEVICES))
 def test_strided_and_expanded_inputs_match_contiguous(backend):
     case = Case(batch=2, dim=4, seqlen=9, dstate=3, B="var", C="const")
-    kw = make_inputs(case)
+    kw = make_inputs(case, device=backend.device)
     strided = dict(kw)
     strided["u"] = kw["u"].transpose(1, 2).contiguous().transpose(1, 2)  # seqlen-major storage
     strided["delta"] = torch.stack([kw["delta"], kw["delta"]], dim=-1)[..., 0]  # stride 2 in seqlen

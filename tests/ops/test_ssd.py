@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ssmops
-from conftest import backend_params
+from conftest import GRID_DEVICES, backend_params, on_device
 from ssmops.ops.ssd import default, reference
 
 INF = float("inf")
@@ -25,14 +25,14 @@ TRITON_QUICK = ("seq=(0, 16, 21, 40)", "batch=1,seq=(0, 10, 16, 33),varlen=True"
 
 
 def ssd_backend_params(cases=None, quick=TRITON_QUICK):
-    """backend_params of SSD_BACKENDS, with the Triton cases outside `quick` marked slow (and none of
-    `row_block`, the default backend's knob)."""
+    """backend_params of SSD_BACKENDS on GRID_DEVICES, with the interpreted Triton cases outside `quick`
+    marked slow (and none of `row_block`, the default backend's knob, but on the CPU)."""
     params = []
-    for param in backend_params(cases, names=SSD_BACKENDS):
+    for param in backend_params(cases, names=SSD_BACKENDS, devices=GRID_DEVICES):
         backend, *case = param.values
-        if backend == "triton" and case and case[0].row_block is not None:
+        if (backend == "triton" or backend.device != "cpu") and case and case[0].row_block is not None:
             continue
-        slow = backend == "triton" and case and str(case[0]) not in quick
+        slow = backend == "triton" and backend.device == "cpu" and case and str(case[0]) not in quick
         params.append(pytest.param(*param.values, marks=[*param.marks, *([pytest.mark.slow] if slow else [])],
                                    id=param.id))
     return params
@@ -331,14 +331,14 @@ def make_cotangents(case: Case, inputs: dict) -> dict:
     cots = dict(out=torch.randn(b, L, h, p, generator=g).to(x.dtype), final=torch.randn(b, h, p, n, generator=g))
     if case.varlen:
         cots["varlen"] = torch.randn(inputs["cu_seqlens"].numel() - 1, h, p, n, generator=g)
-    return cots
+    return on_device(cots, x.device)
 
 
 @pytest.mark.parametrize("backend, case", ssd_backend_params(DEFAULT_CASES))
 def test_backend_matches_oracle(backend, case, monkeypatch):
     if case.row_block is not None:
         monkeypatch.setattr(default, "_ROW_BLOCK", case.row_block)
-    inputs = make_inputs(case)
+    inputs = on_device(make_inputs(case), backend.device)
     cotangents = make_cotangents(case, inputs)
     with ssmops.use_backend(backend):
         out, final, chunk_states, varlen, grads = run_ops(case, inputs, cotangents)
@@ -387,12 +387,12 @@ def test_chunk_size_changes_nothing_beyond_rounding(backend, case):
             assert rel_err(a, e) < 2e-5
 
 
-@pytest.mark.parametrize("backend", backend_params(names=SSD_BACKENDS))
+@pytest.mark.parametrize("backend", backend_params(names=SSD_BACKENDS, devices=GRID_DEVICES))
 def test_chunk_states_are_the_states_before_each_chunk(backend):
     """Entry c*nheads + h is the recurrence's state after token c*chunk - 1, before any reset
     at the chunk's first token (the boundary at 16 is exactly a chunk edge)."""
     case = Case(seq=SEQ)
-    inputs = make_inputs(case)
+    inputs = on_device(make_inputs(case), backend.device)
     with ssmops.use_backend(backend):
         _, _, chunk_states, _ = torch.ops.ssmops.ssd_scan_fwd(*op_args(inputs, case))
     chunk_states = chunk_states.view(case.batch, -1, case.nheads, case.headdim, case.dstate)
@@ -405,11 +405,11 @@ def test_chunk_states_are_the_states_before_each_chunk(backend):
         assert rel_err(chunk_states[:, c], expected) < TOLERANCE[torch.float32]
 
 
-@pytest.mark.parametrize("backend", backend_params(names=SSD_BACKENDS))
+@pytest.mark.parametrize("backend", backend_params(names=SSD_BACKENDS, devices=GRID_DEVICES))
 def test_initial_states_reach_only_sequence_zero(backend):
     """Row 1's ids start at 1: its initial state is dropped and gets no gradient."""
     case = Case(seq=SEQ)
-    inputs = make_inputs(case)
+    inputs = on_device(make_inputs(case), backend.device)
     cotangents = make_cotangents(case, inputs)
     with ssmops.use_backend(backend):
         out, _, _, _, grads = run_ops(case, inputs, {**cotangents, "varlen": None})
@@ -419,10 +419,10 @@ def test_initial_states_reach_only_sequence_zero(backend):
     assert dinitial[1].abs().max() == 0 and dinitial[0].abs().max() > 0
 
 
-@pytest.mark.parametrize("backend", backend_params(names=SSD_BACKENDS))
+@pytest.mark.parametrize("backend", backend_params(names=SSD_BACKENDS, devices=GRID_DEVICES))
 def test_absent_optionals_and_dtypes(backend):
     case = Case(D=None, z=False, dt_bias=False, initial=False, dtypes="bf16")
-    inputs = make_inputs(case)
+    inputs = on_device(make_inputs(case), backend.device)
     args = op_args(inputs, case)
     with ssmops.use_backend(backend):
         out, final, chunk_states, varlen = torch.ops.ssmops.ssd_scan_fwd(*args)

@@ -12,7 +12,8 @@ import torch
 
 import ssmops
 from conftest import (
-    STATE_UPDATE_CASES, TOLERANCES, assert_close, backend_params, state_update_case_id, state_update_inputs,
+    GRID_DEVICES, STATE_UPDATE_CASES, TOLERANCES, assert_close, backend_params, on_device, state_update_case_id,
+    state_update_inputs,
 )
 from ssmops.ops.state_update.reference import selective_state_update_ref
 
@@ -20,10 +21,10 @@ needs_native = pytest.mark.skipif(ssmops.available_backends()["cpu"] != "availab
                                   reason="needs the native operator library")
 
 
-@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("backend", backend_params(devices=GRID_DEVICES))
 @pytest.mark.parametrize("case", STATE_UPDATE_CASES, ids=state_update_case_id)
 def test_backend_matches_reference(backend, case):
-    kw = state_update_inputs(**case)
+    kw = on_device(state_update_inputs(**case), backend.device)
     expected_state = kw["state"].clone()
     expected = selective_state_update_ref(**{**kw, "state": expected_state})
     with ssmops.use_backend(backend):
@@ -95,9 +96,9 @@ def test_state_update_errors_name_the_argument(change, error, match):
         torch.ops.ssmops.selective_state_update(*kw.values())
 
 
-@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("backend", backend_params(devices=GRID_DEVICES))
 def test_state_update_under_every_backend(backend):
-    kw = state_update_inputs(groups=2)
+    kw = on_device(state_update_inputs(groups=2), backend.device)
     expected_state = kw["state"].clone()
     expected = ssmops.selective_state_update(**{**kw, "state": expected_state})
     with ssmops.use_backend(backend):
@@ -194,10 +195,10 @@ MULTIHEAD_CASES = [
 ]
 
 
-@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("backend", backend_params(devices=GRID_DEVICES))
 @pytest.mark.parametrize("case", MULTIHEAD_CASES, ids=state_update_case_id)
 def test_multihead_backend_matches_reference(backend, case):
-    kw = multihead_inputs(**case)
+    kw = on_device(multihead_inputs(**case), backend.device)
     expected_state = kw["state"].clone()
     expected = selective_state_update_ref(**{**kw, "state": expected_state})
     with ssmops.use_backend(backend):
