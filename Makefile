@@ -40,6 +40,7 @@ test-quick: install
 # nothing else), and mambapy, installed there with --no-deps (it needs only torch).
 bench-deps: install
 	$(PY) -m pip install -q einops
+	$(PY) -c "import sys; sys.path.insert(0, 'benchmarks'); import peers; peers.mamba_ssm_source()"
 
 # The scan's `default` and native `cpu` backends against mamba_ssm's selective_scan_ref and mambapy's pscan.
 bench: bench-deps
@@ -52,13 +53,12 @@ bench-cpu: bench-deps
 bench-ssd: bench-deps
 	$(PY) benchmarks/ssd.py
 
-# On a GPU machine whose Python already has a CUDA (or ROCm) torch, Triton, pytest and
-# hypothesis: build against that torch, then run the GPU tests and the GPU benchmark.
+# On a GPU machine whose Python already has a CUDA (or ROCm) torch, Triton, pytest, pytest-xdist and
+# hypothesis, offline: the CUDA suite on several workers, then benchmarks/gpu.py against mamba_ssm's
+# Triton kernels (its sdist fetched beforehand into build/peers by `make bench-deps`), and a report in
+# build/gpu-check/report.md (benchmarks/gpu_check.py; docs/deployment.md says how to carry what it needs).
 gpu-check:
-	$(PYTHON) -m pip install -q --no-build-isolation --no-deps -e .
-	$(PYTHON) -m pytest -q -p no:cacheprovider -rs tests/test_triton.py tests/ops/test_selective_scan.py \
-		tests/ops/test_ssd.py tests/ops/test_state_update.py -k "triton or cuda"
-	$(PYTHON) benchmarks/gpu.py --sweep
+	$(PYTHON) benchmarks/gpu_check.py
 
 clean:
 	rm -rf build ssmops/_C*.so *.egg-info $(VENV)

@@ -27,6 +27,7 @@ decoding step at that layer's shape in microseconds, batch 1 and 64.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
 
@@ -242,7 +243,23 @@ def ssd_inputs(batch: int, seqlen: int, dtype, requires_grad: bool = False) -> d
     return kw
 
 
-def ssd_contenders() -> dict:
+def mamba_ssm_triton(module: str, name: str):
+    """mamba_ssm's published Triton function `name`: from an installed mamba_ssm, else from its sdist in
+    build/peers (benchmarks/peers.py); None, said once, where neither is here."""
+    try:
+        return getattr(importlib.import_module(f"mamba_ssm.ops.triton.{module}"), name)
+    except ImportError:
+        pass
+    from peers import mamba_ssm_triton as from_sdist
+
+    try:
+        return getattr(from_sdist(module), name)
+    except ImportError as err:
+        print(f"(mamba_ssm's {name} is not timed: {err})")
+        return None
+
+
+def ssd_contenders(skip_baselines: bool = False) -> dict:
     """name -> fn(**ssd_inputs) -> out: ssmops on Triton, mamba_ssm's when installed, ssmops' default
     backend, and torch.compile of the chunked reference."""
     import ssmops
@@ -250,12 +267,11 @@ def ssd_contenders() -> dict:
 
     chunk = SSD_LAYER["chunk"]
     named = {"ssmops triton": lambda **kw: ssmops.mamba_chunk_scan_combined(**kw, chunk_size=chunk, dt_softplus=True)}
-    try:
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined as peer
-
+    peer = mamba_ssm_triton("ssd_combined", "mamba_chunk_scan_combined")
+    if peer is not None:
         named["mamba_ssm"] = lambda **kw: peer(**kw, chunk_size=chunk, dt_softplus=True)
-    except ImportError:
-        pass
+    if skip_baselines:
+        return named
 
     def default(**kw):
         with ssmops.use_backend("default"):
@@ -277,7 +293,7 @@ def ssd_rows(args) -> None:
     print(f"\n{ssd_shape(args)}; {fwd_flops / 1e12:.2f} TFLOP forward")
     print(f"{'contender':<15} {'fwd ms':>8} {'TFLOP/s':>8} {'of peak':>8} {'fwd+bwd ms':>11} {'TFLOP/s':>8}")
     times = {}
-    for name, fn in ssd_contenders().items():
+    for name, fn in ssd_contenders(args.skip_baselines).items():
         try:
             with torch.no_grad():
                 kw = ssd_inputs(args.batch, args.seqlen, dtype)
@@ -300,9 +316,24 @@ def ssd_rows(args) -> None:
     ssd_decode_step(args)
 
 
+def graphed(fn):
+    """fn captured once into a CUDA graph; returns its replay (what generate(cg=True) runs per token)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # warm-up (Triton compiles) outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def ssd_decode_step(args) -> None:
-    """The multi-head decoding step at SSD_LAYER's shape (dt, A, dt_bias tied per head as Mamba2 passes
-    them; float32 state), microseconds per call: the Triton operator and the default backend."""
+    """The multi-head decoding step at SSD_LAYER's shape as Mamba2.step calls it (dt, A, D, dt_bias tied
+    per head as stride-0 expansions; float32 state), microseconds per call, eager and replayed from a
+    CUDA graph: ssmops' front end against mamba_ssm's Triton `selective_state_update` as published."""
     import ssmops
 
     dtype = DTYPES[args.dtype]
@@ -312,15 +343,28 @@ def ssd_decode_step(args) -> None:
     def randn(*shape, dt=dtype):
         return torch.randn(*shape, generator=g, device="cuda").to(dt)
 
+    contenders = {"ssmops": ssmops.selective_state_update}
+    peer = mamba_ssm_triton("selective_state_update", "selective_state_update")
+    if peer is not None:
+        contenders["mamba_ssm"] = peer
     for batch in (1, 64):
-        args_ = (randn(batch, h, p, n, dt=torch.float32), randn(batch, h, p), randn(batch, h),
-                 -torch.rand(h, device="cuda") - 0.1, randn(batch, ng, n), randn(batch, ng, n),
-                 randn(h, dt=torch.float32), randn(batch, h, p), randn(h, dt=torch.float32), None, True)
-        t = cuda_time(lambda: torch.ops.ssmops.multihead_state_update_triton(*args_), args.repeats)
-        with ssmops.use_backend("default"):
-            t_default = cuda_time(lambda: torch.ops.ssmops.multihead_state_update(*args_), args.repeats)
-        print(f"multi-head decode step (batch {batch}, nheads {h}, headdim {p}, dstate {n}): {t * 1e6:.1f} us, "
-              f"{t_default / t:.1f}x the default backend")
+        state = randn(batch, h, p, n, dt=torch.float32)
+        kw = dict(x=randn(batch, h, p), dt=randn(batch, h)[..., None].expand(batch, h, p),
+                  A=(-torch.rand(h, device="cuda") - 0.1)[:, None, None].expand(h, p, n), B=randn(batch, ng, n),
+                  C=randn(batch, ng, n), D=randn(h, dt=torch.float32)[:, None].expand(h, p), z=randn(batch, h, p),
+                  dt_bias=randn(h, dt=torch.float32)[:, None].expand(h, p), dt_softplus=True)
+        times = {}
+        for name, step in contenders.items():
+            def call(step=step):
+                return step(state, **kw)
+
+            times[name] = (cuda_time(call, args.repeats), cuda_time(graphed(call), args.repeats))
+        cells = ", ".join(f"{name} {eager * 1e6:.1f} us eager, {graph * 1e6:.1f} us graphed"
+                          for name, (eager, graph) in times.items())
+        print(f"multi-head decode step (batch {batch}, nheads {h}, headdim {p}, dstate {n}): {cells}")
+        if "mamba_ssm" in times:
+            ours, theirs = times["ssmops"], times["mamba_ssm"]
+            print(f"  ssmops vs mamba_ssm: eager {theirs[0] / ours[0]:.2f}x, graphed {theirs[1] / ours[1]:.2f}x")
 
 
 def _compiled_ref_times(args, dtype) -> tuple[float, float]:

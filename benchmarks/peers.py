@@ -12,6 +12,7 @@ library the same way, for its int8 weight-only linear layers.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import importlib.util
 import os
@@ -72,6 +73,21 @@ def mamba_ssm_module(relative_path: str, stubs: dict[str, tuple[str, ...]],
             _with_parents(name)  # its packages; its own stand-in is replaced at once
             sys.modules[name] = _load(mamba_ssm_source() / (name.replace(".", "/") + ".py"), name)
     return _load(mamba_ssm_source() / relative_path, f"peer_{Path(relative_path).stem}")
+
+
+def mamba_ssm_triton(module: str) -> types.ModuleType:
+    """mamba_ssm's Triton module `module` (e.g. "ssd_combined") from an sdist already in build/peers (a GPU
+    machine without the index gets it carried there: docs/deployment.md), imported as published under its
+    own package names. Its packages are stand-ins whose path is the sdist's folders, so that their
+    __init__, which loads mamba_ssm's CUDA extension, never runs. Needs einops and packaging."""
+    root = PEERS_DIR / f"mamba_ssm-{MAMBA_SSM_VERSION}"
+    if not root.exists():
+        raise ImportError(f"no mamba_ssm sdist in {root} (make bench-deps fetches it)")
+    for package in ("mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton", "mamba_ssm.utils"):
+        if package not in sys.modules:
+            sys.modules[package] = types.ModuleType(package)
+            sys.modules[package].__path__ = [str(root / package.replace(".", "/"))]
+    return importlib.import_module(f"mamba_ssm.ops.triton.{module}")
 
 
 def _load(path: Path, name: str) -> types.ModuleType:

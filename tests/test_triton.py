@@ -426,7 +426,8 @@ def _recorded_launches_of_every_family() -> list:
     for args, deterministic in [(_fwd_args(Case(B="g2", C="g2", initial_state=True)), False),
                                 (_fwd_args(Case(B="var", C="const", D=False, z=False, delta_bias=False)), True)]:
         recorded += [(*launch, args) for launch in aot.record_scan(args, deterministic)]
-    for args in [_ssd_args(seq_idx=True), _ssd_args(batch=1, varlen=True), _ssd_args()[:5] + (None,) * 6 + (16, False, [])]:
+    no_optionals = _ssd_args()[:5] + (None,) * 6 + (16, False, [])
+    for args in [_ssd_args(seq_idx=True), _ssd_args(batch=1, varlen=True), no_optionals]:
         recorded += [(*launch, args) for launch in aot.record_ssd(args)]
     single, heads = state_update_inputs(groups=2), multihead_inputs(tied=False, D="channel", cache=4)
     with aot.recorded_launches() as launches:

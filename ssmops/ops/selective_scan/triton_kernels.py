@@ -120,7 +120,8 @@ def _channel(pid_b, d64, u_ptr, delta_ptr, z_ptr, A_ptr, init_ptr, B_ptr, C_ptr,
     if HAS_D:
         Dv = tl.load(D_ptr + d64)
     return (u_ptr + pid_b * s_ub + d64 * s_ud, delta_ptr + pid_b * s_db + d64 * s_dd,
-            z_ptr + pid_b * s_zb + d64 * s_zd, A_ptr + d64 * s_Ad, init_ptr + pid_b * s_ib + d64 * s_id, _bc_base(B_ptr, pid_b, d64, dpg_B, s_Bb, s_Bg, B_VAR),
+            z_ptr + pid_b * s_zb + d64 * s_zd, A_ptr + d64 * s_Ad, init_ptr + pid_b * s_ib + d64 * s_id,
+            _bc_base(B_ptr, pid_b, d64, dpg_B, s_Bb, s_Bg, B_VAR),
             _bc_base(C_ptr, pid_b, d64, dpg_C, s_Cb, s_Cg, C_VAR), bias, Dv)
 
 

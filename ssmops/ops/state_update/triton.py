@@ -6,7 +6,6 @@ under `TRITON_INTERPRET=1`.
 
 from typing import Optional
 
-import torch
 import triton
 from torch import Tensor
 from torch.library import triton_op

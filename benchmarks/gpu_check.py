@@ -1,0 +1,138 @@
+"""`make gpu-check`: everything a GPU machine should prove, in one call, with a short report.
+
+    python benchmarks/gpu_check.py [--report-dir build/gpu-check] [--workers 8]
+
+On a machine with a CUDA (or ROCm) torch, Triton, pytest, pytest-xdist and hypothesis, and no network:
+1. reuses the C++ library in ssmops/ (built on any machine: it is on the stable ABI) or builds it;
+2. runs the CUDA suite on several workers: every family's grid on CUDA (triton and default), the GPU
+   tests of tests/test_triton.py, the training and export tests of tests/test_gpu_training.py;
+3. runs benchmarks/gpu.py (ssmops against mamba_ssm's Triton kernels, timed as published from the
+   sdist in build/peers, which `make bench-deps` fetches on a machine with the package index);
+4. writes report.md beside the pytest log and the benchmark's output: the machine, pass/fail/skip
+   counts, each failure's first lines, the skip reasons, and the benchmark table.
+Exits non-zero when a test failed or the suite did not finish. Sized to finish in under 8 minutes on
+a 16-core H100 machine (--test-seconds and --bench-seconds bound each part).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import os
+import platform
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# the tests that run on a GPU: the selection keeps their CUDA and Triton cases (the CPU ones run in CI)
+GPU_TESTS = ["tests/ops/test_selective_scan.py", "tests/ops/test_ssd.py", "tests/ops/test_state_update.py",
+             "tests/test_triton.py", "tests/test_gpu_training.py"]
+SELECTION = "(cuda or triton or gpu) and not interpreter_suite and not without_spilling"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--report-dir", type=Path, default=REPO / "build" / "gpu-check")
+    p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
+    p.add_argument("--test-seconds", type=int, default=330)
+    p.add_argument("--bench-seconds", type=int, default=120)
+    return p.parse_args(argv)
+
+
+def machine() -> str:
+    import torch
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    triton = importlib.util.find_spec("triton") and __import__("triton").__version__
+    return (f"{gpu}; {os.cpu_count()} CPU cores; Python {platform.python_version()}, torch {torch.__version__}, "
+            f"Triton {triton}")
+
+
+def ensure_library() -> str:
+    """'reused' when ssmops/_C*.so is there, else builds it in place."""
+    if any((REPO / "ssmops").glob("_C*.so")):
+        return "reused"
+    env = {**os.environ, "MAX_JOBS": str(os.cpu_count() or 1)}
+    subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=REPO, env=env, check=True)
+    return "built"
+
+
+def run_tests(args, log: Path, junit: Path) -> int:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", "-m", "slow or not slow",
+           "-k", SELECTION, f"--junitxml={junit}", *GPU_TESTS]
+    if importlib.util.find_spec("xdist") is not None and args.workers > 1:
+        cmd += ["-n", str(args.workers)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    with log.open("w") as out:
+        try:
+            return subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                  timeout=args.test_seconds).returncode
+        except subprocess.TimeoutExpired:
+            out.write(f"\n[gpu_check] the suite did not finish in {args.test_seconds} s\n")
+            return 124
+
+
+def summarize(junit: Path) -> tuple[collections.Counter, list[str], collections.Counter]:
+    """Counts by outcome, each failure's name and first lines, and the skip reasons with their counts."""
+    counts, failures, skips = collections.Counter(), [], collections.Counter()
+    if not junit.exists():
+        return counts, failures, skips
+    for case in ET.parse(junit).iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        outcome = next((child for child in case if child.tag in ("failure", "error", "skipped")), None)
+        if outcome is None:
+            counts["passed"] += 1
+        elif outcome.tag == "skipped":
+            counts["skipped"] += 1
+            skips[(outcome.get("message") or "").split("\n")[0][:160]] += 1
+        else:
+            counts["failed" if outcome.tag == "failure" else "errors"] += 1
+            lines = (outcome.get("message") or outcome.text or "").strip().splitlines()[:4]
+            failures.append(f"{name}: " + " | ".join(line.strip() for line in lines)[:600])
+    return counts, failures, skips
+
+
+def run_benchmark(args, log: Path) -> int:
+    cmd = [sys.executable, "benchmarks/gpu.py", "--skip-baselines", "--repeats", "10"]
+    with log.open("w") as out:
+        try:
+            return subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                  timeout=args.bench_seconds).returncode
+        except subprocess.TimeoutExpired:
+            out.write(f"\n[gpu_check] the benchmark did not finish in {args.bench_seconds} s\n")
+            return 124
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("make gpu-check needs a CUDA (or ROCm) device; none is available here.", file=sys.stderr)
+        return 2
+    args.report_dir.mkdir(parents=True, exist_ok=True)
+    library = ensure_library()
+    tests_log, junit, bench_log = (args.report_dir / name for name in ("pytest.log", "junit.xml", "benchmark.log"))
+    tests_rc = run_tests(args, tests_log, junit)
+    counts, failures, skips = summarize(junit)
+    report = [f"# make gpu-check\n\nMachine: {machine()}. C++ library: {library}.\n",
+              f"## Tests ({' '.join(GPU_TESTS)}, -k '{SELECTION}', {args.workers} workers)\n",
+              ", ".join(f"{counts[k]} {k}" for k in ("passed", "failed", "errors", "skipped")) +
+              ("" if tests_rc != 124 else f"; the suite did not finish in {args.test_seconds} s") + "\n"]
+    report += ["### Failures\n", *(f"- {line}" for line in failures), ""] if failures else []
+    report += ["### Skip reasons\n", *(f"- {n} x {reason}" for reason, n in skips.most_common()), ""]
+    (args.report_dir / "report.md").write_text("\n".join(report) + "\n")  # written before the benchmark runs
+    bench_rc = run_benchmark(args, bench_log)
+    report += [f"## benchmarks/gpu.py --skip-baselines (exit {bench_rc})\n", "```",
+               bench_log.read_text().strip(), "```"]
+    (args.report_dir / "report.md").write_text("\n".join(report) + "\n")
+    print("\n".join(report))
+    return 0 if tests_rc == 0 and counts["failed"] == counts["errors"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
