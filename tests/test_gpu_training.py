@@ -124,7 +124,7 @@ def test_front_end_exports_with_dynamic_seqlen(name, tmp_path):
         return {a.dim() - 1 if axis == -1 else axis: seqlen}
 
     with torch.no_grad():
-        ep = torch.export.export(Module(), args, dynamic_shapes=[dims(a) for a in args])
+        ep = torch.export.export(Module(), args, dynamic_shapes=(tuple(dims(a) for a in args),))  # (forward's *args)
     torch.export.save(ep, tmp_path / "fn.pt2")
     loaded = torch.export.load(tmp_path / "fn.pt2").module()
     other = make_args(77)

@@ -26,8 +26,11 @@ def launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
     """Launches through `wrap_triton`, so that a tracer records the launch itself. (The one
     place kernels are launched: `triton_aot.recorded_launches` replaces it to compile the exact
     launches for GPU targets ahead of time, without a GPU; call it as `_triton.launch`.)"""
+    if INTERPRETED:  # nothing traces an interpreted kernel (keep_opaque_on_cpu), and torch <= 2.11's
+        kernel[grid](*args, **meta)  # wrap_triton takes JIT functions only
+        return
     first = args[0]
-    if not INTERPRETED and first.device.type not in GPU_DEVICES:
+    if first.device.type not in GPU_DEVICES:
         # (SSMOPS_BACKEND=triton or use_backend("triton") with CPU tensors on a machine with a GPU)
         raise ValueError(
             f"ssmops' Triton kernels take GPU tensors (CUDA, ROCm or XPU), but {kernel.fn.__name__}'s "
@@ -35,6 +38,19 @@ def launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
             "CPU tensors on the cpu or default backend, or under Triton's interpreter (TRITON_INTERPRET=1 set "
             "before Python starts)")
     wrap_triton(kernel)[grid](*args, **meta)
+
+
+NO_CAP = 1 << 30  # pow2_tile's `hi` where a tile takes a whole dimension
+
+
+def pow2_tile(n, lo: int, hi: int) -> int:
+    """The smallest power of two >= n, within [lo, hi]: a tile size. By comparisons, so that a symbolic n
+    (torch.compile's dynamic seqlen) gives a plain int under a guard, where triton.next_power_of_2's
+    bit operations would leave a sympy expression in the compiled code."""
+    tile = lo
+    while tile < hi and tile < n:
+        tile *= 2
+    return tile
 
 
 def output(shape: tuple, dtype: torch.dtype, device: torch.device, zero: bool = False) -> Tensor:

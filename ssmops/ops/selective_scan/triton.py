@@ -16,7 +16,6 @@ registers the launchers as the GPU kernels of the main operators.
 from typing import Optional
 
 import torch
-import triton
 from torch import Tensor
 from torch.library import triton_op
 
@@ -43,9 +42,9 @@ def _config(seqlen: int, dstate: int, backward: bool) -> dict:
     backward, whose dozen live tiles would spill at 16. (From the sm_90 compiler's output:
     fewer steps a thread cost more instructions per (step, state) in the scan; see
     benchmarks/triton_static.py. tests/test_triton.py compiles the launches and checks for spills.)"""
-    block_t = min(CHUNK_LEN, max(triton.next_power_of_2(seqlen), 16))
+    block_t = _triton.pow2_tile(seqlen, 16, CHUNK_LEN)
     steps_per_thread = 8 if backward else 16
-    return dict(BLOCK_T=block_t, BLOCK_N=max(triton.next_power_of_2(dstate), 2), CHUNK=CHUNK_LEN,
+    return dict(BLOCK_T=block_t, BLOCK_N=_triton.pow2_tile(dstate, 2, _triton.NO_CAP), CHUNK=CHUNK_LEN,
                 num_warps=min(8, max(1, block_t // (32 * steps_per_thread))))
 
 

@@ -36,16 +36,14 @@ STATE_WARPS = 8  # the state passes, forward and backward (a (64, 64) state tile
 def _config(chunk_size: int, headdim: int, dstate: int) -> dict:
     """Token blocks of 64 (16 at least: a GEMM side), dstate whole (the C.B^T contraction) and
     headdim in blocks of 64 in the forward's output kernel; 16-bit GEMM operands need sides of 16."""
-    block_t = min(64, max(16, triton.next_power_of_2(chunk_size)))
-    return dict(BLOCK_T=block_t, BLOCK_P=min(64, max(16, triton.next_power_of_2(headdim))),
-                BLOCK_N=max(16, triton.next_power_of_2(dstate)))
+    return dict(BLOCK_T=_triton.pow2_tile(chunk_size, 16, 64), BLOCK_P=_triton.pow2_tile(headdim, 16, 64),
+                BLOCK_N=_triton.pow2_tile(dstate, 16, _triton.NO_CAP))
 
 
 def _state_tiles(headdim: int, dstate: int) -> dict:
     """(headdim, dstate) tiles of the state-passing kernels: 64 x 64, so that batch * nheads * tiles
     programs fill the GPU while each walks the chunks in order."""
-    return dict(BLOCK_P=min(64, max(16, triton.next_power_of_2(headdim))),
-                BLOCK_N=min(64, max(16, triton.next_power_of_2(dstate))))
+    return dict(BLOCK_P=_triton.pow2_tile(headdim, 16, 64), BLOCK_N=_triton.pow2_tile(dstate, 16, 64))
 
 
 def _dot_f32(x: Tensor, B: Tensor, C: Tensor) -> bool:
@@ -192,7 +190,8 @@ def ssd_bwd(
     dx = _triton.output(x.shape, x.dtype, x.device)
     ddt = _triton.output(dt.shape, dt.dtype, x.device)
     dB_heads, dC_heads = (_triton.output((batch, seqlen, nheads, dstate), **f32) for _ in range(2))
-    cfg = dict(run.cfg, BLOCK_T=min(run.cfg["BLOCK_T"], BWD_BLOCK_T), BLOCK_P=max(16, triton.next_power_of_2(headdim)))
+    cfg = dict(run.cfg, BLOCK_T=min(run.cfg["BLOCK_T"], BWD_BLOCK_T),
+               BLOCK_P=_triton.pow2_tile(headdim, 16, _triton.NO_CAP))
     blocks = triton.cdiv(chunk_size, cfg["BLOCK_T"])
     parts = batch * nchunks * nheads
     dA_part, dbias_part = _triton.output((parts,), **f32), _triton.output((parts,), **f32)

@@ -47,7 +47,7 @@ def selective_state_update_ref(
         return y.view(batch, nheads, headdim)
     batch, dim = x.shape
     dstate = state.shape[-1]
-    rows = torch.arange(batch) if state_batch_indices is None else state_batch_indices.long()
+    rows = torch.arange(batch, device=x.device) if state_batch_indices is None else state_batch_indices.long()
     valid = rows >= 0
     h = state[rows.clamp(min=0)].float()
     dt = dt.float() + (dt_bias.float() if dt_bias is not None else 0.0)

@@ -21,8 +21,8 @@ def selective_state_update(
 ) -> Tensor:
     batch, dim, dstate, groups = check_state_update_inputs(state, x, dt, A, B, C, D, z, dt_bias)
     out = _triton.output((batch, dim), x.dtype, x.device)  # 1-D while a kernel writes it (_triton.output)
-    block_n = max(triton.next_power_of_2(dstate), 2)
-    block_d = min(max(1024 // block_n, 1), triton.next_power_of_2(dim))  # a (block_d, block_n) tile of 1024
+    block_n = _triton.pow2_tile(dstate, 2, _triton.NO_CAP)
+    block_d = _triton.pow2_tile(dim, 1, max(1024 // block_n, 1))  # a (block_d, block_n) tile of 1024
 
     def bc_strides(M: Tensor) -> tuple:  # (batch, group, state); (batch, dstate) is one shared group
         return (M.stride(0), 0, M.stride(1)) if M.dim() == 2 else tuple(M.stride())
@@ -48,8 +48,8 @@ def multihead_state_update(
     if type(state_batch_indices) is Tensor:  # (it reads the indices: not while tracing)
         check_state_batch_indices(state_batch_indices, cache_size)
     out = _triton.output((batch, nheads, headdim), x.dtype, x.device)  # 1-D while a kernel writes it
-    block_n = max(triton.next_power_of_2(dstate), 2)
-    block_p = min(max(2048 // block_n, 1), triton.next_power_of_2(headdim))  # a (block_p, block_n) tile of 2048
+    block_n = _triton.pow2_tile(dstate, 2, _triton.NO_CAP)
+    block_p = _triton.pow2_tile(headdim, 1, max(2048 // block_n, 1))  # a (block_p, block_n) tile of 2048
 
     def per_head(t: Optional[Tensor], rank: int) -> tuple:
         """(head, channel) strides of D or dt_bias; a per-head one's channel stride is 0."""
