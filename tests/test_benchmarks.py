@@ -169,3 +169,16 @@ def test_decode_benchmark_runs():
     for row in ("transformers (fp32)", "ssmops fp32 eager", "ssmops bf16 eager", "ssmops int8 eager"):
         assert row in out.stdout, row
     assert "of its sustained bound" in out.stdout and "of its peak bound" in out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(ssmops.available_backends()["cpu"] != "available", reason="times the native cpu backend")
+def test_frontend_benchmark_runs():
+    """benchmarks/frontend.py at its smallest: a row for every decoding front end and block."""
+    out = subprocess.run([sys.executable, "benchmarks/frontend.py", "--quick"], cwd=REPO, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    for row in ("Mamba-1 layout", "Mamba-1, bf16 cache + indices", "Mamba-2, tied (Mamba2.step)",
+                "Mamba-2, per channel", "Mamba-2, tied, cache + indices", "Mamba.step", "Mamba2.step"):
+        assert row in out.stdout, row
+    assert "overhead us" in out.stdout
