@@ -227,8 +227,6 @@ def test_triton_multihead_state_update_opcheck_and_strided_state(tied):
     assert_close(y, expected, TOLERANCES[torch.float32], "y")
     assert_close(state.float(), expected_state.float(), TOLERANCES[torch.bfloat16], "state")
     args = [kw[k] for k in ("state", "x", "dt", "A", "B", "C", "D", "z", "dt_bias", "state_batch_indices")]
-    if tied:  # the operator's per-head forms, as the front end passes them
-        args[2], args[3], args[8] = args[2][..., 0], args[3][:, 0, 0], args[8][:, 0]
     torch.library.opcheck(torch.ops.ssmops.multihead_state_update_triton.default, (*args, kw["dt_softplus"]))
 
 

@@ -268,7 +268,6 @@ def test_mamba1_layout_takes_a_low_precision_state_and_a_cache(state_dtype):
 def test_multihead_opcheck(case):
     kw = multihead_inputs(**case)
     args = [kw.get(k) for k in ("state", "x", "dt", "A", "B", "C", "D", "z", "dt_bias", "state_batch_indices")]
-    args[2], args[3], args[8] = (t.contiguous() if t is not None else None for t in (args[2], args[3], args[8]))
     torch.library.opcheck(torch.ops.ssmops.multihead_state_update.default, (*args, kw["dt_softplus"]))
 
 

@@ -139,9 +139,11 @@ Tensor selective_state_update(Tensor state, Tensor x, Tensor dt, Tensor A, Tenso
 }
 
 // --- multihead_state_update: Mamba-2's layout, a cache of states in any float dtype ----
-// Latency-bound (one token): small inputs are taken as float32 copies, the state is read and
-// written in place in its own dtype through its strides, and a head whose dt, A and dt_bias are
-// tied over headdim takes one exp per head instead of one per (channel, state).
+// Latency-bound (one token): x, B, C, z and a per-element A are taken as contiguous float32 copies,
+// dt, D, dt_bias and a per-head A are read through their strides, the state is read and written in
+// place in its own dtype through its strides, and a head whose dt, A and dt_bias are tied over
+// headdim (given per head, or expanded over headdim with stride 0) takes one exp per head instead of
+// one per (channel, state).
 
 const std::vector<ST> kFloats = {ST::Float, ST::Half, ST::BFloat16};
 
@@ -156,20 +158,41 @@ void check_float(const char* name, const Tensor& t, const std::vector<int64_t>& 
   check_tensor_of("multihead_state_update", name, t, kFloats, shape, "x");
 }
 
+// dt (batch, nheads[, headdim]), D and dt_bias (nheads[, headdim]) as the kernel reads them: float32
+// through their strides, so that a per-head value expanded over headdim with stride 0 (as mamba_ssm's
+// Mamba2 passes them) is read in place: the front end hands it on as it is, and nothing is copied
+struct HeadValues {
+  Tensor values;  // the argument itself when float32, else its float32 copy
+  const float* data;
+  int64_t batch, head, channel;  // strides; channel is 0 in a per-head form
+  bool tied;  // one value per head: the per-head form, or the per-channel one with headdim's stride 0
+  float at(int64_t b, int64_t h, int64_t i) const { return data[b * batch + h * head + i * channel]; }
+};
+
+HeadValues head_values(const Tensor& t, bool batched) {
+  Tensor f = t.scalar_type() == ST::Float ? t : torch::stable::to(t, ST::Float);
+  const int64_t lead = batched ? 1 : 0;  // dimensions before nheads
+  const bool channels = t.dim() == lead + 2;
+  const float* data = f.const_data_ptr<float>();
+  return HeadValues{f, data, batched ? f.stride(0) : 0, f.stride(lead), channels ? f.stride(lead + 1) : 0,
+                    !channels || t.stride(lead + 1) == 0};
+}
+
 struct MultiheadArgs {
   int64_t batch, nheads, headdim, dstate, ngroups;
-  bool dt_tied, A_tied, bias_tied, softplus;
-  const float *x, *dt, *A, *B, *C, *D, *z, *bias;  // D, z, bias may be null
-  bool D_tied;
+  bool A_tied, softplus;
+  HeadValues dt;
+  std::optional<HeadValues> D, bias;
+  const float *x, *A, *B, *C, *z;  // z may be null; A: contiguous, or tied: a value per head, A_head apart
+  int64_t A_head;
   const int64_t* rows;  // the state row of each batch row, -1 for padding
   float* y;
 };
 
-// dt of (batch row, head) bh, channel i: plus dt_bias, through softplus
-float step_size(const MultiheadArgs& a, int64_t bh, int64_t h, int64_t i) {
-  const int64_t p = a.headdim;
-  float dt = a.dt[a.dt_tied ? bh : bh * p + i];
-  if (a.bias) dt += a.bias[a.bias_tied ? h : h * p + i];
+// dt of batch row b, head h, channel i: plus dt_bias, through softplus
+float step_size(const MultiheadArgs& a, int64_t b, int64_t h, int64_t i) {
+  float dt = a.dt.at(b, h, i);
+  if (a.bias) dt += a.bias->at(0, h, i);
   return a.softplus ? softplus(dt) : dt;
 }
 
@@ -200,15 +223,16 @@ void multihead_step(const MultiheadArgs& a, T* state, const int64_t* st) {
       const float* Cg = a.C + (b * a.ngroups + h / per_group) * n;
       T* hs = state + cache_row * st[0] + h * st[1];
       // dt, and with A the decay, once per head where they are tied over headdim
-      const bool head_dt = a.dt_tied && (!a.bias || a.bias_tied);
-      const float dt_head = head_dt ? step_size(a, bh, h, 0) : 0.0f;
-      const float decay_head = head_dt && a.A_tied ? std::exp(dt_head * a.A[h]) : 0.0f;
+      const bool head_dt = a.dt.tied && (!a.bias || a.bias->tied);
+      const float A_h = a.A_tied ? a.A[h * a.A_head] : 0.0f;
+      const float dt_head = head_dt ? step_size(a, b, h, 0) : 0.0f;
+      const float decay_head = head_dt && a.A_tied ? std::exp(dt_head * A_h) : 0.0f;
       for (int64_t i = 0; i < p; ++i) {
-        dts[i] = head_dt ? dt_head : step_size(a, bh, h, i);
+        dts[i] = head_dt ? dt_head : step_size(a, b, h, i);
         dtxs[i] = dts[i] * a.x[bh * p + i];
-        decays[i] = !a.A_tied ? 0.0f : head_dt ? decay_head : std::exp(dts[i] * a.A[h]);
+        decays[i] = !a.A_tied ? 0.0f : head_dt ? decay_head : std::exp(dts[i] * A_h);
       }
-      const float* Ahead = a.A_tied ? nullptr : a.A + h * p * n;
+      const float* Ahead = a.A_tied ? nullptr : a.A + h * a.A_head;
       if (in_place) {
         advance(reinterpret_cast<float*>(hs), p, n, Ahead, dts.data(), decays.data(), dtxs.data(), Bg, Cg, acc.data());
       } else {
@@ -222,7 +246,7 @@ void multihead_step(const MultiheadArgs& a, T* state, const int64_t* st) {
       }
       for (int64_t i = 0; i < p; ++i) {
         const float xv = a.x[bh * p + i];
-        float out = a.D ? acc[i] + a.D[a.D_tied ? h : h * p + i] * xv : acc[i];
+        float out = a.D ? acc[i] + a.D->at(0, h, i) * xv : acc[i];
         if (a.z) {
           const float zv = a.z[bh * p + i];
           out *= zv / (1.0f + std::exp(-zv));
@@ -280,19 +304,18 @@ Tensor multihead_state_update(Tensor state, Tensor x, Tensor dt, Tensor A, Tenso
     for (int64_t b = 0; b < batch; ++b) rows[b] = b;
   }
 
-  const Tensor x32 = as_f32(x), dt32 = as_f32(dt), A32 = contig(A), B32 = as_f32(B), C32 = as_f32(C);
-  OptTensor D32, z32, bias32;
-  if (D) D32 = as_f32(*D);
+  // A tied over headdim and dstate: read a value per head in place (not a copy of the expansion)
+  const bool A_tied = A.dim() == 1 || (A.stride(1) == 0 && A.stride(2) == 0);
+  const Tensor x32 = as_f32(x), A32 = A_tied ? A : contig(A), B32 = as_f32(B), C32 = as_f32(C);
+  OptTensor z32;
   if (z) z32 = as_f32(*z);
-  if (dt_bias) bias32 = as_f32(*dt_bias);
   Tensor y = empty_like_shape(x, {batch, nheads, headdim}, ST::Float);
-  MultiheadArgs a{batch, nheads, headdim, dstate, ngroups, dt.dim() == 2, A.dim() == 1,
-                  dt_bias && dt_bias->dim() == 1, dt_softplus,
-                  x32.const_data_ptr<float>(), dt32.const_data_ptr<float>(), A32.const_data_ptr<float>(),
-                  B32.const_data_ptr<float>(), C32.const_data_ptr<float>(),
-                  D32 ? D32->const_data_ptr<float>() : nullptr, z32 ? z32->const_data_ptr<float>() : nullptr,
-                  bias32 ? bias32->const_data_ptr<float>() : nullptr, D && D->dim() == 1, rows.data(),
-                  y.mutable_data_ptr<float>()};
+  MultiheadArgs a{batch, nheads, headdim, dstate, ngroups, A_tied, dt_softplus, head_values(dt, true),
+                  D ? std::optional<HeadValues>(head_values(*D, false)) : std::nullopt,
+                  dt_bias ? std::optional<HeadValues>(head_values(*dt_bias, false)) : std::nullopt,
+                  x32.const_data_ptr<float>(), A32.const_data_ptr<float>(), B32.const_data_ptr<float>(),
+                  C32.const_data_ptr<float>(), z32 ? z32->const_data_ptr<float>() : nullptr, A32.stride(0),
+                  rows.data(), y.mutable_data_ptr<float>()};
   const int64_t strides[4] = {state.stride(0), state.stride(1), state.stride(2), state.stride(3)};
   switch (state.scalar_type()) {
     case ST::Half:

@@ -57,17 +57,19 @@ def multihead_state_update(
             return 0, 0
         return tuple(t.stride()) if t.dim() == rank else (t.stride(0), 0)
 
-    dt_channel = dt.dim() == 3 or (dt_bias is not None and dt_bias.dim() == 2)
+    # a per-head dt, A or dt_bias, or one expanded over headdim with stride 0: one decay per head
     dt_strides = tuple(dt.stride()) if dt.dim() == 3 else (*dt.stride(), 0)
     A_strides = tuple(A.stride()) if A.dim() == 3 else (A.stride(0), 0, 0)
+    bias_strides = per_head(dt_bias, 2)
+    dt_channel = dt_strides[2] != 0 or bias_strides[1] != 0
     _triton.launch(multihead_state_update_kernel, (triton.cdiv(headdim, block_p), nheads, batch), (
         state, x, dt, A, B, C, D if D is not None else A, z if z is not None else x,
         dt_bias if dt_bias is not None else A,
         state_batch_indices if state_batch_indices is not None else A, out,
         headdim, dstate, nheads // ngroups,
         *state.stride(), *x.stride(), *dt_strides, *A_strides, *B.stride(), *C.stride(), *per_head(D, 2),
-        *(z.stride() if z is not None else (0, 0, 0)), *per_head(dt_bias, 2),
-    ), dict(DT_CHANNEL=dt_channel, A_ELEMENT=A.dim() == 3, HAS_D=D is not None, HAS_Z=z is not None,
+        *(z.stride() if z is not None else (0, 0, 0)), *bias_strides,
+    ), dict(DT_CHANNEL=dt_channel, A_ELEMENT=A_strides[1:] != (0, 0), HAS_D=D is not None, HAS_Z=z is not None,
             HAS_BIAS=dt_bias is not None, HAS_INDEX=state_batch_indices is not None, SOFTPLUS=bool(dt_softplus),
             BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4))
     return out.view(batch, nheads, headdim)

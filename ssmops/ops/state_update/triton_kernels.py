@@ -61,8 +61,9 @@ def multihead_state_update_kernel(
     advanced and written back in the state's dtype; out (batch, nheads, headdim) is contiguous.
 
     DT_CHANNEL: dt + dt_bias varies over headdim (either is per channel; a per-head one comes with
-    stride 0); A_ELEMENT: A is (nheads, headdim, dstate). With neither, dt, softplus and the decay
-    exp(dt A) are one scalar per program: computed once per head, not per (channel, state)."""
+    stride 0); A_ELEMENT: A varies over (headdim, dstate) (a per-head one comes with strides 0). With
+    neither, dt, softplus and the decay exp(dt A) are one scalar per program: computed once per head,
+    not per (channel, state)."""
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
