@@ -1,12 +1,12 @@
 """What the decoding steps' Python front ends cost on top of the operators they end in, at batch 1.
 
-    python benchmarks/frontend.py [--threads 1] [--calls 2000] [--repeats 15] [--quick]
+    python benchmarks/frontend.py [--threads 1] [--calls 500] [--repeats 40] [--quick]
 
 Decoding calls `selective_state_update` once per layer per token, so at batch 1 and a small
 shape its Python (argument checks, views, backend selection) can cost as much as the step itself.
-Each row times a public front end and, with the same arguments prepared once as the front end
-hands them on, a direct call of the operator it ends in; the difference is the front end's
-overhead (goal: <= 10 us). The block rows time a `Mamba` / `Mamba2` block's `step` (d_model 64)
+Each row times a public front end and a direct call of the operator it ends in, with the same
+values prepared once in the operator's form; the difference is the front end's overhead (goal:
+<= 10 us). The block rows time a `Mamba` / `Mamba2` block's `step` (d_model 64)
 against a replay of every operator call the step dispatches (recorded once; so the replay's time
 is the operators' and the Python calls into them, and the difference is the block's glue).
 Native `cpu` backend, under `torch.inference_mode()` as `ssmops.models.generation` decodes.
@@ -28,6 +28,7 @@ from _common import seconds
 import ssmops  # noqa: E402  (_common puts the repository first on the path)
 from ssmops.modules.mamba import Mamba  # noqa: E402
 from ssmops.modules.mamba2 import Mamba2  # noqa: E402
+from ssmops.ops.state_update.schema import as_multihead  # noqa: E402
 
 DIM, NHEADS, HEADDIM, DSTATE, NGROUPS, CACHE = 128, 8, 16, 16, 1, 4
 
@@ -44,9 +45,7 @@ def mamba1_rows(gen) -> dict:
     state = _randn(1, DIM, DSTATE, gen=gen)
     cache = _randn(CACHE, DIM, DSTATE, gen=gen).bfloat16()
     index = torch.tensor([2], dtype=torch.int32)
-    # the cache goes to the multi-head operator, one channel a head of headdim 1
-    heads = (cache[:, :, None], x[..., None], dt[..., None], A[:, None], B[:, None], C[:, None], D[:, None],
-             z[..., None], bias[:, None])
+    heads = as_multihead(cache, x, dt, A, B, C, D, z, bias)  # the multi-head operator's form of a cache
     op, multihead = torch.ops.ssmops.selective_state_update.default, torch.ops.ssmops.multihead_state_update.default
     return {
         "Mamba-1 layout": (lambda: ssmops.selective_state_update(state, x, dt, A, B, C, D, z, bias, True),
@@ -59,8 +58,8 @@ def mamba1_rows(gen) -> dict:
 
 def mamba2_rows(gen) -> dict:
     """Mamba-2's layout (batch, nheads, headdim, dstate): dt, A, D and dt_bias tied over headdim as
-    stride-0 views (as mamba_ssm's Mamba2.step passes them; the operator gets their per-head forms),
-    the same per (head, channel), and the tied ones with a cache and state_batch_indices."""
+    stride-0 views (as mamba_ssm's Mamba2.step passes them; the operator is called with their per-head
+    forms), the same per (head, channel), and the tied ones with a cache and state_batch_indices."""
     heads = (NHEADS, HEADDIM)
     x, z = _randn(1, *heads, gen=gen), _randn(1, *heads, gen=gen)
     B, C = _randn(1, NGROUPS, DSTATE, gen=gen), _randn(1, NGROUPS, DSTATE, gen=gen)
@@ -132,8 +131,8 @@ def time_pair(front, op, calls: int, repeats: int) -> tuple[float, float, float]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--calls", type=int, default=2000, help="calls in a timed turn")
-    parser.add_argument("--repeats", type=int, default=15, help="turns of the front end and the operator each")
+    parser.add_argument("--calls", type=int, default=500, help="calls in a timed turn")
+    parser.add_argument("--repeats", type=int, default=40, help="turns of the front end and the operator each")
     parser.add_argument("--quick", action="store_true", help="few calls and turns (a smoke test)")
     args = parser.parse_args()
     calls, repeats = (20, 2) if args.quick else (args.calls, args.repeats)

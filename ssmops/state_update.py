@@ -11,26 +11,43 @@ from .ops.state_update.checks import check_multihead_inputs, check_state_batch_i
 from .ops.state_update.schema import as_multihead
 
 
-def _tied(t: Tensor | None, tied_dims: int) -> Tensor | None:
-    """t without its last `tied_dims` dimensions when they are stride-0 expansions (mamba_ssm's
-    Mamba2 passes dt, A, D and dt_bias so), else t itself."""
-    if t is None or t.dim() <= tied_dims or any(s != 0 for s in t.stride()[-tied_dims:]):
-        return t
-    return t[(...,) + (0,) * tied_dims]
+def _layout(state, state_batch_indices) -> str:
+    """Which operator takes the step: 'multihead' (Mamba-2's layout), 'mamba1_as_heads' (Mamba-1's
+    with a low-precision state or a cache: Mamba-2's operator, one channel a head of headdim 1) or
+    'mamba1'."""
+    if isinstance(state, Tensor) and state.dim() == 4:
+        return "multihead"
+    if isinstance(state, Tensor) and state.dim() == 3 and (state.dtype != torch.float32 or
+                                                           state_batch_indices is not None):
+        return "mamba1_as_heads"
+    return "mamba1"
 
 
-def _tie(dt: Tensor, A: Tensor, dt_bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
-    """The per-head forms of dt, A and dt_bias where all three are tied over headdim (and A over
-    dstate): the operator then computes one decay per head instead of headdim * dstate."""
-    dt_h, A_h, bias_h = _tied(dt, 1), _tied(A, 2), _tied(dt_bias, 1)
-    if dt_h.dim() == 2 and A_h.dim() == 1 and (bias_h is None or bias_h.dim() == 1):
-        return dt_h, A_h, bias_h
-    return dt, A, dt_bias
+def _step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices) -> Tensor:
+    """The operator call of the step's layout, the arguments as they are (each kernel checks them)."""
+    layout = _layout(state, state_batch_indices)
+    if layout == "mamba1":
+        step = triton_op_for("selective_state_update", x) or torch.ops.ssmops.selective_state_update.default
+        return step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
+    step = triton_op_for("multihead_state_update", x) or torch.ops.ssmops.multihead_state_update.default
+    if layout == "multihead":
+        return step(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, dt_softplus)
+    heads = as_multihead(state, x, dt, A, B, C, D, z, dt_bias)
+    return step(*heads, state_batch_indices, dt_softplus).squeeze(-1)
 
 
-def _check_indices(state_batch_indices: Tensor | None, cache_size: int) -> None:
+def _check(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices) -> None:
+    """The checks of `_step`'s arguments, with errors that name the argument."""
+    layout = _layout(state, state_batch_indices)
+    if layout == "multihead":
+        check_multihead_inputs(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices)
+    elif layout == "mamba1_as_heads":
+        check_state_update_inputs(state, x, dt, A, B, C, D, z, dt_bias, state_dtypes=INPUT_DTYPES,
+                                  cache_size=state.shape[0] if state_batch_indices is not None else None)
+    else:
+        check_state_update_inputs(state, x, dt, A, B, C, D, z, dt_bias)
     if not torch.compiler.is_compiling():  # it reads the indices: eager only (the kernels check too)
-        check_state_batch_indices(state_batch_indices, cache_size)
+        check_state_batch_indices(state_batch_indices, state.shape[0])
 
 
 def selective_state_update(
@@ -61,7 +78,8 @@ def selective_state_update(
 
     Mamba-2's layout: state (cache_size, nheads, headdim, dstate); x, dt, z: (batch, nheads,
     headdim); A: (nheads, headdim, dstate); B, C: (batch, ngroups, dstate); D, dt_bias: (nheads,
-    headdim). Where dt, A and dt_bias are stride-0 expansions over headdim (and dstate), as
+    headdim); dt, A, D and dt_bias may also come in their per-head forms, (batch, nheads) and (nheads,).
+    Where dt, A and dt_bias are per head, or stride-0 expansions over headdim (and dstate) as
     mamba_ssm's Mamba2 passes them, one decay per head is computed. Returns (batch, nheads, headdim).
 
     Either layout: the state may be float32, float16 or bfloat16 (the step computes in float32
@@ -70,22 +88,17 @@ def selective_state_update(
 
     Inference only: not differentiable (no autograd is registered).
     """
-    if isinstance(state, Tensor) and state.dim() == 4:
-        dt, A, dt_bias = _tie(dt, A, dt_bias)
-        D = _tied(D, 1)  # a per-head D expanded over headdim: its per-head form spares the kernel a copy
-        check_multihead_inputs(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices)
-        _check_indices(state_batch_indices, state.shape[0])
-        step = triton_op_for("multihead_state_update", x) or torch.ops.ssmops.multihead_state_update
-        return step(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, dt_softplus)
-    if isinstance(state, Tensor) and state.dim() == 3 and (state.dtype != torch.float32 or
-                                                           state_batch_indices is not None):
-        # a low-precision state or a cache: Mamba-2's operator, one channel a head of headdim 1
-        check_state_update_inputs(state, x, dt, A, B, C, D, z, dt_bias, state_dtypes=INPUT_DTYPES,
-                                  cache_size=state.shape[0] if state_batch_indices is not None else None)
-        _check_indices(state_batch_indices, state.shape[0])
-        heads = as_multihead(state, x, dt, A, B, C, D, z, dt_bias)
-        step = triton_op_for("multihead_state_update", x) or torch.ops.ssmops.multihead_state_update
-        return step(*heads, state_batch_indices, dt_softplus).squeeze(-1)
-    check_state_update_inputs(state, x, dt, A, B, C, D, z, dt_bias)
-    step = triton_op_for("selective_state_update", x) or torch.ops.ssmops.selective_state_update
-    return step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
+    args = (state, x, dt, A, B, C, D, z, dt_bias)
+    if torch.compiler.is_compiling():  # checked while tracing, which costs nothing at run time
+        _check(*args, state_batch_indices)
+        return _step(*args, dt_softplus, state_batch_indices)
+    # Eager: a decoding step runs per layer per token, and checking in Python first would cost more
+    # than the step at batch 1. Every backend's kernel checks its arguments itself, so the Python
+    # checks run only after a failure, to raise the error that names the argument as a TypeError or
+    # ValueError (the C++ library's checks raise RuntimeError).
+    try:
+        return _step(*args, dt_softplus, state_batch_indices)
+    except Exception as failure:
+        error = failure
+    _check(*args, state_batch_indices)  # outside the `except`: its error is not chained to the kernel's
+    raise error

@@ -227,27 +227,28 @@ def test_reference_multihead_is_the_flat_layout():
     torch.testing.assert_close(kw["state"].reshape(batch, dim, dstate), flat["state"])
 
 
-def test_tied_views_take_one_decay_per_head(monkeypatch):
-    """mamba_ssm's Mamba2 passes dt, A, dt_bias and a per-head D as stride-0 expansions: the
-    operator receives their per-head forms (one exp per head, no copy of D), and the result equals
-    the untied computation."""
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tied_views_equal_per_head_forms(backend, dtype):
+    """mamba_ssm's Mamba2 passes dt, A, dt_bias and a per-head D as stride-0 expansions over
+    headdim (A also over dstate), and the front end hands them on as they are: every backend reads
+    them in place (one decay per head) and agrees with their per-head forms and with contiguous
+    per-channel copies."""
     kw = multihead_inputs()
-    kw["D"] = kw["D"][:, None].expand(kw["x"].shape[1:])
-    seen = []
-    op = torch.ops.ssmops.multihead_state_update
-
-    def spy(*args):
-        seen.append(tuple(args[i].dim() for i in (2, 3, 6, 8)))  # dt, A, D, dt_bias
-        return op(*args)
-
-    monkeypatch.setattr(torch.ops.ssmops, "multihead_state_update", spy)
-    untied = {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
-    untied["state"] = kw["state"].clone()
-    y = ssmops.selective_state_update(**kw)
-    y_untied = ssmops.selective_state_update(**untied)
-    assert seen == [(2, 1, 1, 1), (3, 3, 2, 2)]
-    assert_close(y, y_untied, TOLERANCES[torch.float32], "y")
-    assert_close(kw["state"], untied["state"], TOLERANCES[torch.float32], "state")
+    dt_h = kw["dt"][..., 0].to(dtype)
+    heads = dict(dt=dt_h, A=kw["A"][:, 0, 0], D=kw["D"], dt_bias=kw["dt_bias"][:, 0])
+    views = dict(dt=dt_h[..., None].expand(kw["x"].shape), A=kw["A"], D=kw["D"][:, None].expand(kw["x"].shape[1:]),
+                 dt_bias=kw["dt_bias"])
+    assert views["dt"].stride(2) == views["A"].stride(2) == views["D"].stride(1) == 0
+    channels = {k: v.contiguous() for k, v in views.items()}
+    states, ys = [], []
+    with ssmops.use_backend(backend):
+        for forms in (views, heads, channels):
+            states.append(kw["state"].clone())
+            ys.append(ssmops.selective_state_update(**{**kw, **forms, "state": states[-1]}))
+    for state, y in zip(states[1:], ys[1:]):
+        assert_close(y, ys[0], TOLERANCES[torch.float32], "y")
+        assert_close(state, states[0], TOLERANCES[torch.float32], "state")
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float16, torch.bfloat16])

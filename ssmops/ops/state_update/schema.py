@@ -38,14 +38,10 @@ def multihead_fake(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, dt
 
 def as_multihead(state, x, dt, A, B, C, D, z, dt_bias) -> tuple:
     """Mamba-1's layout as `multihead_state_update`'s arguments (up to `state_batch_indices`): a
-    channel is a head of headdim 1, and B/C's groups are groups of those heads. Views only, so
-    the state is still updated in place."""
-
-    def channel_as_head(t):
-        return None if t is None else t.unsqueeze(-1)
-
+    channel is a head of headdim 1, B/C's groups are groups of those heads, and dt, D and dt_bias
+    are already in their per-head forms. Views only (as few as may be: a decoding step makes them
+    per layer per token), so the state is still updated in place."""
     return (
-        state.unsqueeze(2), x.unsqueeze(-1), dt.unsqueeze(-1), A.unsqueeze(1),
-        B if B.dim() == 3 else B.unsqueeze(1), C if C.dim() == 3 else C.unsqueeze(1),
-        channel_as_head(D), channel_as_head(z), channel_as_head(dt_bias),
+        state.unsqueeze(2), x.unsqueeze(-1), dt, A.unsqueeze(1), B if B.dim() == 3 else B.unsqueeze(1),
+        C if C.dim() == 3 else C.unsqueeze(1), D, None if z is None else z.unsqueeze(-1), dt_bias,
     )
