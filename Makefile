@@ -5,40 +5,51 @@ PY := $(VENV)/bin/python
 # Torch is installed only when the venv has none; override e.g. TORCH_SPEC='torch>=2.10'.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
+# pytest-xdist's workers for make test and test-quick: the 2 cores of CI's machine, both used
+TEST_WORKERS ?= 2
 
-.PHONY: install demo test test-quick test-triton-interpreter bench-deps bench bench-cpu bench-ssd sanitize gpu-check clean
+.PHONY: install install-test demo test test-quick test-triton-interpreter bench-deps bench bench-cpu bench-ssd sanitize gpu-check clean
 
+# What the package needs to build and run (all `make demo` installs): torch, numpy, and setuptools and
+# wheel for the C++ library's build.
 $(VENV)/.installed: pyproject.toml setup.py $(shell find ssmops/csrc -type f)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q "setuptools>=70" wheel numpy pytest hypothesis transformers "triton; platform_system == 'Linux'"
+	$(PY) -m pip install -q "setuptools>=70" wheel numpy
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
+# What the tests need besides (pyproject's `test` extra).
+$(VENV)/.test-installed: $(VENV)/.installed
+	$(PY) -m pip install -q pytest pytest-xdist hypothesis transformers "triton; platform_system == 'Linux'"
+	touch $@
+
 install: $(VENV)/.installed
+
+install-test: $(VENV)/.test-installed
 
 demo: install
 	$(PY) examples/demo.py
 
 # The second run repeats the operator-level and deployment checks with the native
 # library unloaded, so that `default` is what the dispatcher registers for CPU.
-test: install
-	$(PYTEST) --durations=15 tests
-	SSMOPS_BACKEND=default $(PYTEST) tests/ops tests/test_compile_export.py -k "opcheck or compile or export or aoti"
+test: install-test
+	$(PYTEST) -n $(TEST_WORKERS) --durations=15 tests
+	SSMOPS_BACKEND=default $(PYTEST) -n $(TEST_WORKERS) tests/ops tests/test_compile_export.py -k "opcheck or compile or export or aoti"
 
 # Every Triton case under the interpreter, the slow ones included (make test runs those not marked
 # slow there; on a GPU, make gpu-check runs them all natively).
-test-triton-interpreter: install
+test-triton-interpreter: install-test
 	TRITON_INTERPRET=1 $(PYTEST) -k triton tests/ops tests/test_properties.py tests/test_triton.py
 
 # The quick subset: everything but the checks marked slow.
-test-quick: install
-	$(PYTEST) -m "not slow" tests
+test-quick: install-test
+	$(PYTEST) -n $(TEST_WORKERS) -m "not slow" tests
 
 # The benchmarks time their peers as published, fetched at run time into build/peers
 # (benchmarks/peers.py): mamba_ssm's sdist, whose code needs einops (installed here for that and
 # nothing else), and mambapy, installed there with --no-deps (it needs only torch).
-bench-deps: install
+bench-deps: install-test
 	$(PY) -m pip install -q einops
 	$(PY) -c "import sys; sys.path.insert(0, 'benchmarks'); import peers; peers.mamba_ssm_source()"
 
@@ -68,7 +79,7 @@ clean:
 # instrumented, hence the preloaded runtime and no leak checking).
 SANITIZE_ENV = LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
-sanitize: install
+sanitize: install-test
 	rm -rf build/sanitize build/sanitize-tmp
 	SSMOPS_SANITIZE=1 MAX_JOBS=2 $(PY) setup.py -q build --build-base build/sanitize-tmp --build-lib build/sanitize
 	cd build/sanitize && $(SANITIZE_ENV) ../../$(PY) -m pytest -q -p no:cacheprovider -x \

@@ -45,14 +45,18 @@ needs_interpreter = pytest.mark.skipif(
 gpu = pytest.mark.skipif(not (HAS_CUDA and TRITON_AVAILABLE), reason="needs a CUDA device and Triton")
 
 
+INTERPRETED_TEST_FILES = ["tests/ops/test_selective_scan.py", "tests/ops/test_ssd.py", "tests/ops/test_state_update.py",
+                          "tests/test_properties.py", "tests/test_triton.py"]
+
+
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
 @pytest.mark.skipif(interpreting(), reason="already under the interpreter: the tests run in this process")
-def test_triton_interpreter_suite(request):
+@pytest.mark.parametrize("path", INTERPRETED_TEST_FILES, ids=lambda path: path.split("/")[-1][:-3])
+def test_triton_interpreter_suite(path, request):
     """The sweeps of tests/ops (the scans, the decoding steps), the drawn problems of test_properties.py and
-    this file's interpreter tests, with TRITON_INTERPRET=1 (those not marked slow unless `-m` says otherwise)."""
-    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "triton",
-            "tests/ops/test_selective_scan.py", "tests/ops/test_ssd.py", "tests/ops/test_state_update.py",
-            "tests/test_properties.py", "tests/test_triton.py"]
+    this file's interpreter tests, with TRITON_INTERPRET=1 (those not marked slow unless `-m` says otherwise),
+    a file a process (so that pytest-xdist's workers share them)."""
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "triton", path]
     # The interpreter runs a kernel about 1e4 times slower than a GPU: the cases marked slow run here
     # only when asked for (`-m slow`, or `make test-triton-interpreter`), and natively in `make gpu-check`.
     args += ["-m", request.config.getoption("markexpr") or "not slow"]
