@@ -29,7 +29,7 @@ test: install
 # Every Triton case under the interpreter, the slow ones included (make test runs those not marked
 # slow there; on a GPU, make gpu-check runs them all natively).
 test-triton-interpreter: install
-	TRITON_INTERPRET=1 $(PYTEST) -k triton tests/ops tests/test_properties.py tests/test_triton.py
+	TRITON_INTERPRET=1 $(PYTEST) -k triton tests/ops tests/test_properties.py tests/test_nonfinite.py tests/test_triton.py
 
 # The quick subset: everything but the checks marked slow.
 test-quick: install
@@ -57,7 +57,7 @@ bench-ssd: bench-deps
 gpu-check:
 	$(PYTHON) -m pip install -q --no-build-isolation --no-deps -e .
 	$(PYTHON) -m pytest -q -p no:cacheprovider -rs tests/test_triton.py tests/ops/test_selective_scan.py \
-		tests/ops/test_ssd.py tests/ops/test_state_update.py -k "triton or cuda"
+		tests/ops/test_ssd.py tests/ops/test_state_update.py tests/test_nonfinite.py -k "triton or cuda"
 	$(PYTHON) benchmarks/gpu.py --sweep
 
 clean:
