@@ -40,7 +40,7 @@ test: install-test
 # Every Triton case under the interpreter, the slow ones included (make test runs those not marked
 # slow there; on a GPU, make gpu-check runs them all natively).
 test-triton-interpreter: install-test
-	TRITON_INTERPRET=1 $(PYTEST) -k triton tests/ops tests/test_properties.py tests/test_triton.py
+	TRITON_INTERPRET=1 $(PYTEST) -k triton tests/ops tests/test_properties.py tests/test_nonfinite.py tests/test_triton.py
 
 # The quick subset: everything but the checks marked slow.
 test-quick: install-test

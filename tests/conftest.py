@@ -242,6 +242,16 @@ STATE_UPDATE_CASES = [
 
 
 
+def interpreter_examples(n: int):
+    """Under Triton's interpreter (test_triton_interpreter_suite runs the property tests' Triton cases so) an
+    SSD problem takes seconds, its gradients ten, and a scan's gradients two: n drawn problems there."""
+    from hypothesis import settings
+
+    from ssmops._registry import interpreting
+
+    return settings(max_examples=n) if interpreting() else (lambda test: test)
+
+
 def run_python(code: str, env: dict | None = None, timeout: float = 600, cwd=REPO,
                args: list[str] = ()) -> subprocess.CompletedProcess:
     """Runs code in a fresh interpreter (so a crash or a different import-time setting is

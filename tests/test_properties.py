@@ -9,19 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import ssmops
-from conftest import TOLERANCES, backend_params, rel_err
-from ssmops._registry import interpreting
-
-
-
-def interpreter_examples(n: int):
-    """Under Triton's interpreter (tests/test_triton.py runs this file's Triton tests so) an SSD problem
-    takes seconds, its gradients ten, and a scan's gradients two: n drawn problems there."""
-    return settings(max_examples=n) if interpreting() else (lambda test: test)
+from conftest import TOLERANCES, backend_params, interpreter_examples, rel_err
 
 
 def _layout(x: torch.Tensor, how: str) -> torch.Tensor:

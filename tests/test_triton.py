@@ -2,9 +2,9 @@
 
 On a CPU-only machine the kernels run under Triton's interpreter, which has to be switched
 on (`TRITON_INTERPRET=1`) before Triton and ssmops are imported; `test_triton_interpreter_suite`
-therefore runs the Triton tests of this file, tests/ops/test_selective_scan.py and test_properties.py in a fresh
+therefore runs the Triton tests of this file, tests/ops, test_properties.py and test_nonfinite.py in a fresh
 interpreter with it set, so the rest of the suite is unaffected. Run
-`TRITON_INTERPRET=1 pytest tests/ops tests/test_properties.py tests/test_triton.py -k triton`
+`TRITON_INTERPRET=1 pytest tests/ops tests/test_properties.py tests/test_nonfinite.py tests/test_triton.py -k triton`
 for test-by-test results. The tests marked `gpu` need a CUDA device (on ROCm too).
 """
 
@@ -46,7 +46,7 @@ gpu = pytest.mark.skipif(not (HAS_CUDA and TRITON_AVAILABLE), reason="needs a CU
 
 
 INTERPRETED_TEST_FILES = ["tests/ops/test_selective_scan.py", "tests/ops/test_ssd.py", "tests/ops/test_state_update.py",
-                          "tests/test_properties.py", "tests/test_triton.py"]
+                          "tests/test_properties.py", "tests/test_nonfinite.py", "tests/test_triton.py"]
 
 
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
@@ -54,8 +54,8 @@ INTERPRETED_TEST_FILES = ["tests/ops/test_selective_scan.py", "tests/ops/test_ss
 @pytest.mark.parametrize("path", INTERPRETED_TEST_FILES, ids=lambda path: path.split("/")[-1][:-3])
 def test_triton_interpreter_suite(path, request):
     """The sweeps of tests/ops (the scans, the decoding steps), the drawn problems of test_properties.py and
-    this file's interpreter tests, with TRITON_INTERPRET=1 (those not marked slow unless `-m` says otherwise),
-    a file a process (so that pytest-xdist's workers share them)."""
+    test_nonfinite.py and this file's interpreter tests, with TRITON_INTERPRET=1 (those not marked slow unless
+    `-m` says otherwise), a file a process (so that pytest-xdist's workers share them)."""
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "triton", path]
     # The interpreter runs a kernel about 1e4 times slower than a GPU: the cases marked slow run here
     # only when asked for (`-m slow`, or `make test-triton-interpreter`), and natively in `make gpu-check`.
@@ -403,8 +403,7 @@ SSD_KERNELS = ["ssd_states_fwd_kernel", "ssd_chunk_scan_kernel", "ssd_chunk_scan
 def test_triton_ssd_kernels_compile_for_gpus_without_spilling(target, name):
     """The SSD scan's forward and backward launches, and the multi-head decoding step's at the same
     sizes, compiled for a GPU: no register spills at the benchmark's shape. (The varlen case's
-    seq_idx, fp16 and per-channel D cost a few: 8 bytes in sm_80's dC kernel, 28-29 in gfx942's output
-    kernel.)"""
+    seq_idx, fp16 and per-channel D cost a few: 32 bytes in gfx942's output kernel.)"""
     from ssmops.ops import triton_aot as aot
 
     from ssmops.ops.state_update import triton as state_update_triton

@@ -59,7 +59,7 @@ inline vf vlog_ge1_of(vf w) {
   return m + y + fe * (vf{} + 0.693359375f);
 }
 
-// softplus as torch computes it (beta 1, threshold 20): x > 20 ? x : log1p(exp(x)).
+// softplus as torch computes it (beta 1, threshold 20): x > 20 ? x : log1p(exp(x)), and NaN for NaN.
 template <class vf, class vi>
 inline vf vsoftplus_of(vf x) {
   const vf one = vf{} + 1.0f, twenty = vf{} + 20.0f;
@@ -69,7 +69,7 @@ inline vf vsoftplus_of(vf x) {
   vf den = w - one;
   vf l1p = vlog_ge1_of<vf, vi>(w) * e / (den == vf{} ? one : den);
   l1p = den == vf{} ? e : l1p;
-  return x > twenty ? x : l1p;
+  return x <= twenty ? l1p : x;  // (a NaN fails the test: it stays NaN, where l1p would be softplus(20))
 }
 
 // The lanes' sum as a halving tree, the upper half onto the lower until one lane is left: a fixed

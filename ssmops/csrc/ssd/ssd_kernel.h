@@ -96,18 +96,43 @@ inline vf vsigmoid(vf z) { return bc(1.0f) / (bc(1.0f) + vexp(-z)); }
 // B (K x N) in column panels of NR columns: element (k, j) at B[(j/NR)*pb + k*NR + j%NR].
 // Rows / columns past M / N are zero in the panels.
 
-// tile (MR x NR, row-major) = sum over K of a panel times b panel.
-__attribute__((noinline)) void micro(int64_t K, const float* __restrict a, const float* __restrict b, float* __restrict tile) {
+// The lanes' indices 0 .. W-1.
+inline vi lanes() {
+  vi v;
+  for (int l = 0; l < W; ++l) v[l] = l;
+  return v;
+}
+
+// tile (MR x NR, row-major) = sum over K of a panel times b panel. From row kt of the b panel on
+// (kt < K: a causal triangle), column v takes row k only where k - kt <= v: the product is selected,
+// not multiplied by the zeros packed above the diagonal, so that a NaN or inf in the a panel's
+// column k (a later token's dt x) does not reach the columns before it (0 * NaN = NaN).
+__attribute__((noinline)) void micro(int64_t K, int64_t kt, const float* __restrict a, const float* __restrict b,
+                                     float* __restrict tile) {
   vf c0[MR], c1[MR];
 #pragma GCC unroll 6
   for (int r = 0; r < MR; ++r) c0[r] = c1[r] = bc(0.0f);
-  for (int64_t k = 0; k < K; ++k) {
+  for (int64_t k = 0; k < kt; ++k) {
     const vf b0 = ld(b), b1 = ld(b + W);
 #pragma GCC unroll 6
     for (int r = 0; r < MR; ++r) {
       const vf ar = bc(a[r]);
       c0[r] += ar * b0;
       c1[r] += ar * b1;
+    }
+    a += MR;
+    b += NR;
+  }
+  const vi lane0 = lanes(), lane1 = lane0 + W;
+  for (int64_t k = kt; k < K; ++k) {
+    const vf b0 = ld(b), b1 = ld(b + W);
+    const vi d = vi{} + static_cast<int32_t>(k - kt);
+    const vi keep0 = lane0 >= d, keep1 = lane1 >= d;
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) {
+      const vf ar = bc(a[r]);
+      c0[r] = keep0 ? c0[r] + ar * b0 : c0[r];
+      c1[r] = keep1 ? c1[r] + ar * b1 : c1[r];
     }
     a += MR;
     b += NR;
@@ -121,10 +146,11 @@ __attribute__((noinline)) void micro(int64_t K, const float* __restrict a, const
 
 // For every tile (i0, j0): the k-range kr(i0, j0) -> [kb, ke) (kb == ke gives a zero tile: the
 // caller's zero blocks of a triangular operand; kb > ke: a tile nobody reads, left unwritten),
-// then out(i0, j0, rows, cols, tile).
+// with a causal triangle from kt on where kt < ke (see micro), then out(i0, j0, rows, cols, tile).
 // The B panel stays in L1 across the row panels.
 struct KRange {
   int64_t kb, ke;
+  int64_t kt = INT64_MAX;
 };
 template <class KR, class Out>
 inline void gemm(int64_t M, int64_t N, const float* A, int64_t pa, const float* B, int64_t pb, KR kr, Out out) {
@@ -135,7 +161,7 @@ inline void gemm(int64_t M, int64_t N, const float* A, int64_t pa, const float* 
       const KRange r = kr(i0, j0);
       if (r.kb > r.ke) continue;
       if (r.ke > r.kb) {
-        micro(r.ke - r.kb, A + (i0 / MR) * pa + r.kb * MR, bp + r.kb * NR, tile);
+        micro(r.ke - r.kb, imin(r.kt, r.ke) - r.kb, A + (i0 / MR) * pa + r.kb * MR, bp + r.kb * NR, tile);
       } else {
         for (int t = 0; t < MR * NR; ++t) tile[t] = 0.0f;
       }
@@ -444,7 +470,8 @@ __attribute__((noinline)) void seg_y(const SsdArgs& a, const Geo& g, const Seg& 
     }
   }
   gemm(g.P, T, Ap, K * MR, Bp, K * NR,
-       [&](int64_t, int64_t j0) { return KRange{0, koff + imin(T, j0 + NR)}; }, StoreT{y, y_stride, false});
+       [&](int64_t, int64_t j0) { return KRange{0, koff + imin(T, j0 + NR), koff + j0}; },
+       StoreT{y, y_stride, false});
 }
 
 // h_end = exp(cs_last) h_prev + (w x)^T B over the segment, w_j = exp(cs_last - cs_j) dt_j.

@@ -91,6 +91,18 @@ def _decayed_to(xdt: Tensor, log_decay: Tensor, t: int, same_seq: Tensor | None 
     return xdt[:, : t + 1] * weight[..., None]
 
 
+def _causal_product(mixer: Tensor, xdt: Tensor) -> Tensor:
+    """mixer @ xdt for lower-triangular mixers (n, block, block) and xdt (n, block, headdim), where a
+    NaN or inf in xdt's row s reaches the rows from s on only. The product meets it with the zeros
+    above the diagonal too (0 * NaN = NaN): where xdt is not all finite (one reduction tells; a sum
+    that overflows only takes the slower way), it enters the product as 0 and reaches its rows
+    through the cumulative sum of 0 * xdt, 0 before it and NaN from it on (no gradient: 0)."""
+    if xdt.detach().sum().isfinite():
+        return mixer @ xdt
+    from_it_on = torch.cumsum(xdt.detach() * 0.0, dim=1)
+    return torch.baddbmm(from_it_on, mixer, xdt.nan_to_num(0.0, 0.0, 0.0))
+
+
 def _pad_tokens(t: Tensor, length: int) -> Tensor:
     """(batch, q, ...) -> (batch, length, ...), zero-padded."""
     pad = length - t.shape[1]
@@ -149,15 +161,17 @@ def _chunk_scan(
 
     # Diagonal blocks: the per-head decay between two tokens of a block, causal.
     block_decay = log_decay.view(batch, nblocks, block, nheads).permute(0, 3, 1, 2)  # (batch, nheads, nblocks, block)
-    mask = _decay(block_decay[..., :, None] - block_decay[..., None, :])  # (batch, nheads, nblocks, block, block)
-    causal = torch.ones(block, block, dtype=torch.bool, device=x.device).tril()
+    decay = _decay(block_decay[..., :, None] - block_decay[..., None, :])  # (batch, nheads, nblocks, block, block)
     CB_diagonal = torch.diagonal(CB.unflatten(2, (nblocks, block)).unflatten(4, (nblocks, block)), dim1=2, dim2=4)
-    CB_diagonal = CB_diagonal.permute(0, 1, 4, 2, 3) * causal  # (batch, ngroups, nblocks, block, block)
-    # (batch, ngroups, heads_per_group, nblocks, block, block)
-    mixer = mask.unflatten(1, (ngroups, -1)) * CB_diagonal[:, :, None]
+    CB_diagonal = CB_diagonal.permute(0, 1, 4, 2, 3)  # (batch, ngroups, nblocks, block, block)
+    # (batch, ngroups, heads_per_group, nblocks, block, block). The causal mask zeroes the product
+    # rather than multiplying it: above the diagonal the decay is the exp of a positive sum (up to
+    # e^87, or NaN from a later dt) and CB may hold a later token's NaN, and 0 * inf = NaN, in the
+    # product as in its gradient.
+    mixer = (decay.unflatten(1, (ngroups, -1)) * CB_diagonal[:, :, None]).tril_()
     # Head-major copy: bmm copies matrices one by one unless they are contiguous.
     xdt_by_head = xdt.transpose(1, 2).reshape(-1, block, headdim)  # (batch * nheads * nblocks, block, headdim)
-    y_diagonal = (mixer.reshape(-1, block, block) @ xdt_by_head).view(batch, nheads, length, headdim)
+    y_diagonal = _causal_product(mixer.reshape(-1, block, block), xdt_by_head).view(batch, nheads, length, headdim)
     y = y + y_diagonal.transpose(1, 2)
 
     # Earlier blocks: their tokens decayed to the token before the row block, through the

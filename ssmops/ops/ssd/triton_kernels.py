@@ -136,10 +136,16 @@ def _dy(dout_row, z_row, t, valid, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z: t
 
 
 @triton.jit
-def _decay_matrix(L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l, seq_s):
-    """exp(L_l - L_s) for s <= l of the same sequence, else 0: (rows l, columns s)."""
-    keep = (t_s[None, :] <= t_l[:, None]) & valid_l[:, None] & valid_s[None, :] & (seq_l[:, None] == seq_s[None, :])
-    return tl.where(keep, tl.exp(L_l[:, None] - L_s[None, :]), 0.0)
+def _decayed(P, L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l, seq_s, STRICT: tl.constexpr):
+    """P exp(L_l - L_s) for s <= l (s < l if STRICT) of the same sequence, else 0: (rows l, columns s).
+    Selected, not multiplied by a 0/1 mask: past the diagonal the exponent is a positive sum that may
+    overflow, and P may hold a later token's NaN (0 * inf = NaN)."""
+    if STRICT:
+        causal = t_s[None, :] < t_l[:, None]
+    else:
+        causal = t_s[None, :] <= t_l[:, None]
+    keep = causal & valid_l[:, None] & valid_s[None, :] & (seq_l[:, None] == seq_s[None, :])
+    return tl.where(keep, P * tl.exp(L_l[:, None] - L_s[None, :]), 0.0)
 
 
 @triton.jit
@@ -302,7 +308,7 @@ def ssd_chunk_scan_kernel(
         t, valid = _block(t0, j, Q, seqlen, BLOCK_T)
         run += tl.sum(_dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1], axis=0)
     t_l, valid_l = _block(t0, i, Q, seqlen, BLOCK_T)
-    a_l = _dt(dt_row, t_l, valid_l, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1]
+    dt_l, a_l = _dt(dt_row, t_l, valid_l, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
     L_l = tl.cumsum(a_l, axis=0)  # from the block start
     seq_l = _seq(seq_row, t_l, valid_l, s_seqt, HAS_SEQ)
     C_l = _operand(_tile(C_row, t_l, valid_l, s_Ct, nn, dstate, s_Cn), x_ptr, DOT_F32)
@@ -320,10 +326,15 @@ def ssd_chunk_scan_kernel(
         L_s = tl.cumsum(a_s, axis=0) - between  # relative to the row block's start
         B_s = _operand(_tile(B_row, t_s, valid_s, s_Bt, nn, dstate, s_Bn), x_ptr, DOT_F32)
         X_s = _tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp) * dt_s[:, None]
-        M = _dot(C_l, tl.trans(B_s), DOT_F32) * _decay_matrix(L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l,
-                                                              _seq(seq_row, t_s, valid_s, s_seqt, HAS_SEQ))
+        # A NaN or inf in the row block's own X_s must reach its rows s and after only, but the product
+        # meets it with the zeros above the diagonal too (0 * NaN = NaN): there it enters as 0, and
+        # reaches its rows after the loop
+        X_s = tl.where((X_s * 0.0 == 0.0) | (jj > 0), X_s, 0.0)
+        M = _decayed(_dot(C_l, tl.trans(B_s), DOT_F32), L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l,
+                     _seq(seq_row, t_s, valid_s, s_seqt, HAS_SEQ), False)
         y += _dot(_operand(M, x_ptr, DOT_F32), _operand(X_s, x_ptr, DOT_F32), DOT_F32)
     x_l = _tile(x_row, t_l, valid_l, s_xt, pp, headdim, s_xp)
+    y += tl.cumsum(x_l * dt_l[:, None] * 0.0, axis=0)  # (the row block's NaN and inf: 0 before, NaN from it on)
     if HAS_D:
         if D_CHANNEL:
             y += tl.load(D_ptr + h * s_Dh + pp, mask=pp < headdim, other=0.0).to(tl.float32)[None, :] * x_l
@@ -434,18 +445,30 @@ def _chunk_rows(b, h, c, nheads, nchunks, seqlen):
 
 
 @triton.jit
+def _diagonal(dy, x_row, dt_row, t, valid, pp, headdim, s_xt, s_xp, s_dtt, bias, lo, hi, SOFTPLUS: tl.constexpr,
+              HAS_LIMIT: tl.constexpr):
+    """dy_t . dt_t x_t, the diagonal of the quadratic form's gradient (its decay is exp(0) = 1)."""
+    dt = _dt_steps(dt_row, t, valid, s_dtt, bias, lo, hi, SOFTPLUS, HAS_LIMIT)[2]
+    return tl.sum(dy * _tile(x_row, t, valid, s_xt, pp, headdim, s_xp), axis=1) * dt
+
+
+@triton.jit
 def _dC_rows(t0, i, Q, seqlen, nheads, headdim, dstate, x_row, dt_row, B_row, C_row, seq_row, z_row, dout_row,
              bias, A, lo, hi, seq_before, state_row, scratch_row, out_row, states_ptr, dC_ptr, dlC_ptr, x_ptr,
              t_l, valid_l, L_l, seq_l, pp, nn, s_xt, s_xp, s_dtt, s_Bt, s_Bn, s_Ct, s_Cn, s_zt, s_zp, s_gt, s_gp,
              s_seqt, HAS_Z: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
              DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr):
     """ssd_bwd_block_kernel's rows l (block i): dC_l = w_l dy_l S + sum_{s <= l} (dy_l . dt_s x_s)
-    exp(L_l - L_s) B_s, and its part C_l . dC_l of dL_l."""
+    exp(L_l - L_s) B_s, and its part C_l . dC_l of dL_l. That part leaves the diagonal s = l out, and
+    so does B_l . dB_l (ssd_bwd_block_kernel's "dB"): their terms there cancel in dL_l, exactly so
+    when they are left out, as where dL_l is 0 (a single token, no entering state)."""
     run = 0.0
     for j in range(0, i):  # the log decay from the chunk start to this block
         t, valid = _block(t0, j, Q, seqlen, BLOCK_T)
         run += tl.sum(_dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1], axis=0)
     dy_l = _dy(dout_row, z_row, t_l, valid_l, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z)
+    diagonal = _diagonal(dy_l, x_row, dt_row, t_l, valid_l, pp, headdim, s_xt, s_xp, s_dtt, bias, lo, hi, SOFTPLUS,
+                         HAS_LIMIT)
     w_l = tl.where(valid_l & (seq_l == seq_before), tl.exp(run + L_l), 0.0)
     state = _operand(_state_tile(states_ptr, state_row, pp, nn, headdim, dstate), x_ptr, DOT_F32)
     dC = _dot(_operand(dy_l * w_l[:, None], x_ptr, DOT_F32), state, DOT_F32)
@@ -457,13 +480,14 @@ def _dC_rows(t0, i, Q, seqlen, nheads, headdim, dstate, x_row, dt_row, B_row, C_
         between += tl.where(jj > 0, tl.sum(a_s, axis=0), 0.0)
         L_s = tl.cumsum(a_s, axis=0) - between
         X_s = _operand(_tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp) * dt_s[:, None], x_ptr, DOT_F32)
-        dM = _dot(dy_l, tl.trans(X_s), DOT_F32) * _decay_matrix(
-            L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l, _seq(seq_row, t_s, valid_s, s_seqt, HAS_SEQ))
+        dM = _decayed(_dot(dy_l, tl.trans(X_s), DOT_F32), L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l,
+                      _seq(seq_row, t_s, valid_s, s_seqt, HAS_SEQ), True)
         B_s = _tile(B_row, t_s, valid_s, s_Bt, nn, dstate, s_Bn)
         dC += _dot(_operand(dM, x_ptr, DOT_F32), _operand(B_s, x_ptr, DOT_F32), DOT_F32)
-    _store_rows(dC_ptr, out_row, t_l * nheads, valid_l, nn, dstate, dC)
     C_l = _tile(C_row, t_l, valid_l, s_Ct, nn, dstate, s_Cn)
     tl.store(dlC_ptr + scratch_row + t_l, tl.sum(C_l * dC, axis=1), mask=valid_l)
+    dC += diagonal[:, None] * _tile(B_row, t_l, valid_l, s_Bt, nn, dstate, s_Bn)
+    _store_rows(dC_ptr, out_row, t_l * nheads, valid_l, nn, dstate, dC)
 
 
 @triton.jit
@@ -550,17 +574,17 @@ def ssd_bwd_block_kernel(
     for i in range(j, nblocks):
         t_l, valid_l = _block(t0, i, Q, seqlen, BLOCK_T)
         a_l = _dt(dt_row, t_l, valid_l, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1]
-        E = _decay_matrix(between + tl.cumsum(a_l, axis=0), L_s, t_l, t_s, valid_l, valid_s,
-                          _seq(seq_row, t_l, valid_l, s_seqt, HAS_SEQ), seq_s)
+        L_l = between + tl.cumsum(a_l, axis=0)
+        seq_l = _seq(seq_row, t_l, valid_l, s_seqt, HAS_SEQ)
         between += tl.sum(a_l, axis=0)
         dy_l = _operand(_dy(dout_row, z_row, t_l, valid_l, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z), x_ptr,
                         DOT_F32)
         C_l = _operand(_tile(C_row, t_l, valid_l, s_Ct, nn, dstate, s_Cn), x_ptr, DOT_F32)
         if DX:
-            M = _dot(C_l, tl.trans(op), DOT_F32) * E
+            M = _decayed(_dot(C_l, tl.trans(op), DOT_F32), L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l, seq_s, False)
             acc += _dot(tl.trans(_operand(M, x_ptr, DOT_F32)), dy_l, DOT_F32)
-        else:
-            dM = _dot(dy_l, tl.trans(op), DOT_F32) * E
+        else:  # without the diagonal l = s, added below (see _dC_rows)
+            dM = _decayed(_dot(dy_l, tl.trans(op), DOT_F32), L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l, seq_s, True)
             acc += _dot(tl.trans(_operand(dM, x_ptr, DOT_F32)), C_l, DOT_F32)
     if DX:
         x_s = _tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp)
@@ -576,9 +600,12 @@ def ssd_bwd_block_kernel(
             tl.store(dD_ptr + part * headdim + pp, tl.sum(dy_s * x_s, axis=0), mask=pp < headdim)
         _store_rows(dx_ptr, out_row, t_s * nheads, valid_s, pp, headdim, dx)
     else:
-        # dL_s's part -B_s . dB_s, without the end state's (ssd_bwd_ddt_kernel takes that as R)
+        # dL_s's part -B_s . dB_s, without the end state's (ssd_bwd_ddt_kernel takes that as R) and the diagonal's
         B_s = _tile(B_row, t_s, valid_s, s_Bt, nn, dstate, s_Bn)
         tl.store(dlB_ptr + scratch_row + t_s, tl.sum(B_s * acc, axis=1), mask=valid_s)
+        dy_s = _dy(dout_row, z_row, t_s, valid_s, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z)
+        acc += _diagonal(dy_s, x_row, dt_row, t_s, valid_s, pp, headdim, s_xt, s_xp, s_dtt, bias, lo, hi, SOFTPLUS,
+                         HAS_LIMIT)[:, None] * _tile(C_row, t_s, valid_s, s_Ct, nn, dstate, s_Cn)
         dends = _operand(_state_tile(dends_ptr, state_row, pp, nn, headdim, dstate), x_ptr, DOT_F32)
         _store_rows(dB_ptr, out_row, t_s * nheads, valid_s, nn, dstate, acc + _dot(op, dends, DOT_F32) * v[:, None])
 

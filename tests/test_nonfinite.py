@@ -1,0 +1,278 @@
+"""No NaN where the reference is finite, on every backend, and none before its cause (issue 45).
+
+Gradients stay finite and match a float64 reference across the decays and steps a model meets
+(strong decay, dt limits, every chunk size, one token, prime lengths): the decay between two
+tokens that the causal mask drops may overflow, and a mask multiplied in turns it into NaN
+(0 * inf), in the forward or in autograd's backward. And a scan is causal: a NaN or inf in one
+token's input reaches no output before that token, and those outputs stay what they were
+without it; all outputs are non-finite exactly where the reference's are.
+
+The Triton backend runs CPU tensors under its interpreter (test_triton_interpreter_suite runs
+this file's Triton cases so), on tiny problems; `-m slow` adds larger ones, and the `cuda` cases
+run the same properties on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import ssmops
+from conftest import backend_params, interpreter_examples, rel_err
+from ssmops._registry import interpreting
+from ssmops.ops.ssd.reference import ssd_scan_ref
+
+HAS_CUDA_TRITON = torch.cuda.is_available() and ssmops.available_backends()["triton"] == "available"
+CUDA = pytest.param("triton", "cuda", id="triton-cuda",
+                    marks=pytest.mark.skipif(not HAS_CUDA_TRITON, reason="needs a CUDA device and Triton"))
+
+
+def _targets(slow_triton: bool = False, names=("default", "cpu", "triton")) -> list:
+    """(backend, device): every backend on CPU tensors (Triton's under the interpreter, marked slow
+    if `slow_triton`), and Triton on CUDA tensors."""
+    params = []
+    for p in backend_params(names=names):
+        marks = [*p.marks, *([pytest.mark.slow] if slow_triton and p.values[0] == "triton" else [])]
+        params.append(pytest.param(p.values[0], "cpu", marks=marks, id=p.id))
+    return params + [CUDA]
+
+
+def _tiny(backend: str, device: str) -> bool:
+    return backend == "triton" and device == "cpu"
+
+
+def _on(kw: dict, device: str, dtype: torch.dtype | None = None) -> dict:
+    """kw's tensors on device, the floating ones of dtype too when given."""
+    def move(v):
+        if not isinstance(v, torch.Tensor):
+            return v
+        return v.to(device, dtype) if dtype is not None and v.is_floating_point() else v.to(device)
+    return {k: move(v) for k, v in kw.items()}
+
+
+# --- the SSD scan (Mamba-2) ---------------------------------------------------------------------
+
+CHUNKS = [16, 32, 64, 128, 256]
+LENGTHS = [1, 2, 3, 17, 31, 61, 67, 127, 131, 257]  # one token, primes about the chunk sizes
+LIMITS = [(0.0, math.inf), (0.05, math.inf), (1e-3, 0.1), (0.01, 2.0)]
+
+
+def _inverse_softplus(dt: torch.Tensor) -> torch.Tensor:
+    return torch.where(dt > 20, dt, torch.log(torch.expm1(dt)))
+
+
+@st.composite
+def ssd_problems(draw, tiny: bool = False, strong: bool = False, limits=LIMITS):
+    """mamba_chunk_scan_combined's arguments, float32. A = -exp(U(lo, hi)) from -0.002 to -12, dt
+    (after the bias and softplus) log-uniform over ranges from 1e-4 to 30, limits that cut it or not;
+    `strong` keeps to strong decays and large steps. `tiny`: problems the interpreter runs quickly."""
+    batch = 1 if tiny else draw(st.integers(1, 2))
+    ngroups = draw(st.sampled_from([1, 2]))
+    nheads = ngroups * draw(st.sampled_from([1, 2]))
+    headdim = draw(st.sampled_from([4, 16]))  # 16: gradients whose product with e^87 overflows
+    dstate = draw(st.sampled_from([4, 16]))
+    chunk = 16 if tiny else draw(st.sampled_from(CHUNKS))
+    seqlen = draw(st.sampled_from([1, 2, 17] if tiny else LENGTHS))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    a_range = draw(st.sampled_from([(1.5, 2.5)] if strong else [(-6.0, -2.0), (-2.0, 0.5), (0.0, 2.0), (1.5, 2.5)]))
+    dt_range = draw(st.sampled_from([(0.3, 30.0)] if strong else [(1e-4, 1e-2), (1e-3, 0.5), (0.05, 3.0), (1.0, 30.0)]))
+    softplus = draw(st.booleans())
+
+    def uniform(shape, lo, hi):
+        return torch.empty(shape).uniform_(lo, hi, generator=g)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g)
+
+    dt = torch.exp(uniform((batch, seqlen, nheads), *map(math.log, dt_range)))
+    dt_bias = randn(nheads) * 0.5 if draw(st.booleans()) else None
+    dt = (_inverse_softplus(dt) if softplus else dt) - (0 if dt_bias is None else dt_bias)
+    return dict(
+        x=randn(batch, seqlen, nheads, headdim), dt=dt, A=-torch.exp(uniform(nheads, *a_range)),
+        B=randn(batch, seqlen, ngroups, dstate), C=randn(batch, seqlen, ngroups, dstate), chunk_size=chunk,
+        D=draw(st.sampled_from([None, randn(nheads), randn(nheads, headdim)])),
+        z=randn(batch, seqlen, nheads, headdim) if draw(st.booleans()) else None, dt_bias=dt_bias,
+        initial_states=randn(batch, nheads, headdim, dstate) if draw(st.booleans()) else None,
+        dt_softplus=softplus,
+        dt_limit=draw(st.sampled_from(limits)),
+    )
+
+
+def _ssd_gradients(kw: dict, backend: str | None, device: str) -> dict:
+    """The gradients of a weighted sum of out and the final states for every tensor input: the
+    backend's in float32 on device, or (backend None) the float64 reference's on CPU."""
+    names = [k for k in ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states") if kw[k] is not None]
+    if backend is None:
+        fn, kw = ssd_scan_ref, _on({k: v for k, v in kw.items() if k != "chunk_size"}, "cpu", torch.float64)
+    else:
+        fn, kw = ssmops.mamba_chunk_scan_combined, _on(kw, device)
+    leaves = {k: kw[k].detach().clone().requires_grad_() for k in names}
+    weights = torch.randn(kw["x"].shape, generator=torch.Generator().manual_seed(1)).to(kw["x"])
+    with ssmops.use_backend(backend) if backend else contextlib.nullcontext():
+        out, final = fn(**{**kw, **leaves}, return_final_states=True)
+        grads = torch.autograd.grad((out * weights).sum() + final.sum(), list(leaves.values()))
+    return {k: g.cpu() for k, g in zip(names, grads)}
+
+
+def _assert_gradients_match(kw: dict, backend: str, device: str) -> None:
+    expected = _ssd_gradients(kw, None, device)
+    got = _ssd_gradients(kw, backend, device)
+    for name, e in expected.items():
+        assert e.isfinite().all(), f"d{name}: the reference is not finite"
+        assert got[name].isfinite().all(), f"d{name}: not finite"
+        if name != "A":
+            assert rel_err(got[name], e) <= 1e-3, f"d{name}"
+    # dA sums per head terms of about x_t . dx_t that cancel (the decay of a token to itself is 1 for
+    # any A), each rounded to float32: where strong decays leave dA tiny, that rounding is all of it
+    # (a few % of dA on every backend), so the error is measured against that scale too
+    floor = 1e-4 * (kw["x"].double() * expected["x"]).sum(-1).abs().sum((0, 1)).max()
+    err = (got["A"].double() - expected["A"]).abs().max() / torch.maximum(expected["A"].abs().max(), floor)
+    assert err <= 1e-2, f"dA: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("backend, device", _targets())
+@interpreter_examples(4)
+@given(data=st.data())
+def test_ssd_gradients_are_finite_and_match_the_reference(backend, device, data):
+    _assert_gradients_match(data.draw(ssd_problems(tiny=_tiny(backend, device))), backend, device)
+
+
+@pytest.mark.parametrize("backend, device", _targets(slow_triton=True))
+@interpreter_examples(2)
+@given(data=st.data())
+def test_ssd_gradients_under_strong_decay_and_large_steps(backend, device, data):
+    """Decays of e^-87 and less over a block: the dropped factors above the diagonal overflow."""
+    _assert_gradients_match(data.draw(ssd_problems(strong=True)), backend, device)
+
+
+@pytest.mark.parametrize("backend, device", _targets(slow_triton=True))
+def test_ssd_gradients_finite_in_issue_45s_case(backend, device):
+    """dB and dC were NaN on `default`: A = -exp(U(0, 2)), softplus, dt_limit (0.05, inf), 129 tokens in
+    chunks of 64, 6 heads of 16 channels in 3 groups, dstate 64, D per head."""
+    g = torch.Generator().manual_seed(0)
+    kw = dict(x=torch.randn(1, 129, 6, 16, generator=g), dt=torch.randn(1, 129, 6, generator=g),
+              A=-torch.exp(torch.rand(6, generator=g) * 2), B=torch.randn(1, 129, 3, 64, generator=g),
+              C=torch.randn(1, 129, 3, 64, generator=g), chunk_size=64, D=torch.randn(6, generator=g), z=None,
+              dt_bias=None, initial_states=None, dt_softplus=True, dt_limit=(0.05, math.inf))
+    _assert_gradients_match(kw, backend, device)
+
+
+@pytest.mark.parametrize("backend, device", _targets())
+def test_ssd_single_token_gradients(backend, device):
+    """One token and no initial state: dA is 0 exactly (the decay multiplies a zero state), and no
+    rounding of terms that cancel may make it otherwise (Triton's dA was ~1e-6 here)."""
+    g = torch.Generator().manual_seed(0)
+    kw = dict(x=torch.randn(1, 1, 4, 8, generator=g), dt=torch.randn(1, 1, 4, generator=g),
+              A=-torch.exp(torch.rand(4, generator=g) * 2), B=torch.randn(1, 1, 1, 16, generator=g),
+              C=torch.randn(1, 1, 1, 16, generator=g), chunk_size=16, D=torch.randn(4, generator=g),
+              z=torch.randn(1, 1, 4, 8, generator=g), dt_bias=torch.randn(4, generator=g), initial_states=None,
+              dt_softplus=True, dt_limit=(0.0, math.inf))
+    assert torch.equal(_ssd_gradients(kw, backend, device)["A"], torch.zeros(4))
+    _assert_gradients_match(kw, backend, device)
+
+
+def _poisoned(data, kw: dict, names: list[str], time_dim: int) -> tuple[dict, int]:
+    """kw with a NaN or inf put into one element of one of `names` at a drawn token t; returns it and t."""
+    name = data.draw(st.sampled_from([n for n in names if kw.get(n) is not None]), label="input")
+    shape = kw[name].shape
+    index = tuple(data.draw(st.integers(0, n - 1)) for n in shape)
+    value = data.draw(st.sampled_from([math.nan, math.inf, -math.inf]), label="value")
+    poisoned = {**kw, name: kw[name].clone()}
+    poisoned[name][index] = value
+    return poisoned, index[time_dim]
+
+
+def _assert_causal(got: tuple, clean: tuple, expected: tuple, t: int, time_dim: int) -> None:
+    """got's outputs before token t are finite and clean's; got is non-finite where expected is."""
+    before = got[0].narrow(time_dim, 0, t)
+    assert before.isfinite().all(), "a non-finite input reached an earlier output"
+    assert torch.equal(before, clean[0].narrow(time_dim, 0, t)), "a non-finite input changed an earlier output"
+    for g, e in zip(got, expected):
+        assert torch.equal(g.isfinite(), e.isfinite()), "non-finite where the reference is finite, or finite where not"
+
+
+def _assert_ssd_causal(kw: dict, poisoned: dict, t: int, backend: str, device: str) -> None:
+    def run(kw):
+        with ssmops.use_backend(backend):
+            return tuple(r.cpu() for r in ssmops.mamba_chunk_scan_combined(**_on(kw, device), return_final_states=True))
+
+    ref_kw = _on({k: v for k, v in poisoned.items() if k != "chunk_size"}, "cpu", torch.float64)
+    _assert_causal(run(poisoned), run(kw), ssd_scan_ref(**ref_kw, return_final_states=True), t, time_dim=1)
+
+
+@pytest.mark.parametrize("backend, device", _targets())
+@interpreter_examples(10)
+@given(data=st.data())
+def test_ssd_non_finite_input_reaches_no_earlier_output(backend, device, data):
+    # (no infinite upper limit with a lower one: the operator takes it as float32's largest value,
+    # which turns an infinite dt finite where the reference keeps it)
+    kw = data.draw(ssd_problems(tiny=_tiny(backend, device), limits=[lim for lim in LIMITS if lim[1] < math.inf
+                                                                       or lim[0] == 0]))
+    poisoned, t = _poisoned(data, kw, ["x", "dt", "B", "C", "z"], time_dim=1)
+    _assert_ssd_causal(kw, poisoned, t, backend, device)
+
+
+@pytest.mark.parametrize("backend, device", _targets())
+@pytest.mark.parametrize("name, index, value", [("x", (0, 20, 1, 2), math.nan), ("dt", (0, 20, 1), math.inf),
+                                                ("B", (0, 20, 0, 3), math.nan)], ids=["x-nan", "dt-inf", "B-nan"])
+def test_ssd_non_finite_input_in_a_chunks_middle(backend, device, name, index, value):
+    """Issue 45's case: a NaN at token 20 (chunk 16) made the outputs NaN from token 16, the start of its
+    chunk (the block of its row products), on `default` and `cpu`."""
+    g = torch.Generator().manual_seed(0)
+    kw = dict(x=torch.randn(1, 37, 2, 4, generator=g), dt=torch.rand(1, 37, 2, generator=g),
+              A=-torch.rand(2, generator=g), B=torch.randn(1, 37, 1, 8, generator=g),
+              C=torch.randn(1, 37, 1, 8, generator=g), chunk_size=16)
+    poisoned = {**kw, name: kw[name].clone()}
+    poisoned[name][index] = value
+    _assert_ssd_causal(kw, poisoned, 20, backend, device)
+
+
+# --- the selective scan (Mamba-1) -------------------------------------------------------------
+
+
+@st.composite
+def scan_problems(draw, tiny: bool = False):
+    """selective_scan_fn's arguments, float32, B and C variable (per batch or per group) or constant."""
+    batch = 1 if tiny else draw(st.integers(1, 2))
+    groups = draw(st.sampled_from([1, 2]))
+    dim = groups * draw(st.integers(1, 2))
+    dstate = draw(st.sampled_from([1, 4, 16]))
+    seqlen = draw(st.sampled_from([1, 2, 17] if tiny else LENGTHS))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g)
+
+    def bc():
+        return draw(st.sampled_from([randn(dim, dstate), randn(batch, dstate, seqlen),
+                                     randn(batch, groups, dstate, seqlen)]))
+
+    softplus = draw(st.booleans())
+    delta = torch.rand(batch, dim, seqlen, generator=g) * draw(st.sampled_from([0.01, 1.0, 20.0])) + 1e-4
+    return dict(
+        u=randn(batch, dim, seqlen), delta=_inverse_softplus(delta) if softplus else delta,
+        A=-torch.exp(torch.empty(dim, dstate).uniform_(-4.0, 2.5, generator=g)), B=bc(), C=bc(),
+        D=randn(dim) if draw(st.booleans()) else None, z=randn(batch, dim, seqlen) if draw(st.booleans()) else None,
+        delta_bias=randn(dim) * 0.1 if draw(st.booleans()) else None, delta_softplus=softplus,
+    )
+
+
+@pytest.mark.parametrize("backend, device", _targets(names=None))
+@interpreter_examples(10)
+@given(data=st.data())
+def test_scan_non_finite_input_reaches_no_earlier_output(backend, device, data):
+    kw = data.draw(scan_problems(tiny=_tiny(backend, device)))
+    # (B and C: only variable ones have a time axis)
+    poisoned, t = _poisoned(data, kw, ["u", "delta", "z"] + [n for n in ("B", "C") if kw[n].dim() > 2], time_dim=-1)
+
+    def run(kw):
+        with ssmops.use_backend(backend):
+            return tuple(r.cpu() for r in ssmops.selective_scan_fn(**_on(kw, device), return_last_state=True))
+
+    expected = ssmops.selective_scan_ref(**_on(poisoned, "cpu", torch.float64), return_last_state=True)
+    _assert_causal(run(poisoned), run(kw), expected, t, time_dim=-1)
