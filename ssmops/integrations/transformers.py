@@ -261,6 +261,9 @@ def to_ssmops(model: nn.Module, families=None) -> nn.Module:
     """Switch an already built transformers model in place: each mixer of a supported family
     becomes the ssmops subclass of its own class (parameters, buffers and hooks untouched).
     Returns the model. Raises UnsupportedTransformersError if the model has no such mixer."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if families is None and model_type in _FAMILIES:
+        families = [model_type]  # import only the modeling module it needs
     families = _check_families(families)
     switched = 0
     for family in families:
@@ -274,7 +277,7 @@ def to_ssmops(model: nn.Module, families=None) -> nn.Module:
             elif type(module) is cls:
                 switched += 1
     if not switched:
-        model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        model_type = model_type or type(model).__name__
         raise UnsupportedTransformersError(
             f"{type(model).__name__} (model_type {model_type!r}) has no mixer that ssmops' transformers integration "
             f"supports; supported model types: {', '.join(FAMILIES)}")
