@@ -131,6 +131,24 @@ def test_training_step_compiles_fullgraph(family):
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+@_SLOW
+@pytest.mark.parametrize("family", ["mamba", "mamba2"])
+def test_training_step_compiles_fullgraph_inductor(family):
+    """The same step with torch.compile's default backend (inductor; ~1.5 min a family on 2 cores)."""
+    reference, model = _pair(family)
+    reference.train()
+    model.train()
+    ids = _prompt()
+    loss = torch.compile(model, fullgraph=True)(ids, labels=ids).loss
+    loss.backward()
+    expected = reference(ids, labels=ids).loss
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(model.lm_head.weight.grad, reference.lm_head.weight.grad, rtol=1e-4, atol=1e-6)
+    mixer, reference_mixer = model.backbone.layers[0].mixer, reference.backbone.layers[0].mixer
+    torch.testing.assert_close(mixer.A_log.grad, reference_mixer.A_log.grad, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("family", ["mamba", "mamba2", pytest.param("falcon_mamba", marks=_SLOW),
                                     pytest.param("bamba", marks=_SLOW)])
 def test_export_forward(family):
@@ -143,6 +161,18 @@ def test_export_forward(family):
     with torch.no_grad():
         torch.testing.assert_close(program.module()(ids, use_cache=False).logits,
                                    reference(ids, use_cache=False).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_from_pretrained_one_line(tmp_path):
+    """The user's flow: a saved checkpoint, `ssmops.enable_transformers()`, `from_pretrained`."""
+    reference, _ = _pair("mamba2")
+    reference.save_pretrained(tmp_path)
+    with ssmops.enable_transformers():
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(model) is type(reference) and integration.uses_ssmops(model)
+    ids = _prompt()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-5)
 
 
 def test_enable_disable_leave_transformers_as_shipped():
