@@ -19,6 +19,7 @@ from ssmops.integrations import transformers as integration  # noqa: E402
 from conftest import REPO  # noqa: E402
 
 VOCAB = 64
+_SLOW = pytest.mark.slow  # the module stays near a minute on 2 cores without these
 
 
 def _config(family: str):
@@ -105,9 +106,6 @@ def test_packed_sequences_stay_apart_mamba2():
     torch.testing.assert_close(packed, torch.cat(apart, 1), rtol=1e-4, atol=1e-5)
 
 
-_SLOW = pytest.mark.slow  # the module stays under a minute on 2 cores without these
-
-
 @pytest.mark.parametrize("family", ["mamba", "mamba2", pytest.param("falcon_mamba", marks=_SLOW),
                                     pytest.param("bamba", marks=_SLOW)])
 def test_training_step_compiles_fullgraph(family):
@@ -173,6 +171,31 @@ def test_from_pretrained_one_line(tmp_path):
     ids = _prompt()
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["mamba", pytest.param("mamba2", marks=_SLOW)])
+def test_peft_lora_with_trainer(family, tmp_path):
+    """LoRA on in_proj (PEFT) trained by transformers' Trainer: the same losses, step by step, as
+    transformers' own path (PEFT refuses out_proj and conv1d on Mamba models, whichever path runs)."""
+    peft = pytest.importorskip("peft")
+    pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
+
+    def train(model):
+        torch.manual_seed(0)
+        model = peft.get_peft_model(model.train(), peft.LoraConfig(r=4, target_modules=["in_proj"],
+                                                                   task_type="CAUSAL_LM"))
+        rows = _prompt(4, 16)
+        data = [{"input_ids": row, "labels": row, "attention_mask": torch.ones_like(row)} for row in rows]
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3,
+                                              learning_rate=1e-2, logging_steps=1, report_to=[], use_cpu=True,
+                                              save_strategy="no", disable_tqdm=True)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+        assert integration.uses_ssmops(model) == (model.base_model.model is ours)
+        return torch.tensor([h["loss"] for h in trainer.state.log_history if "loss" in h])
+
+    reference, ours = _pair(family)
+    torch.testing.assert_close(train(ours), train(reference), rtol=1e-4, atol=1e-5)
 
 
 def test_enable_disable_leave_transformers_as_shipped():
