@@ -173,6 +173,19 @@ def test_from_pretrained_one_line(tmp_path):
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-5)
 
 
+def test_gradient_checkpointing_mamba2():
+    """transformers' gradient checkpointing re-runs the ssmops mixers in the backward: same loss and grads."""
+    reference, model = _pair("mamba2")
+    ids = _prompt()
+    for m in (reference, model):
+        m.gradient_checkpointing_enable()
+        m.train()
+        m(ids, labels=ids).loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
 @pytest.mark.parametrize("family", ["mamba", pytest.param("mamba2", marks=_SLOW)])
 def test_peft_lora_with_trainer(family, tmp_path):
     """LoRA on in_proj (PEFT) trained by transformers' Trainer: the same losses, step by step, as
