@@ -10,7 +10,13 @@ pure-PyTorch path when mamba_ssm / causal_conv1d are not installed) and after
 
 * prefill tokens/s: one forward over the prompt that fills the cache (`use_cache=True`);
 * decode tokens/s: `generate` of N greedy tokens after the prompt, timed as
-  (time for N tokens - time for 1 token) / (N - 1), so prefill is excluded.
+  (time for N tokens - time for 1 token) / (N - 1), so prefill is excluded (generate's own
+  per-token work included);
+* step/s: the model's forward on one token with the prompt's cache, N times (the mixers'
+  decoding step without generate around it).
+
+On a machine whose cores are shared, `--threads 1` gives steadier numbers: an OpenMP region
+over 2 threads waits for a descheduled thread (a (512, 16) exp took 7.6 ms instead of 0.03 ms).
 
 Prints each speed and the ratio ssmops / transformers.
 """
@@ -43,8 +49,8 @@ def build(family: str):
     return transformers.Mamba2ForCausalLM(config).eval()
 
 
-def measure(model, prompt: torch.Tensor, tokens: int, repeats: int) -> tuple[float, float]:
-    """(prefill tokens/s, decode tokens/s)."""
+def measure(model, prompt: torch.Tensor, tokens: int, repeats: int) -> tuple[float, float, float]:
+    """(prefill tokens/s, decode tokens/s through `generate`, one-token forward steps/s)."""
     mask = torch.ones_like(prompt)
     prefill = time_call(lambda: model(prompt, attention_mask=mask, use_cache=True), repeats)
 
@@ -53,7 +59,14 @@ def measure(model, prompt: torch.Tensor, tokens: int, repeats: int) -> tuple[flo
                                       do_sample=False)
 
     one, many = time_call(generate(1), repeats), time_call(generate(tokens), repeats)
-    return prompt.shape[1] / prefill, (tokens - 1) / max(many - one, 1e-9)
+    cache = model(prompt, attention_mask=mask, use_cache=True).cache
+    token = prompt[:, -1:]
+
+    def steps():
+        for _ in range(tokens):
+            model(token, cache=cache, use_cache=True)
+
+    return prompt.shape[1] / prefill, (tokens - 1) / max(many - one, 1e-9), tokens / time_call(steps, repeats)
 
 
 def main() -> None:
@@ -77,7 +90,7 @@ def main() -> None:
             theirs = measure(from_ssmops(model), prompt, args.tokens, args.repeats)
             ours = measure(to_ssmops(model), prompt, args.tokens, args.repeats)
         name = type(model).__name__
-        for label, t, o in (("prefill", theirs[0], ours[0]), ("decode", theirs[1], ours[1])):
+        for label, t, o in zip(("prefill", "decode", "step"), theirs, ours):
             print(f"{name:<20}{label:>10}{t:>11.0f} t/s{o:>8.0f} t/s{o / t:>7.2f}x")
             name = ""
 
