@@ -5,6 +5,7 @@ Tiny random configurations built in code (nothing is downloaded), float32 on CPU
 
 from __future__ import annotations
 
+import pickle
 import subprocess
 import sys
 
@@ -233,6 +234,7 @@ def test_enable_disable_leave_transformers_as_shipped():
     assert type(after.backbone.layers[0].mixer) is MambaMixer
     assert isinstance(during.backbone.layers[0].mixer, MambaMixer)  # a subclass: isinstance checks hold
     assert type(during.backbone.layers[0].mixer).__name__ == "MambaMixer"  # _no_split_modules go by name
+    assert integration.uses_ssmops(pickle.loads(pickle.dumps(during)))  # torch.save(model) keeps the mixers
 
     integration.to_ssmops(before)  # an already built model, in place, and back
     assert integration.uses_ssmops(before)

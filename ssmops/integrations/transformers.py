@@ -214,6 +214,15 @@ def mixer_class(model_type: str) -> type:
     return _mixer_classes[model_type]
 
 
+def __getattr__(name: str) -> type:
+    """The mixer classes by name (`ssmops.integrations.transformers.MambaMixer`, ...), built on first
+    use: where pickle (`torch.save(model)`) looks for them, in this process or a fresh one."""
+    for family, (_, class_name, _, _) in _FAMILIES.items():
+        if name == class_name:
+            return mixer_class(family)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _check_config(mixer: nn.Module) -> None:
     if mixer.activation not in ("silu", "swish"):
         raise UnsupportedTransformersError(
