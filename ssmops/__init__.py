@@ -9,6 +9,7 @@ The operators live in `torch.ops.ssmops`; docs/design.md states their contract.
 from ._registry import available_backends, use_backend  # first: registers every operator
 from . import compat
 from ._native import library_path
+from .integrations.transformers import disable_transformers, enable_transformers
 from .mamba_inner import mamba_inner_fn
 from .modules.linear import weight_only_linear
 from .ops.selective_scan.reference import selective_scan_ref
@@ -19,6 +20,8 @@ from .state_update import selective_state_update
 __all__ = [
     "available_backends",
     "compat",
+    "disable_transformers",
+    "enable_transformers",
     "library_path",
     "mamba_chunk_scan_combined",
     "mamba_inner_fn",

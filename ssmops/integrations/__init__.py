@@ -1,0 +1,1 @@
+"""Integrations with other libraries; each imports its library only when called."""

@@ -1,0 +1,308 @@
+"""transformers' own Mamba-family models with their SSM mixers on ssmops.
+
+    import ssmops
+    ssmops.enable_transformers()        # then, as usual:
+    model = AutoModelForCausalLM.from_pretrained("state-spaces/mamba-130m-hf")
+
+The model stays transformers' model (same class, parameters, state_dict, cache, `generate`,
+tokenizer, PEFT and Trainer); only each mixer's forward changes: its conv, scan, decoding step
+and gated norm are ssmops' (`causal_conv1d`, `selective_scan_fn` / `mamba_chunk_scan_combined`,
+`selective_state_update`, `rmsnorm_fn`), so they run natively on CPU, on Triton on CUDA, in
+pure PyTorch elsewhere, and compile (`fullgraph=True`) and export as operators.
+
+How: transformers' class-replacement registry (`transformers.monkey_patching.register_patch_mapping`,
+which `from_pretrained`, `from_config` and `apply_patches()` apply while they build a model) maps
+each supported mixer class name to a subclass of transformers' own mixer that overrides `forward`
+alone. Nothing of transformers is modified: `disable_transformers()` (or leaving the `with` block)
+unregisters the mapping, and models built before or after are transformers' as shipped. A model
+built otherwise (`MambaForCausalLM(config)`) switches with `to_ssmops(model)` and back with
+`from_ssmops(model)`.
+
+Families: mamba (MambaForCausalLM), falcon_mamba (FalconMambaForCausalLM), mamba2
+(Mamba2ForCausalLM) and bamba (BambaForCausalLM, its Mamba-2 layers; attention stays
+transformers'). transformers itself is imported only when one of these functions is called.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch import Tensor, nn
+
+from ..layernorm_gated import rmsnorm_fn
+from ..mamba_inner import causal_conv1d, causal_conv1d_update
+from ..selective_scan import selective_scan_fn
+from ..ssd_combined import mamba_chunk_scan_combined
+from ..state_update import selective_state_update
+
+# The transformers releases whose mixers these forwards were written against and tested with
+# (the Cache methods `get_conv_state`, `update_conv_state`, `get_recurrent_state`,
+# `update_recurrent_state`, `is_recording_past`, and the patch registry).
+SUPPORTED_TRANSFORMERS = (">=5.24", "<6")
+_MIN_VERSION, _MAX_VERSION = (5, 24), (6, 0)
+
+
+class UnsupportedTransformersError(RuntimeError):
+    """The installed transformers, or the model family asked for, is not one this integration supports."""
+
+
+def _apply_mask(hidden_states: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """Zero the padding positions (transformers' mixers do the same, before in_proj and after the conv)."""
+    if attention_mask is None:
+        return hidden_states
+    return (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+
+
+def _states(mixer: nn.Module, cache) -> tuple[Tensor | None, Tensor | None]:
+    if cache is None:
+        return None, None
+    return (cache.get_conv_state(mixer.layer_idx, state_idx=0),
+            cache.get_recurrent_state(mixer.layer_idx, state_idx=0))
+
+
+def _conv(mixer: nn.Module, x: Tensor, cache, conv_state: Tensor | None, seq_idx: Tensor | None = None) -> Tensor:
+    """The mixer's depthwise causal conv + silu on x (batch, dim, seqlen), with transformers' cache:
+    one token updates the conv window in place; a prompt (or a chunk while the cache records its
+    past) goes through `update_conv_state`, which returns the window's left context and the new inputs."""
+    seq_len = x.shape[-1]
+    weight, bias = mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias
+    if conv_state is not None and seq_len == 1 and not cache.is_recording_past(mixer.layer_idx):
+        return causal_conv1d_update(x[..., 0], conv_state, weight, bias, activation="silu").unsqueeze(-1)
+    if cache is None:
+        return causal_conv1d(x, weight, bias, activation="silu", seq_idx=seq_idx)
+    x = cache.update_conv_state(x, mixer.layer_idx, conv_kernel_size=mixer.conv_kernel_size)
+    return causal_conv1d(x, weight, bias, activation="silu")[..., -seq_len:]
+
+
+def _mamba_forward(self, hidden_states: Tensor, cache=None, attention_mask: Tensor | None = None, **kwargs) -> Tensor:
+    """Mamba-1's mixer (and Falcon-Mamba's: RMS norms on dt, B and C) on ssmops."""
+    cache = kwargs.pop("cache_params", cache)  # the keyword's name before transformers 5.40
+    dtype, seq_len = hidden_states.dtype, hidden_states.shape[1]
+    conv_state, ssm_state = _states(self, cache)
+
+    hidden_states = _apply_mask(hidden_states, attention_mask)
+    x, gate = self.in_proj(hidden_states).transpose(1, 2).chunk(2, dim=1)  # (batch, d_inner, seqlen) each
+    x = _apply_mask(_conv(self, x, cache, conv_state).transpose(1, 2), attention_mask)  # (batch, seqlen, d_inner)
+    dt, B, C = torch.split(self.x_proj(x), [self.time_step_rank, self.ssm_state_size, self.ssm_state_size], dim=-1)
+    if hasattr(self, "b_layernorm"):  # Falcon-Mamba
+        dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
+    if hasattr(self.config, "_is_quantized"):  # a quantized dt_proj is only callable as a module
+        dt = (self.dt_proj(dt) - self.dt_proj.bias).transpose(1, 2)
+    else:
+        dt = self.dt_proj.weight @ dt.transpose(1, 2)  # (batch, d_inner, seqlen); the bias goes to the scan
+    dt_bias = self.dt_proj.bias.float() if self.dt_proj.bias is not None else None
+    A = -torch.exp(self.A_log.float())
+
+    if ssm_state is not None and seq_len == 1:
+        y = selective_state_update(ssm_state, x[:, 0], dt[..., 0], A, B[:, 0], C[:, 0], self.D.float(),
+                                   gate[..., 0], dt_bias, dt_softplus=True).unsqueeze(-1)
+    else:
+        initial_state = ssm_state.float() if ssm_state is not None else None
+        y = selective_scan_fn(x.transpose(1, 2), dt, A, B.transpose(1, 2), C.transpose(1, 2), self.D.float(), gate,
+                              dt_bias, delta_softplus=True, return_last_state=cache is not None,
+                              initial_state=initial_state)
+        if cache is not None:
+            y, last_state = y
+            cache.update_recurrent_state(last_state, self.layer_idx)
+    return self.out_proj(y.transpose(1, 2).to(dtype))
+
+
+def _mamba2_forward(self, hidden_states: Tensor, cache=None, attention_mask: Tensor | None = None, **kwargs) -> Tensor:
+    """Mamba-2's mixer (and Bamba's, the same layer) on ssmops. A `seq_idx` keyword (batch, seqlen)
+    keeps packed sequences apart in the conv and the scan."""
+    cache = kwargs.pop("cache_params", cache)
+    seq_idx = kwargs.get("seq_idx")
+    batch, seq_len, _ = hidden_states.shape
+    dtype = hidden_states.dtype
+    heads, headdim, groups, dstate = self.num_heads, self.head_dim, self.n_groups, self.ssm_state_size
+    conv_state, ssm_state = _states(self, cache)
+
+    hidden_states = _apply_mask(hidden_states, attention_mask)
+    gate, xBC, dt = self.in_proj(hidden_states).split([self.intermediate_size, self.conv_dim, heads], dim=-1)
+    xBC = _conv(self, xBC.transpose(1, 2), cache, conv_state, seq_idx if cache is None else None)
+    xBC = _apply_mask(xBC.transpose(1, 2), attention_mask)
+    x, B, C = xBC.split([self.intermediate_size, groups * dstate, groups * dstate], dim=-1)
+    A = -torch.exp(self.A_log.float())
+
+    if ssm_state is not None and seq_len == 1:
+        y = selective_state_update(ssm_state, x.view(batch, heads, headdim), dt[:, 0], A,
+                                   B.view(batch, groups, dstate), C.view(batch, groups, dstate), self.D,
+                                   None, self.dt_bias, dt_softplus=True)
+    else:
+        y = mamba_chunk_scan_combined(
+            x.view(batch, seq_len, heads, headdim), dt, A, B.view(batch, seq_len, groups, dstate),
+            C.view(batch, seq_len, groups, dstate), self.chunk_size, D=self.D, dt_bias=self.dt_bias,
+            initial_states=ssm_state, seq_idx=seq_idx, dt_softplus=True,
+            dt_limit=_dt_limit(self.time_step_limit), return_final_states=cache is not None)
+        if cache is not None:
+            y, final_state = y
+            cache.update_recurrent_state(final_state, layer_idx=self.layer_idx)
+    y = y.reshape(batch, seq_len, -1)
+    y = rmsnorm_fn(y, self.norm.weight, None, z=gate, eps=self.norm.variance_epsilon,
+                   group_size=self.intermediate_size // groups, norm_before_gate=False)
+    return self.out_proj(y.to(dtype))
+
+
+def _dt_limit(limit) -> tuple[float, float]:
+    return (0.0, float("inf")) if limit is None else (float(limit[0]), float(limit[1]))
+
+
+# model_type -> (transformers' modeling module, its mixer class, the ssmops forward, the forward's
+# children whose accelerate hooks must fire first: their weights are read without calling them)
+_FAMILIES = {
+    "mamba": ("transformers.models.mamba.modeling_mamba", "MambaMixer", _mamba_forward, ("conv1d", "dt_proj")),
+    "falcon_mamba": ("transformers.models.falcon_mamba.modeling_falcon_mamba", "FalconMambaMixer", _mamba_forward,
+                     ("conv1d", "dt_proj")),
+    "mamba2": ("transformers.models.mamba2.modeling_mamba2", "Mamba2Mixer", _mamba2_forward, ("conv1d",)),
+    "bamba": ("transformers.models.bamba.modeling_bamba", "BambaMixer", _mamba2_forward, ("conv1d",)),
+}
+FAMILIES = tuple(_FAMILIES)
+
+_mixer_classes: dict[str, type] = {}  # model_type -> the ssmops subclass, built once per process
+_registered: list[str] = []  # the patch-mapping keys this module registered
+
+
+def _transformers():
+    """transformers, checked to be a release this integration supports."""
+    try:
+        import transformers
+    except ImportError as error:
+        raise ImportError("ssmops.enable_transformers needs transformers (pip install 'transformers"
+                          f"{','.join(SUPPORTED_TRANSFORMERS)}')") from error
+    version = tuple(int(part) for part in transformers.__version__.split(".")[:2] if part.isdigit())
+    if not (_MIN_VERSION <= version < _MAX_VERSION):
+        raise UnsupportedTransformersError(
+            f"transformers {transformers.__version__} is not supported by ssmops' transformers integration "
+            f"(supported: transformers{','.join(SUPPORTED_TRANSFORMERS)}); use ssmops.models.MambaLMHeadModel.from_hf "
+            "to convert the model instead")
+    return transformers
+
+
+def _check_families(families) -> list[str]:
+    families = list(FAMILIES if families is None else ([families] if isinstance(families, str) else families))
+    unknown = [f for f in families if f not in _FAMILIES]
+    if unknown:
+        raise UnsupportedTransformersError(
+            f"model_type {', '.join(map(repr, unknown))} is not supported by ssmops' transformers integration; "
+            f"supported: {', '.join(FAMILIES)}")
+    return families
+
+
+def mixer_class(model_type: str) -> type:
+    """The ssmops mixer class for `model_type`: a subclass of transformers' mixer of that family
+    (same name, parameters and __init__) whose forward runs on ssmops."""
+    _transformers()
+    (model_type,) = _check_families(model_type)
+    if model_type not in _mixer_classes:
+        module_name, class_name, forward, hooked = _FAMILIES[model_type]
+        base = getattr(importlib.import_module(module_name), class_name)
+        try:  # fire accelerate's hooks (offloading) of the children whose weights the forward reads directly
+            from transformers.integrations.accelerate import force_accelerate_hooks
+            forward = force_accelerate_hooks(list(hooked))(forward)
+        except ImportError:
+            pass
+
+        def __init__(self, config, *args, **kwargs):
+            base.__init__(self, config, *args, **kwargs)
+            _check_config(self)
+
+        namespace = {"__init__": __init__, "forward": forward, "__module__": __name__,
+                     "__doc__": f"transformers' {class_name} whose forward runs on ssmops' operators."}
+        # the same __name__ as transformers' class: accelerate's `_no_split_modules` and similar lists go by name
+        _mixer_classes[model_type] = type(class_name, (base,), namespace)
+    return _mixer_classes[model_type]
+
+
+def __getattr__(name: str) -> type:
+    """The mixer classes by name (`ssmops.integrations.transformers.MambaMixer`, ...), built on first
+    use: where pickle (`torch.save(model)`) looks for them, in this process or a fresh one."""
+    for family, (_, class_name, _, _) in _FAMILIES.items():
+        if name == class_name:
+            return mixer_class(family)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _check_config(mixer: nn.Module) -> None:
+    if mixer.activation not in ("silu", "swish"):
+        raise UnsupportedTransformersError(
+            f"{type(mixer).__name__} has hidden_act={mixer.activation!r}; ssmops' causal conv applies silu only")
+
+
+def enable_transformers(families=None) -> "_Enabled":
+    """From now on, every model transformers builds (`from_pretrained`, `from_config`,
+    `AutoModel*`, or inside `transformers.monkey_patching.apply_patches()`) of these families runs
+    its SSM mixers on ssmops. `families`: model_types among `FAMILIES` (default: all).
+
+    Returns a handle; `with ssmops.enable_transformers(): ...` disables on leaving the block.
+    Raises ImportError without transformers, UnsupportedTransformersError for a transformers
+    release or a family this integration does not support."""
+    _transformers()
+    from transformers.monkey_patching import register_patch_mapping
+
+    mapping = {f"^{_FAMILIES[f][1]}$": mixer_class(f) for f in _check_families(families)}
+    register_patch_mapping(mapping, overwrite=True)
+    _registered.extend(key for key in mapping if key not in _registered)
+    return _Enabled()
+
+
+def disable_transformers() -> None:
+    """Undo `enable_transformers`: models built afterwards are transformers' as shipped. Models
+    already built keep their mixers (`from_ssmops(model)` switches one back)."""
+    if not _registered:
+        return
+    from transformers.monkey_patching import get_patch_mapping, unregister_patch_mapping
+
+    present = get_patch_mapping()
+    unregister_patch_mapping([key for key in _registered if key in present])
+    _registered.clear()
+
+
+class _Enabled:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        disable_transformers()
+
+
+def to_ssmops(model: nn.Module, families=None) -> nn.Module:
+    """Switch an already built transformers model in place: each mixer of a supported family
+    becomes the ssmops subclass of its own class (parameters, buffers and hooks untouched).
+    Returns the model. Raises UnsupportedTransformersError if the model has no such mixer."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if families is None and model_type in _FAMILIES:
+        families = [model_type]  # import only the modeling module it needs
+    families = _check_families(families)
+    switched = 0
+    for family in families:
+        cls = mixer_class(family)
+        base = cls.__mro__[1]
+        for module in model.modules():
+            if type(module) is base:
+                _check_config(module)
+                module.__class__ = cls
+                switched += 1
+            elif type(module) is cls:
+                switched += 1
+    if not switched:
+        model_type = model_type or type(model).__name__
+        raise UnsupportedTransformersError(
+            f"{type(model).__name__} (model_type {model_type!r}) has no mixer that ssmops' transformers integration "
+            f"supports; supported model types: {', '.join(FAMILIES)}")
+    return model
+
+
+def from_ssmops(model: nn.Module) -> nn.Module:
+    """Undo `to_ssmops` (or `enable_transformers` at build time) on one model, in place."""
+    ssmops_classes = set(_mixer_classes.values())
+    for module in model.modules():
+        if type(module) in ssmops_classes:
+            module.__class__ = type(module).__mro__[1]
+    return model
+
+
+def uses_ssmops(model: nn.Module) -> bool:
+    """Whether any mixer of `model` runs on ssmops."""
+    ssmops_classes = set(_mixer_classes.values())
+    return any(type(module) in ssmops_classes for module in model.modules())

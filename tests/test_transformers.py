@@ -1,0 +1,267 @@
+"""transformers' own Mamba-family models with ssmops' mixers (ssmops.enable_transformers): the same
+logits and greedy tokens as transformers' path, a compiled training step, an exported forward.
+
+Tiny random configurations built in code (nothing is downloaded), float32 on CPU."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import ssmops  # noqa: E402
+from ssmops.integrations import transformers as integration  # noqa: E402
+
+from conftest import REPO  # noqa: E402
+
+VOCAB = 64
+_SLOW = pytest.mark.slow  # the module stays near a minute on 2 cores without these
+
+
+def _config(family: str):
+    common = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "pad_token_id": 0,
+              "eos_token_id": VOCAB - 1, "bos_token_id": 1}
+    if family in ("mamba", "falcon_mamba"):
+        cls = transformers.MambaConfig if family == "mamba" else transformers.FalconMambaConfig
+        return cls(state_size=8, expand=2, conv_kernel=4, **common)
+    if family == "mamba2":  # chunk_size 8: the prompts below cross chunk boundaries
+        return transformers.Mamba2Config(state_size=16, expand=2, num_heads=8, head_dim=8, n_groups=2,
+                                         chunk_size=8, conv_kernel=4, **common)
+    return transformers.BambaConfig(  # layer 0 Mamba-2, layer 1 attention
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, mamba_n_heads=8, mamba_d_head=8,
+        mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=8, attn_layer_indices=[1], **common)
+
+
+_MODELS = {"mamba": "MambaForCausalLM", "falcon_mamba": "FalconMambaForCausalLM",
+           "mamba2": "Mamba2ForCausalLM", "bamba": "BambaForCausalLM"}
+
+
+def _pair(family: str):
+    """(transformers' model, the same weights with ssmops' mixers), both in eval mode."""
+    torch.manual_seed(0)
+    cls = getattr(transformers, _MODELS[family])
+    config = _config(family)
+    reference = cls(config).eval()
+    with ssmops.enable_transformers():
+        model = cls._from_config(config).eval()  # from_config applies transformers' patch mapping
+    model.load_state_dict(reference.state_dict())
+    assert integration.uses_ssmops(model) and not integration.uses_ssmops(reference)
+    return reference, model
+
+
+def _prompt(batch: int = 2, length: int = 11) -> torch.Tensor:
+    return torch.randint(2, VOCAB - 1, (batch, length), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("family", list(_MODELS))
+def test_logits_match_transformers(family):
+    reference, model = _pair(family)
+    ids = _prompt()
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding in the second row
+    with torch.no_grad():
+        for kwargs in ({}, {"attention_mask": mask}):
+            expected = reference(ids, use_cache=False, **kwargs).logits
+            torch.testing.assert_close(model(ids, use_cache=False, **kwargs).logits, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", list(_MODELS))
+def test_greedy_generate_matches(family):
+    reference, model = _pair(family)
+    ids = _prompt()
+    settings = {"max_new_tokens": 8, "do_sample": False, "attention_mask": torch.ones_like(ids)}
+    expected = reference.generate(ids, **settings)
+    cached = model.generate(ids, **settings)
+    uncached = model.generate(ids, use_cache=False, **settings)
+    assert torch.equal(cached, expected)
+    assert torch.equal(uncached, expected)
+
+
+@pytest.mark.parametrize("family", ["mamba", "mamba2"])
+def test_prefill_in_chunks_continues_the_state(family):
+    """A prompt fed in two pieces through the cache gives the logits of the whole prompt at once: the
+    second piece's scan starts from the first's state (ssmops' scans take an initial state)."""
+    _, model = _pair(family)
+    ids = _prompt(length=12)
+    with torch.no_grad():
+        whole = model(ids, use_cache=False).logits
+        first = model(ids[:, :7], use_cache=True)
+        second = model(ids[:, 7:], cache=first.cache_params, use_cache=True)
+    torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), whole, rtol=1e-4, atol=1e-5)
+
+
+def test_packed_sequences_stay_apart_mamba2():
+    """A `seq_idx` keyword restarts the conv and the scan (transformers' own path refuses it without
+    mamba_ssm). Mamba2ForCausalLM.forward does not pass its extra keywords on, Mamba2Model does."""
+    _, model = _pair("mamba2")
+    a, b = _prompt(1, 5), _prompt(1, 9)[:, 2:]
+    seq_idx = torch.tensor([[0] * 5 + [1] * 7], dtype=torch.int32)
+    with torch.no_grad():
+        packed = model.backbone(torch.cat([a, b], 1), seq_idx=seq_idx, use_cache=False).last_hidden_state
+        apart = [model.backbone(part, use_cache=False).last_hidden_state for part in (a, b)]
+    torch.testing.assert_close(packed, torch.cat(apart, 1), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["mamba", "mamba2", pytest.param("falcon_mamba", marks=_SLOW),
+                                    pytest.param("bamba", marks=_SLOW)])
+def test_training_step_compiles_fullgraph(family):
+    """torch.compile(model, fullgraph=True): forward and loss in one graph (no break anywhere in
+    transformers' model either), its backward through ssmops' backward operators; loss and gradients
+    as transformers' eager path. Backend aot_eager: dynamo, fake kernels and autograd as inductor would
+    see them, in a tenth of inductor's compile time on 2 cores (tests/test_compile_export.py compiles
+    ssmops' own models with inductor)."""
+    reference, model = _pair(family)
+    reference.train()
+    model.train()
+    ids = _prompt()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    loss = compiled(ids, labels=ids).loss
+    loss.backward()
+    expected = reference(ids, labels=ids).loss
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-6)
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@_SLOW
+@pytest.mark.parametrize("family", ["mamba", "mamba2"])
+def test_training_step_compiles_fullgraph_inductor(family):
+    """The same step with torch.compile's default backend (inductor; ~1.5 min a family on 2 cores)."""
+    reference, model = _pair(family)
+    reference.train()
+    model.train()
+    ids = _prompt()
+    loss = torch.compile(model, fullgraph=True)(ids, labels=ids).loss
+    loss.backward()
+    expected = reference(ids, labels=ids).loss
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(model.lm_head.weight.grad, reference.lm_head.weight.grad, rtol=1e-4, atol=1e-6)
+    mixer, reference_mixer = model.backbone.layers[0].mixer, reference.backbone.layers[0].mixer
+    torch.testing.assert_close(mixer.A_log.grad, reference_mixer.A_log.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["mamba", "mamba2", pytest.param("falcon_mamba", marks=_SLOW),
+                                    pytest.param("bamba", marks=_SLOW)])
+def test_export_forward(family):
+    """The forward exported with a dynamic sequence length, then run at another length."""
+    reference, model = _pair(family)
+    seqlen = torch.export.Dim("seqlen", min=2, max=64)
+    program = torch.export.export(model, (_prompt(),), kwargs={"use_cache": False},
+                                  dynamic_shapes={"input_ids": {1: seqlen}, "use_cache": None})
+    scans = [n for n in program.graph.nodes if n.op == "call_function" and str(n.target).startswith("ssmops.")]
+    mixers = [m for m in model.modules() if type(m) in integration._mixer_classes.values()]
+    assert len(scans) == len(mixers) > 0, "one ssmops scan per Mamba layer in the exported graph"
+    ids = _prompt(2, 23)
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(ids, use_cache=False).logits,
+                                   reference(ids, use_cache=False).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_from_pretrained_one_line(tmp_path):
+    """The user's flow: a saved checkpoint, `ssmops.enable_transformers()`, `from_pretrained`."""
+    reference, _ = _pair("mamba2")
+    reference.save_pretrained(tmp_path)
+    with ssmops.enable_transformers():
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(model) is type(reference) and integration.uses_ssmops(model)
+    ids = _prompt()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_gradient_checkpointing_mamba2():
+    """transformers' gradient checkpointing re-runs the ssmops mixers in the backward: same loss and grads."""
+    reference, model = _pair("mamba2")
+    ids = _prompt()
+    for m in (reference, model):
+        m.gradient_checkpointing_enable()
+        m.train()
+        m(ids, labels=ids).loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("family", ["mamba", pytest.param("mamba2", marks=_SLOW)])
+def test_peft_lora_with_trainer(family, tmp_path):
+    """LoRA on in_proj (PEFT) trained by transformers' Trainer: the same losses, step by step, as
+    transformers' own path (PEFT refuses out_proj and conv1d on Mamba models, whichever path runs)."""
+    peft = pytest.importorskip("peft")
+    pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
+
+    def train(model):
+        torch.manual_seed(0)
+        model = peft.get_peft_model(model.train(), peft.LoraConfig(r=4, target_modules=["in_proj"],
+                                                                   task_type="CAUSAL_LM"))
+        rows = _prompt(4, 16)
+        data = [{"input_ids": row, "labels": row, "attention_mask": torch.ones_like(row)} for row in rows]
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3,
+                                              learning_rate=1e-2, logging_steps=1, report_to=[], use_cpu=True,
+                                              save_strategy="no", disable_tqdm=True)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+        assert integration.uses_ssmops(model) == (model.base_model.model is ours)
+        return torch.tensor([h["loss"] for h in trainer.state.log_history if "loss" in h])
+
+    reference, ours = _pair(family)
+    torch.testing.assert_close(train(ours), train(reference), rtol=1e-4, atol=1e-5)
+
+
+def test_enable_disable_leave_transformers_as_shipped():
+    from transformers.models.mamba.modeling_mamba import MambaMixer
+    from transformers.monkey_patching import get_patch_mapping
+
+    config = _config("mamba")
+    before = transformers.MambaForCausalLM._from_config(config)
+    handle = ssmops.enable_transformers(["mamba"])
+    try:
+        during = transformers.AutoModelForCausalLM.from_config(config)
+        falcon = transformers.FalconMambaForCausalLM._from_config(_config("falcon_mamba"))  # not asked for
+    finally:
+        ssmops.disable_transformers()
+    after = transformers.MambaForCausalLM._from_config(config)
+    assert handle is not None and not get_patch_mapping()
+    assert integration.uses_ssmops(during)
+    assert not any(map(integration.uses_ssmops, (before, after, falcon)))
+    assert type(after.backbone.layers[0].mixer) is MambaMixer
+    assert isinstance(during.backbone.layers[0].mixer, MambaMixer)  # a subclass: isinstance checks hold
+    assert type(during.backbone.layers[0].mixer).__name__ == "MambaMixer"  # _no_split_modules go by name
+    assert integration.uses_ssmops(pickle.loads(pickle.dumps(during)))  # torch.save(model) keeps the mixers
+
+    integration.to_ssmops(before)  # an already built model, in place, and back
+    assert integration.uses_ssmops(before)
+    assert not integration.uses_ssmops(integration.from_ssmops(before))
+
+
+def test_unsupported_is_named(monkeypatch):
+    with pytest.raises(integration.UnsupportedTransformersError, match="'zamba2' is not supported"):
+        ssmops.enable_transformers(["mamba", "zamba2"])
+    with pytest.raises(integration.UnsupportedTransformersError, match="model_type 'gpt2'"):
+        integration.to_ssmops(transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8)))
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.57.1")
+    with pytest.raises(integration.UnsupportedTransformersError, match=r"transformers 4\.57\.1 is not supported"):
+        ssmops.enable_transformers()
+
+
+def test_ssmops_without_transformers():
+    """Without transformers, ssmops imports (and never imports transformers) and runs; the integration
+    says what it needs."""
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "import torch, ssmops\n"
+        "u = torch.randn(1, 4, 6); A = -torch.rand(4, 3)\n"
+        "ssmops.selective_scan_fn(u, u.abs(), A, torch.randn(1, 3, 6), torch.randn(1, 3, 6))\n"
+        "try:\n    ssmops.enable_transformers()\nexcept ImportError as e:\n    print('ImportError:', e)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "ImportError: ssmops.enable_transformers needs transformers" in result.stdout
