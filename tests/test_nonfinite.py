@@ -24,7 +24,6 @@ from hypothesis import strategies as st
 
 import ssmops
 from conftest import backend_params, interpreter_examples, rel_err
-from ssmops._registry import interpreting
 from ssmops.ops.ssd.reference import ssd_scan_ref
 
 HAS_CUDA_TRITON = torch.cuda.is_available() and ssmops.available_backends()["triton"] == "available"
