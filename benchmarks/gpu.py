@@ -243,7 +243,7 @@ def ssd_inputs(batch: int, seqlen: int, dtype, requires_grad: bool = False) -> d
     return kw
 
 
-def mamba_ssm_triton(module: str, name: str):
+def peer_function(module: str, name: str):
     """mamba_ssm's published Triton function `name`: from an installed mamba_ssm, else from its sdist in
     build/peers (benchmarks/peers.py); None, said once, where neither is here."""
     try:
@@ -267,7 +267,7 @@ def ssd_contenders(skip_baselines: bool = False) -> dict:
 
     chunk = SSD_LAYER["chunk"]
     named = {"ssmops triton": lambda **kw: ssmops.mamba_chunk_scan_combined(**kw, chunk_size=chunk, dt_softplus=True)}
-    peer = mamba_ssm_triton("ssd_combined", "mamba_chunk_scan_combined")
+    peer = peer_function("ssd_combined", "mamba_chunk_scan_combined")
     if peer is not None:
         named["mamba_ssm"] = lambda **kw: peer(**kw, chunk_size=chunk, dt_softplus=True)
     if skip_baselines:
@@ -344,7 +344,7 @@ def ssd_decode_step(args) -> None:
         return torch.randn(*shape, generator=g, device="cuda").to(dt)
 
     contenders = {"ssmops": ssmops.selective_state_update}
-    peer = mamba_ssm_triton("selective_state_update", "selective_state_update")
+    peer = peer_function("selective_state_update", "selective_state_update")
     if peer is not None:
         contenders["mamba_ssm"] = peer
     for batch in (1, 64):

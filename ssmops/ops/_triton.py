@@ -23,9 +23,10 @@ INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("
 
 
 def launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
-    """Launches through `wrap_triton`, so that a tracer records the launch itself. (The one
-    place kernels are launched: `triton_aot.recorded_launches` replaces it to compile the exact
-    launches for GPU targets ahead of time, without a GPU; call it as `_triton.launch`.)"""
+    """Launches a GPU kernel through `wrap_triton`, so that a tracer records the launch itself; under the
+    interpreter, calls the kernel directly; refuses CPU tensors otherwise. (The one place kernels are
+    launched: `triton_aot.recorded_launches` replaces it to compile the exact launches for GPU targets
+    ahead of time, without a GPU; call it as `_triton.launch`.)"""
     if INTERPRETED:  # nothing traces an interpreted kernel (keep_opaque_on_cpu), and torch <= 2.11's
         kernel[grid](*args, **meta)  # wrap_triton takes JIT functions only
         return
