@@ -278,9 +278,10 @@ def bounds(args, aot, compiled: dict) -> None:
                   f"{binding}")
         return rows
 
-    def passes(rows: list, forward_launches: int, measured) -> None:
+    def passes(rows: list, forward_launches: int, measured, outside: float = 0.0) -> None:
+        """outside: seconds of the backward's torch operations between the launches."""
         fwd = sum(r["bound"] for r in rows[:forward_launches])
-        both = sum(r["bound"] for r in rows)
+        both = sum(r["bound"] for r in rows) + outside
         for name, est, (mine, peer) in zip(("forward", "forward+backward"), (fwd, both), zip(*measured)):
             measured_cell = f"measured {mine:.3g} ms: {mine / (est * 1e3):.1f}x the estimate" if mine else ""
             measured_cell += f"; mamba_ssm {peer:.3g} ms" if peer else ""
@@ -311,7 +312,11 @@ def bounds(args, aot, compiled: dict) -> None:
         print(header)
         rows = launch_rows("ssd", tc.ssd_inputs(**shape, dtype=DTYPES[args.dtype], device="meta"), b * h * L,
                            lambda i, info, meta, programs: ssd_issue(i, info, meta, programs, shape))
-        passes(rows, 2, measured if args.dtype == "bfloat16" else ((None, None), (None, None)))
+        # the backward sums its float32 per-head dB and dC over each group's heads with torch: read once
+        per_head = 2 * b * L * h * n * 4
+        print(f"{'(torch: dB/dC per-head sums)':<31} {per_head / 1e9:>33.2f} GB read: "
+              f"{per_head / copy_rate * 1e3:.2f} ms at the copy rate, in forward+backward")
+        passes(rows, 2, measured if args.dtype == "bfloat16" else ((None, None), (None, None)), per_head / copy_rate)
 
 
 def _nbytes(t) -> int:
