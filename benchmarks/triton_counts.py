@@ -12,7 +12,10 @@ one channel of one row (two 2048-step chunks, as at the benchmark shape), the SS
 launch it records
 
 - requested bytes: every element a load, store or atomic touches, as often as it touches it (what the
-  SMs ask of the L2; re-reads of B/C by every channel or head of a group are counted each time),
+  SMs ask of the L2; re-reads of B/C by every channel or head of a group are counted each time), and
+  the 32-byte sectors each access touches (what the L2 moves for it: more than the bytes where an
+  access is strided or scattered; taken over a program's whole tile, so it sees sectors left partly
+  unused, not the order in which a warp's lanes ask for them),
 - per buffer, the distinct bytes read and written, as a fraction of the buffer (what DRAM must move at
   least, once per buffer),
 - FLOPs of `tl.dot` (2 M N K) and the transcendental results (exp, exp2, log, ...: SFU work),
@@ -124,25 +127,30 @@ class _Counter:
         def element_bytes(ptrs):
             return ptrs.get_element_ty().primitive_bitwidth // 8
 
+        def account(kind, ptrs, mask, accesses):
+            addresses = ptrs.data[mask].astype(np.uint64)
+            self.counts[kind] += addresses.size * element_bytes(ptrs)
+            # the 32-byte sectors the program's tile touches: what the L2 moves for it (a scattered or
+            # strided access touches more than its bytes)
+            self.counts["sectors"] += np.unique(addresses // 32).size * 32
+            accesses.append((addresses, element_bytes(ptrs)))
+
         def load(original):
             def hooked(builder, ptrs, mask, other, *rest):
-                self.counts["load"] += int(mask.data.sum()) * element_bytes(ptrs)
-                self.read.append((ptrs.data[mask.data].astype(np.uint64), element_bytes(ptrs)))
+                account("load", ptrs, mask.data, self.read)
                 return original(builder, ptrs, mask, other, *rest)
             return hooked
 
         def store(original):
             def hooked(builder, ptrs, value, mask, *rest):
-                self.counts["store"] += int(mask.data.sum()) * element_bytes(ptrs)
-                self.written.append((ptrs.data[mask.data].astype(np.uint64), element_bytes(ptrs)))
+                account("store", ptrs, mask.data, self.written)
                 return original(builder, ptrs, value, mask, *rest)
             return hooked
 
         def atomic(original):
             def hooked(builder, op, ptrs, value, mask, *rest):
                 m = mask.data if mask is not None else np.ones_like(ptrs.data, dtype=bool)
-                self.counts["atomic"] += int(m.sum()) * element_bytes(ptrs)
-                self.written.append((ptrs.data[m].astype(np.uint64), element_bytes(ptrs)))
+                account("atomic", ptrs, m, self.written)
                 return original(builder, op, ptrs, value, mask, *rest)
             return hooked
 

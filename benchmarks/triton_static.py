@@ -238,13 +238,14 @@ def bounds(args, aot, compiled: dict) -> None:
     sfu_rate = args.sms * 16 * args.clock_ghz * 1e9
     issue_rate = args.sms * 4 * args.clock_ghz * 1e9
     print(f"\nBounds per launch (ms) from the interpreter's counts ({counts['dtype']}): DRAM = distinct bytes at "
-          f"{args.copy_tbps} TB/s, L2 = requested bytes (atomics included) at {args.l2_tbps} TB/s, MMA = tl.dot FLOPs "
+          f"{args.copy_tbps} TB/s, L2 = the 32-byte sectors of every access (atomics included; sect: the share of "
+          f"their bytes used) at {args.l2_tbps} TB/s, MMA = tl.dot FLOPs "
           f"at {args.mma_tflops:.0f} TFLOP/s (HGMMA) or {args.mma_sync_share:.0%} of it (HMMA), SFU at 16/SM/clk, "
           "issue from the SASS loop; each x ceil(waves)/waves. /SM: programs resident per SM, occ: their warps of 64 "
           "(the bounds assume the latency hidden, which takes more than a few warps)")
     header = (f"{'launch':<31} {'progs':>7} {'/SM':>3} {'occ':>4} {'waves':>6} {'GB dram':>7} {'GB req':>7} "
-              f"{'GB atom':>7} {'TFLOP':>6} {'mma':>5} {'Gsfu':>6} {'dram':>6} {'L2':>6} {'mma':>6} {'sfu':>6} "
-              f"{'issue':>6} {'bound':>6}  by")
+              f"{'sect':>5} {'GB atom':>7} {'TFLOP':>6} {'mma':>5} {'Gsfu':>6} {'dram':>6} {'L2':>6} {'mma':>6} "
+              f"{'sfu':>6} {'issue':>6} {'bound':>6}  by")
 
     def launch_rows(family: str, full_args: tuple, units: float, issue_of) -> list:
         family_counts = counts[family]
@@ -261,11 +262,12 @@ def bounds(args, aot, compiled: dict) -> None:
             stretch = -(-programs // (args.sms * per_sm)) / waves
             dram = sum((b["read"] + b["written"]) / b["nbytes"] * _nbytes(kargs[b["arg"]]) for b in counted["buffers"])
             requested = (counted.get("load", 0) + counted.get("store", 0) + counted.get("atomic", 0)) * scale
+            sectors = counted.get("sectors", requested / scale) * scale  # (older counts: bytes only)
             ops = aot.sass_opcodes(info["compiled"])
             mma = "HGMMA" if ops["HGMMA"] else "HMMA" if ops["HMMA"] else "-"
             flop = counted.get("flop", 0) * scale
             mma_rate = args.mma_tflops * 1e12 * (1.0 if mma == "HGMMA" else args.mma_sync_share)
-            times = dict(dram=dram / copy_rate, L2=requested / l2_rate, mma=flop / mma_rate,
+            times = dict(dram=dram / copy_rate, L2=sectors / l2_rate, mma=flop / mma_rate,
                          sfu=counted.get("sfu", 0) * scale / sfu_rate, issue=issue_of(i, info, meta, programs))
             times = {k: (v * stretch if v is not None else None) for k, v in times.items()}
             binding = max((k for k in times if times[k] is not None), key=lambda k: times[k])
@@ -273,7 +275,8 @@ def bounds(args, aot, compiled: dict) -> None:
             cells = " ".join(f"{v * 1e3:>6.2f}" if v is not None else f"{'-':>6}" for v in times.values())
             print(f"{counted['name']:<31} {programs:>7} {per_sm:>3} {per_sm * meta['num_warps'] / H100['warps']:>4.0%} "
                   f"{waves:>6.1f} {dram / 1e9:>7.2f} "
-                  f"{requested / 1e9:>7.2f} {counted.get('atomic', 0) * scale / 1e9:>7.2f} {flop / 1e12:>6.3f} "
+                  f"{requested / 1e9:>7.2f} {requested / sectors:>5.0%} {counted.get('atomic', 0) * scale / 1e9:>7.2f} "
+                  f"{flop / 1e12:>6.3f} "
                   f"{mma:>5} {counted.get('sfu', 0) * scale / 1e9:>6.2f} {cells} {times[binding] * 1e3:>6.2f}  "
                   f"{binding}")
         return rows
