@@ -499,6 +499,27 @@ def test_triton_static_estimate_shows_time_inside_the_threads():
     assert rows["forward"][header.index("spill")] == rows["backward"][header.index("spill")] == "0", proc.stdout
 
 
+@pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
+def test_triton_counts_match_the_launchers():
+    """benchmarks/triton_counts.json (what triton_static.py prices) holds one entry per launch the
+    launchers make, in their order, with its traffic; the launchers run on meta tensors at the full
+    shapes, as the estimate records them (no GPU, no compile: cheap)."""
+    import json
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import triton_counts as tc
+    finally:
+        sys.path.pop(0)
+    counts = json.loads(tc.COUNTS.read_text())
+    full = {"scan": tc.scan_inputs(2, 64, 4096, 16, torch.bfloat16, device="meta"),
+            "ssd": tc.ssd_inputs(2, 1024, 8, 64, 1, 128, 256, torch.bfloat16, device="meta")}
+    for family, fwd_args in full.items():
+        names = [tc.launch_name(kernel, meta) for kernel, _, _, meta in tc.recorded(family, fwd_args)]
+        assert names == [row["name"] for row in counts[family]["launches"]], family
+        assert all(row["load"] > 0 and row["sectors"] >= row["load"] for row in counts[family]["launches"])
+
+
 # a fresh interpreter that traces FwdBwd (defined between the two) on fake CUDA tensors and prints its launches
 _TRACE_SETUP = """
 import torch
