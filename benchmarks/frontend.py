@@ -28,7 +28,6 @@ from _common import seconds
 import ssmops  # noqa: E402  (_common puts the repository first on the path)
 from ssmops.modules.mamba import Mamba  # noqa: E402
 from ssmops.modules.mamba2 import Mamba2  # noqa: E402
-from ssmops.ops.state_update.schema import as_multihead  # noqa: E402
 
 DIM, NHEADS, HEADDIM, DSTATE, NGROUPS, CACHE = 128, 8, 16, 16, 1, 4
 
@@ -45,14 +44,13 @@ def mamba1_rows(gen) -> dict:
     state = _randn(1, DIM, DSTATE, gen=gen)
     cache = _randn(CACHE, DIM, DSTATE, gen=gen).bfloat16()
     index = torch.tensor([2], dtype=torch.int32)
-    heads = as_multihead(cache, x, dt, A, B, C, D, z, bias)  # the multi-head operator's form of a cache
     op, multihead = torch.ops.ssmops.selective_state_update.default, torch.ops.ssmops.multihead_state_update.default
     return {
         "Mamba-1 layout": (lambda: ssmops.selective_state_update(state, x, dt, A, B, C, D, z, bias, True),
                            lambda: op(state, x, dt, A, B, C, D, z, bias, True)),
         "Mamba-1, bf16 cache + indices": (
             lambda: ssmops.selective_state_update(cache, x, dt, A, B, C, D, z, bias, True, index),
-            lambda: multihead(*heads, index, True)),
+            lambda: multihead(cache, x, dt, A, B, C, D, z, bias, index, True)),  # (channels as heads of 1)
     }
 
 

@@ -22,6 +22,19 @@ launch, registers, spills, warps, and of its tensor-core loop (the shortest loop
 instructions per trip, the MMAs and lane shuffles among them, and the issue bound programs * trips *
 instructions * warps / (SMs * 4 * clock). Against it, the forward's FLOPs (benchmarks/ssd.py's count) at
 the dense bf16 rate (`--peak-tflops`).
+
+Then the bounds (issue 41): per launch at the full shape, what the interpreter counted
+(benchmarks/triton_counts.py, cached in triton_counts.json and recounted when the kernels change):
+the bytes DRAM must move at least (each buffer's distinct bytes, read and written) at the copy rate,
+the bytes the SMs request from the L2 (every load, re-reads included) at `--l2-tbps`, the `tl.dot`
+FLOPs at the tensor-core rate (`--mma-tflops`, the measured bf16 matmul rate, which wgmma reaches;
+the warp-level mma.sync that a kernel without HGMMA uses reaches about `--mma-sync-share` of it), the
+SFU results (exp2, ...) at 16 per SM per cycle, and the issue slots (the tensor-core or innermost loop
+times its trips; the scan's from its per-element count). Each bound is stretched by the launch's waves:
+programs resident per SM from registers, warps and shared memory, and ceil(waves) / waves of the
+machine used (a launch of fewer programs than slots leaves SMs idle). A kernel takes at least the
+largest bound; a pass at least the sum over its launches. Beside them, the H100 times measured in
+issues 41 and 42 (Triton 3.6) and measured / estimate.
 """
 
 from __future__ import annotations
@@ -38,6 +51,12 @@ def parse_args(argv=None):
     p.add_argument("--clock-ghz", type=float, default=1.755)
     p.add_argument("--copy-tbps", type=float, default=3.0, help="device-to-device copy, bytes read + written")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 tensor-core rate")
+    p.add_argument("--mma-tflops", type=float, default=790.0, help="bf16 matmul rate measured on the H100 (issue 41)")
+    p.add_argument("--mma-sync-share", type=float, default=0.6,
+                   help="share of that rate the warp-level mma.sync (HMMA) reaches on sm_90 (published figures)")
+    p.add_argument("--l2-tbps", type=float, default=5.5, help="L2-to-SM bandwidth (published H100 microbenchmarks)")
+    p.add_argument("--count", action="store_true", help="recount the launches under the interpreter first (minutes)")
+    p.add_argument("--no-bounds", action="store_true", help="the compiled kernels' tables only")
     return p.parse_args(argv)
 
 
@@ -75,6 +94,7 @@ def main(argv=None) -> int:
           f"variable B/C, D, z, delta_bias; sm_90, {args.sms} SMs at {args.clock_ghz} GHz, copy {args.copy_tbps} TB/s")
     print(f"{'pass':<9} {'regs':>4} {'spill':>5} {'warps':>5} {'steps/thr':>9} {'instr/elt':>9} {'shfl/elt':>8} "
           f"{'ex2/elt':>7} {'ms issue':>8} {'ms ex2':>7} {'ms copy':>7} {'of copy':>7}")
+    scan_compiled = []
     for name, (kernel, kernel_args, meta) in zip(("forward", "backward"), launches):
         compiled = aot.compile_launch(kernel, kernel_args, meta, "sm90")
         usage = aot.resource_usage(compiled)
@@ -85,10 +105,13 @@ def main(argv=None) -> int:
         t_issue = elements * instructions / issue_rate
         t_ex2 = elements * per_element.get("MUFU", 0.0) / ex2_rate
         t_copy = moved[name] / copy_rate
+        scan_compiled.append(dict(compiled=compiled, usage=usage, meta=meta, issue_s=t_issue))
         print(f"{name:<9} {usage['regs']:>4} {usage['spills']:>5} {meta['num_warps']:>5} {steps:>9} "
               f"{instructions:>9.1f} {per_element.get('SHFL', 0.0):>8.2f} {per_element.get('MUFU', 0.0):>7.2f} "
               f"{t_issue * 1e3:>8.2f} {t_ex2 * 1e3:>7.2f} {t_copy * 1e3:>7.2f} {t_copy / max(t_issue, t_ex2):>7.0%}")
-    ssd_rows(args, aot, dtype)
+    ssd_compiled = ssd_rows(args, aot, dtype)
+    if not args.no_bounds:
+        bounds(args, aot, dict(scan=scan_compiled, ssd=ssd_compiled))
     return 0
 
 
@@ -125,6 +148,7 @@ def ssd_rows(args, aot, dtype) -> None:
             torch.zeros(b, h, p, n), x[:, 0], fwd_args[1][:, 0], fwd_args[2], B[:, 0], B[:, 0], fwd_args[5], x[:, 0],
             fwd_args[7], None, True)
     grids = _ssd_grids(shape)
+    compiled_launches = []
     issue_rate = args.sms * 4 * args.clock_ghz * 1e9  # warp instructions per second
     print(f"\n{ssd_shape(args)}; sm_90; forward {flops(shape) / 1e12:.2f} TFLOP: "
           f"{flops(shape) / (args.peak_tflops * 1e12) * 1e3:.2f} ms at {args.peak_tflops:.0f} TFLOP/s")
@@ -134,6 +158,8 @@ def ssd_rows(args, aot, dtype) -> None:
         compiled = aot.compile_launch(kernel, kernel_args, meta, "sm90")
         usage = aot.resource_usage(compiled)
         loop = aot.innermost_loop(compiled, containing=("HMMA", "HGMMA"))
+        compiled_launches.append(dict(compiled=compiled, usage=usage, meta=meta, kernel=kernel.__name__,
+                                      loop_instructions=sum(loop.values()) if loop else None))
         name = kernel.__name__ + (" (dz)" if kernel.__name__ == "ssd_chunk_scan_kernel" and meta["DZ"] else "")
         name += f" ({meta['MODE']})" if "MODE" in meta else ""
         if loop is None:  # no tensor-core loop (the ddt pass, the decoding step): its size only
@@ -145,6 +171,7 @@ def ssd_rows(args, aot, dtype) -> None:
         mma = loop.get("HMMA", 0) + loop.get("HGMMA", 0)
         print(f"{name:<31} {usage['regs']:>4} {usage['spills']:>5} {meta['num_warps']:>5} {programs:>8} {trips:>5.1f} "
               f"{instructions:>5} {mma:>4} {loop.get('SHFL', 0):>4} {t_issue * 1e3:>8.2f}")
+    return compiled_launches[:len(launches)]  # (the decoding step has no counts)
 
 
 def _ssd_grids(shape: dict) -> list:
@@ -159,6 +186,144 @@ def _ssd_grids(shape: dict) -> list:
     scan = nchunks * -(-Q // cfg["BLOCK_T"]) * b * h * -(-p // cfg["BLOCK_P"])
     bwd = nchunks * -(-Q // min(cfg["BLOCK_T"], ssd_triton.BWD_BLOCK_T)) * b * h
     return [state_programs, scan, scan, state_programs, bwd, bwd, bwd, nchunks * b * h, b * h]
+
+
+
+# H100 times of issues 41 and 42 (one H100 80GB HBM3, Triton 3.6, do_bench medians), per pass in ms
+SSD_SHAPES = {  # (batch, seqlen, nheads, headdim, ngroups, dstate): ((forward, forward+backward), mamba_ssm's)
+    (8, 4096, 80, 64, 1, 128): ((5.41, 41.7), (1.96, 8.64)),
+    (1, 2048, 24, 64, 1, 128): ((0.165, 1.71), (0.687, 3.07)),
+    (2, 8192, 64, 64, 8, 128): ((2.20, 17.5), (0.785, 4.11)),
+}
+SCAN_MEASURED = {(8, 4096, 4096, 16): (2.41, 24.0)}  # (batch, dim, seqlen, dstate): (forward, forward+backward)
+H100 = dict(regs=65536, warps=64, programs=32, smem=233472)  # per SM
+
+
+def resident(usage: dict, warps: int, shared: int) -> int:
+    """Programs of one launch an SM holds at once: registers (allocated per warp in units of 256),
+    warps, shared memory (1 KiB reserved per program)."""
+    regs_per_warp = -(-usage["regs"] * 32 // 256) * 256
+    limits = [H100["programs"], H100["warps"] // warps, H100["regs"] // (regs_per_warp * warps)]
+    if shared:
+        limits.append(H100["smem"] // (shared + 1024))
+    return max(0, min(limits))
+
+
+def _counts(args) -> dict:
+    """benchmarks/triton_counts.json, recounted (in a child process under the interpreter) when asked or
+    missing; where the kernels' source changed since it was written, said (the counts are then stale)."""
+    import json
+    import os
+    import subprocess
+
+    import triton_counts
+
+    if args.count or not triton_counts.COUNTS.exists():
+        print("\ncounting the launches under the interpreter (minutes) ...", flush=True)
+        subprocess.run([sys.executable, triton_counts.__file__], env=dict(os.environ, TRITON_INTERPRET="1"),
+                       check=True, stderr=subprocess.DEVNULL)
+    counts = json.loads(triton_counts.COUNTS.read_text())
+    if counts["sources"] != triton_counts.source_hash():
+        print("\nNOTE: the kernels changed since benchmarks/triton_counts.json was counted: rerun with --count")
+    return counts
+
+
+def bounds(args, aot, compiled: dict) -> None:
+    """Per launch and per pass at the full shapes: the memory, L2, tensor-core, SFU and issue bounds,
+    stretched by the waves, against the measured times."""
+    import triton_counts as tc
+
+    counts = _counts(args)
+    copy_rate, l2_rate = args.copy_tbps * 1e12, args.l2_tbps * 1e12
+    sfu_rate = args.sms * 16 * args.clock_ghz * 1e9
+    issue_rate = args.sms * 4 * args.clock_ghz * 1e9
+    print(f"\nBounds per launch (ms) from the interpreter's counts ({counts['dtype']}): DRAM = distinct bytes at "
+          f"{args.copy_tbps} TB/s, L2 = the 32-byte sectors of every access (atomics included; sect: the share of "
+          f"their bytes used) at {args.l2_tbps} TB/s, MMA = tl.dot FLOPs "
+          f"at {args.mma_tflops:.0f} TFLOP/s (HGMMA) or {args.mma_sync_share:.0%} of it (HMMA), SFU at 16/SM/clk, "
+          "issue from the SASS loop; each x ceil(waves)/waves. /SM: programs resident per SM, occ: their warps of 64 "
+          "(the bounds assume the latency hidden, which takes more than a few warps)")
+    header = (f"{'launch':<31} {'progs':>7} {'/SM':>3} {'occ':>4} {'waves':>6} {'GB dram':>7} {'GB req':>7} "
+              f"{'sect':>5} {'GB atom':>7} {'TFLOP':>6} {'mma':>5} {'Gsfu':>6} {'dram':>6} {'L2':>6} {'mma':>6} "
+              f"{'sfu':>6} {'issue':>6} {'bound':>6}  by")
+
+    def launch_rows(family: str, full_args: tuple, units: float, issue_of) -> list:
+        family_counts = counts[family]
+        full = tc.recorded(family, full_args)
+        scale = units / family_counts["units"]
+        rows = []
+        for i, ((kernel, grid, kargs, meta), counted, info) in enumerate(zip(full, family_counts["launches"],
+                                                                              compiled[family])):
+            assert tc.launch_name(kernel, meta) == counted["name"], (tc.launch_name(kernel, meta), counted["name"])
+            programs = int(torch.tensor(grid).prod())
+            shared = info["compiled"].metadata.shared
+            per_sm = resident(info["usage"], meta["num_warps"], shared)
+            waves = programs / (args.sms * per_sm)
+            stretch = -(-programs // (args.sms * per_sm)) / waves
+            dram = sum((b["read"] + b["written"]) / b["nbytes"] * _nbytes(kargs[b["arg"]]) for b in counted["buffers"])
+            requested = (counted.get("load", 0) + counted.get("store", 0) + counted.get("atomic", 0)) * scale
+            sectors = counted.get("sectors", requested / scale) * scale  # (older counts: bytes only)
+            ops = aot.sass_opcodes(info["compiled"])
+            mma = "HGMMA" if ops["HGMMA"] else "HMMA" if ops["HMMA"] else "-"
+            flop = counted.get("flop", 0) * scale
+            mma_rate = args.mma_tflops * 1e12 * (1.0 if mma == "HGMMA" else args.mma_sync_share)
+            times = dict(dram=dram / copy_rate, L2=sectors / l2_rate, mma=flop / mma_rate,
+                         sfu=counted.get("sfu", 0) * scale / sfu_rate, issue=issue_of(i, info, meta, programs))
+            times = {k: (v * stretch if v is not None else None) for k, v in times.items()}
+            binding = max((k for k in times if times[k] is not None), key=lambda k: times[k])
+            rows.append(dict(name=counted["name"], bound=times[binding]))
+            cells = " ".join(f"{v * 1e3:>6.2f}" if v is not None else f"{'-':>6}" for v in times.values())
+            print(f"{counted['name']:<31} {programs:>7} {per_sm:>3} {per_sm * meta['num_warps'] / H100['warps']:>4.0%} "
+                  f"{waves:>6.1f} {dram / 1e9:>7.2f} "
+                  f"{requested / 1e9:>7.2f} {requested / sectors:>5.0%} {counted.get('atomic', 0) * scale / 1e9:>7.2f} "
+                  f"{flop / 1e12:>6.3f} "
+                  f"{mma:>5} {counted.get('sfu', 0) * scale / 1e9:>6.2f} {cells} {times[binding] * 1e3:>6.2f}  "
+                  f"{binding}")
+        return rows
+
+    def passes(rows: list, forward_launches: int, measured, outside: float = 0.0) -> None:
+        """outside: seconds of the backward's torch operations between the launches."""
+        fwd = sum(r["bound"] for r in rows[:forward_launches])
+        both = sum(r["bound"] for r in rows) + outside
+        for name, est, (mine, peer) in zip(("forward", "forward+backward"), (fwd, both), zip(*measured)):
+            measured_cell = f"measured {mine:.3g} ms: {mine / (est * 1e3):.1f}x the estimate" if mine else ""
+            measured_cell += f"; mamba_ssm {peer:.3g} ms" if peer else ""
+            print(f"  {name:<17} estimate {est * 1e3:7.3f} ms   {measured_cell}")
+
+    # the scan
+    b, d, L, n = args.batch, args.dim, args.seqlen, args.dstate
+    print(f"\nselective scan: batch {b}, dim {d}, seqlen {L}, dstate {n}")
+    print(header)
+
+    def scan_issue(i, info, meta, programs):
+        return info["issue_s"]
+
+    rows = launch_rows("scan", tc.scan_inputs(b, d, L, n, DTYPES[args.dtype], device="meta"), b * d * L, scan_issue)
+    measured = SCAN_MEASURED.get((b, d, L, n)) if args.dtype == "bfloat16" else None
+    passes(rows, 1, (measured or (None, None), (None, None)))
+
+    # the SSD scan, at the three shapes of issue 41
+    def ssd_issue(i, info, meta, programs, shape=None):
+        if info["loop_instructions"] is None:
+            return None
+        return programs * _ssd_trips(info["kernel"], meta, shape) * info["loop_instructions"] * meta["num_warps"] / \
+            issue_rate
+
+    for (b, L, h, p, g, n), measured in SSD_SHAPES.items():
+        shape = dict(batch=b, seqlen=L, nheads=h, headdim=p, ngroups=g, dstate=n, chunk=256)
+        print(f"\nSSD scan: batch {b}, seqlen {L}, nheads {h}, headdim {p}, ngroups {g}, dstate {n}, chunk 256")
+        print(header)
+        rows = launch_rows("ssd", tc.ssd_inputs(**shape, dtype=DTYPES[args.dtype], device="meta"), b * h * L,
+                           lambda i, info, meta, programs: ssd_issue(i, info, meta, programs, shape))
+        # the backward sums its float32 per-head dB and dC over each group's heads with torch: read once
+        per_head = 2 * b * L * h * n * 4
+        print(f"{'(torch: dB/dC per-head sums)':<31} {per_head / 1e9:>33.2f} GB read: "
+              f"{per_head / copy_rate * 1e3:.2f} ms at the copy rate, in forward+backward")
+        passes(rows, 2, measured if args.dtype == "bfloat16" else ((None, None), (None, None)), per_head / copy_rate)
+
+
+def _nbytes(t) -> int:
+    return t.untyped_storage().nbytes() if isinstance(t, torch.Tensor) else 0
 
 
 if __name__ == "__main__":

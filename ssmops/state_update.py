@@ -8,7 +8,6 @@ from torch import Tensor
 from ._registry import triton_op_for
 from .ops._checks import INPUT_DTYPES
 from .ops.state_update.checks import check_multihead_inputs, check_state_batch_indices, check_state_update_inputs
-from .ops.state_update.schema import as_multihead
 
 
 def _layout(state, state_batch_indices) -> str:
@@ -29,11 +28,10 @@ def _step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices
     if layout == "mamba1":
         step = triton_op_for("selective_state_update", x) or torch.ops.ssmops.selective_state_update.default
         return step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
+    # (Mamba-1's layout with a low-precision state or a cache: the multi-head operator takes it as it is, a
+    # channel a head of headdim 1, so that no views are built per call)
     step = triton_op_for("multihead_state_update", x) or torch.ops.ssmops.multihead_state_update.default
-    if layout == "multihead":
-        return step(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, dt_softplus)
-    heads = as_multihead(state, x, dt, A, B, C, D, z, dt_bias)
-    return step(*heads, state_batch_indices, dt_softplus).squeeze(-1)
+    return step(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, dt_softplus)
 
 
 def _check(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices) -> None:

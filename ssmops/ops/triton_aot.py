@@ -161,3 +161,14 @@ def innermost_loop(compiled, containing: Optional[tuple] = None) -> Optional[col
     counts = [collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0] for _, text in body)
               for body in sorted(loops, key=len)]
     return next((c for c in counts if containing is None or any(c[op] for op in containing)), None)
+
+
+def sass_opcodes(compiled) -> collections.Counter:
+    """Opcode counts of an NVIDIA kernel's whole SASS (static, not weighted by loop trips): which
+    tensor-core instruction it uses (HGMMA, Hopper's warpgroup MMA, or HMMA, the warp-level mma.sync)."""
+    counts = collections.Counter()
+    for line in _cuobjdump(compiled, "-sass").splitlines():
+        m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
+        if m:
+            counts[re.sub(r"^@!?U?P\w+\s+", "", m.group(1)).split()[0].split(".")[0]] += 1
+    return counts

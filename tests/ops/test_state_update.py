@@ -251,18 +251,35 @@ def test_tied_views_equal_per_head_forms(backend, dtype):
         assert_close(state, states[0], TOLERANCES[torch.float32], "state")
 
 
+@pytest.mark.parametrize("backend", backend_params())
 @pytest.mark.parametrize("state_dtype", [torch.float16, torch.bfloat16])
-def test_mamba1_layout_takes_a_low_precision_state_and_a_cache(state_dtype):
+def test_mamba1_layout_takes_a_low_precision_state_and_a_cache(backend, state_dtype):
+    """The front end passes Mamba-1's layout to the multi-head operator as it is (a channel a head of
+    headdim 1): every backend's operator takes it."""
     kw = state_update_inputs(groups=2)
     cache = kw["state"].repeat(2, 1, 1).to(state_dtype)  # 4 rows; batch rows 0 and 1 use rows 3 and 1
     indices = torch.tensor([3, 1])
     expected_cache = cache.clone()
     expected = selective_state_update_ref(**{**kw, "state": expected_cache}, state_batch_indices=indices)
-    y = ssmops.selective_state_update(**{**kw, "state": cache}, state_batch_indices=indices)
+    with ssmops.use_backend(backend):
+        y = ssmops.selective_state_update(**{**kw, "state": cache}, state_batch_indices=indices)
     assert cache.dtype == state_dtype and y.dtype == kw["x"].dtype
     assert_close(y, expected, TOLERANCES[state_dtype], "y")
     assert_close(cache.float(), expected_cache.float(), TOLERANCES[state_dtype], "state")
     assert torch.equal(cache[[0, 2]], expected_cache[[0, 2]])  # rows no batch row points at: untouched
+
+
+@pytest.mark.parametrize("groups", [None, 2], ids=["flat", "grouped"])
+def test_multihead_opcheck_in_mamba1_layout(groups):
+    """Mamba-1's layout straight into the multi-head operator: fake, schema and (native) kernel agree,
+    with B/C flat (batch, dstate) or grouped, a bfloat16 cache and its indices."""
+    kw = state_update_inputs(groups=groups)
+    cache = kw["state"].repeat(2, 1, 1).bfloat16()
+    args = [kw[k] for k in ("x", "dt", "A", "B", "C", "D", "z", "dt_bias")]
+    torch.library.opcheck(torch.ops.ssmops.multihead_state_update.default,
+                          (cache, *args, torch.tensor([3, 1]), kw["dt_softplus"]))
+    with pytest.raises((ValueError, RuntimeError), match="state"):
+        torch.ops.ssmops.multihead_state_update.default(cache[:, :-1], *args, torch.tensor([3, 1]), True)
 
 
 @pytest.mark.parametrize("case", MULTIHEAD_CASES, ids=state_update_case_id)

@@ -260,29 +260,48 @@ void multihead_step(const MultiheadArgs& a, T* state, const int64_t* st) {
 Tensor multihead_state_update(Tensor state, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, OptTensor D,
                               OptTensor z, OptTensor dt_bias, OptTensor state_batch_indices, bool dt_softplus) {
   check_cpu("x", x);
-  STD_TORCH_CHECK(x.dim() == 3, "multihead_state_update: x must have shape (batch, nheads, headdim), got ",
+  // Mamba-1's layout (x (batch, dim), state (cache_size, dim, dstate), A (dim, dstate), B/C (batch, dstate)
+  // or (batch, ngroups, dstate), z (batch, dim)): a channel is a head of headdim 1, read in place, so that
+  // the front end passes a cache without building views per call
+  const bool channels_as_heads = x.dim() == 2;
+  STD_TORCH_CHECK(x.dim() == 3 || channels_as_heads,
+                  "multihead_state_update: x must have shape (batch, nheads, headdim) or (batch, dim), got ",
                   shape_of(x));
-  const int64_t batch = x.size(0), nheads = x.size(1), headdim = x.size(2);
-  check_float("x", x, {batch, nheads, headdim});
+  const int64_t batch = x.size(0), nheads = x.size(1), headdim = channels_as_heads ? 1 : x.size(2);
+  const std::vector<int64_t> per_token = channels_as_heads ? std::vector<int64_t>{batch, nheads}
+                                                           : std::vector<int64_t>{batch, nheads, headdim};
+  check_float("x", x, per_token);
   check_cpu("state", state);
-  STD_TORCH_CHECK(state.dim() == 4 && state.size(1) == nheads && state.size(2) == headdim,
-                  "multihead_state_update: state must have shape (cache_size, nheads, headdim, dstate) with "
-                  "(nheads, headdim)=(", nheads, ", ", headdim, "), got ", shape_of(state));
-  const int64_t cache = state.size(0), dstate = state.size(3);
-  check_float("state", state, {cache, nheads, headdim, dstate});
+  STD_TORCH_CHECK(channels_as_heads ? state.dim() == 3 && state.size(1) == nheads
+                                    : state.dim() == 4 && state.size(1) == nheads && state.size(2) == headdim,
+                  "multihead_state_update: state must have shape ",
+                  channels_as_heads ? "(cache_size, dim, dstate) with dim=("
+                                    : "(cache_size, nheads, headdim, dstate) with (nheads, headdim)=(",
+                  nheads, channels_as_heads ? "" : ", ", channels_as_heads ? "" : std::to_string(headdim), "), got ",
+                  shape_of(state));
+  const int64_t cache = state.size(0), dstate = state.size(state.dim() - 1);
+  check_float("state", state, channels_as_heads ? std::vector<int64_t>{cache, nheads, dstate}
+                                                : std::vector<int64_t>{cache, nheads, headdim, dstate});
   check_per_head("dt", dt, {batch, nheads, headdim}, {batch, nheads}, kFloats);
-  check_per_head("A", A, {nheads, headdim, dstate}, {nheads}, {ST::Float});
-  STD_TORCH_CHECK(B.dim() == 3 && B.size(0) == batch && B.size(2) == dstate,
+  if (channels_as_heads) {
+    check_tensor_of("multihead_state_update", "A", A, {ST::Float}, {nheads, dstate}, "x");
+  } else {
+    check_per_head("A", A, {nheads, headdim, dstate}, {nheads}, {ST::Float});
+  }
+  const bool bc_flat = channels_as_heads && B.dim() == 2;  // one group
+  STD_TORCH_CHECK((B.dim() == 3 || bc_flat) && B.size(0) == batch && B.size(B.dim() - 1) == dstate,
                   "multihead_state_update: B must have shape (batch, ngroups, dstate) with (batch, dstate)=(",
                   batch, ", ", dstate, "), got ", shape_of(B));
-  const int64_t ngroups = B.size(1);
+  const int64_t ngroups = bc_flat ? 1 : B.size(1);
   STD_TORCH_CHECK(ngroups >= 1 && nheads % ngroups == 0, "multihead_state_update: B has ngroups=", ngroups,
                   ", which does not divide nheads=", nheads);
-  check_float("B", B, {batch, ngroups, dstate});
-  check_float("C", C, {batch, ngroups, dstate});
+  const std::vector<int64_t> bc_shape = bc_flat ? std::vector<int64_t>{batch, dstate}
+                                                : std::vector<int64_t>{batch, ngroups, dstate};
+  check_float("B", B, bc_shape);
+  check_float("C", C, bc_shape);
   if (D) check_per_head("D", *D, {nheads, headdim}, {nheads}, kFloats);
   if (dt_bias) check_per_head("dt_bias", *dt_bias, {nheads, headdim}, {nheads}, kFloats);
-  if (z) check_float("z", *z, {batch, nheads, headdim});
+  if (z) check_float("z", *z, per_token);
 
   std::vector<int64_t> rows(batch);
   if (state_batch_indices) {
@@ -305,18 +324,19 @@ Tensor multihead_state_update(Tensor state, Tensor x, Tensor dt, Tensor A, Tenso
   }
 
   // A tied over headdim and dstate: read a value per head in place (not a copy of the expansion)
-  const bool A_tied = A.dim() == 1 || (A.stride(1) == 0 && A.stride(2) == 0);
+  const bool A_tied = A.dim() == 1 || (!channels_as_heads && A.stride(1) == 0 && A.stride(2) == 0);
   const Tensor x32 = as_f32(x), A32 = A_tied ? A : contig(A), B32 = as_f32(B), C32 = as_f32(C);
   OptTensor z32;
   if (z) z32 = as_f32(*z);
-  Tensor y = empty_like_shape(x, {batch, nheads, headdim}, ST::Float);
+  Tensor y = empty_like_shape(x, per_token, ST::Float);
   MultiheadArgs a{batch, nheads, headdim, dstate, ngroups, A_tied, dt_softplus, head_values(dt, true),
                   D ? std::optional<HeadValues>(head_values(*D, false)) : std::nullopt,
                   dt_bias ? std::optional<HeadValues>(head_values(*dt_bias, false)) : std::nullopt,
                   x32.const_data_ptr<float>(), A32.const_data_ptr<float>(), B32.const_data_ptr<float>(),
                   C32.const_data_ptr<float>(), z32 ? z32->const_data_ptr<float>() : nullptr, A32.stride(0),
                   rows.data(), y.mutable_data_ptr<float>()};
-  const int64_t strides[4] = {state.stride(0), state.stride(1), state.stride(2), state.stride(3)};
+  const int64_t strides[4] = {state.stride(0), state.stride(1), channels_as_heads ? dstate : state.stride(2),
+                              state.stride(state.dim() - 1)};
   switch (state.scalar_type()) {
     case ST::Half:
       multihead_step(a, static_cast<c10::Half*>(state.mutable_data_ptr()), strides);

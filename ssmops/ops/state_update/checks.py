@@ -118,7 +118,20 @@ def check_multihead_inputs(
     (nheads,); state_batch_indices: (batch,) int32/int64, the cache row of each batch row (a
     negative one is padding: its output is 0 and no state changes). Floating arguments may each
     be float32, float16 or bfloat16 (A: float32).
+
+    Or Mamba-1's layout, whose channels are heads of headdim 1 (`check_state_update_inputs`' rules, the
+    state in any float dtype, a cache with state_batch_indices): x, dt, z (batch, dim), state
+    (cache_size, dim, dstate), A (dim, dstate), B, C (batch, dstate) or (batch, groups, dstate), D,
+    dt_bias (dim,); y is then (batch, dim).
     """
+    if isinstance(x, Tensor) and x.dim() == 2:  # Mamba-1's layout, a channel a head of headdim 1
+        cache_size = state.shape[0] if isinstance(state, Tensor) and state_batch_indices is not None else None
+        batch, dim, dstate, groups = check_state_update_inputs(
+            state, x, dt, A, B, C, D, z, dt_bias, state_dtypes=INPUT_DTYPES, cache_size=cache_size)
+        if state_batch_indices is not None:
+            check_tensor("state_batch_indices", state_batch_indices, (torch.int32, torch.int64), (batch,), x.device,
+                         like="x")
+        return MultiheadDims(batch, dim, 1, dstate, groups, state.shape[0])
     check_leading("x", x, "(batch, nheads, headdim)")
     batch, nheads, headdim = x.shape
     device = x.device

@@ -25,7 +25,12 @@ def _per_channel(t: torch.Tensor, batched: bool) -> torch.Tensor:
 
 def multihead_state_update(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, dt_softplus):
     """One step for every (batch, head, channel) of Mamba-2's layout: updates the state rows of the
-    cache in place, in the state's dtype, and returns y (batch, nheads, headdim) in x's dtype."""
+    cache in place, in the state's dtype, and returns y (batch, nheads, headdim) in x's dtype. Mamba-1's
+    layout (x (batch, dim)): as heads of headdim 1."""
+    if x.dim() == 2:
+        check_multihead_inputs(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices)
+        heads = as_multihead(state, x, dt, A, B, C, D, z, dt_bias)
+        return multihead_state_update(*heads, state_batch_indices, dt_softplus).squeeze(-1)
     batch, nheads, headdim, dstate, ngroups, cache_size = check_multihead_inputs(
         state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices)
     check_state_batch_indices(state_batch_indices, cache_size)

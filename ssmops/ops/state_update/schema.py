@@ -6,8 +6,9 @@ the mutation). Inference only: no autograd. The C++ library declares the same sc
 * `selective_state_update`: Mamba-1's layout, a float32 state `(batch, dim, dstate)`;
 * `multihead_state_update`: Mamba-2's layout `(cache_size, nheads, headdim, dstate)` in any
   float dtype, a cache row per batch row (`state_batch_indices`), and dt, A and dt_bias either
-  per (head, channel) or tied per head, in which case one decay per head is computed. Mamba-1's
-  layout with a low-precision state or a cache maps onto it with headdim 1.
+  per (head, channel) or tied per head, in which case one decay per head is computed. It also takes
+  Mamba-1's layout (x (batch, dim), state (cache_size, dim, dstate)) as it is, a channel a head of
+  headdim 1: the front end's route for a low-precision state or a cache, with no views per call.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ def multihead_fake(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, dt
 def as_multihead(state, x, dt, A, B, C, D, z, dt_bias) -> tuple:
     """Mamba-1's layout as `multihead_state_update`'s arguments (up to `state_batch_indices`): a
     channel is a head of headdim 1, B/C's groups are groups of those heads, and dt, D and dt_bias
-    are already in their per-head forms. Views only (as few as may be: a decoding step makes them
-    per layer per token), so the state is still updated in place."""
+    are already in their per-head forms. Views only, so the state is still updated in place (the
+    default and Triton backends' route for that layout; the C++ kernel reads it in place)."""
     return (
         state.unsqueeze(2), x.unsqueeze(-1), dt, A.unsqueeze(1), B if B.dim() == 3 else B.unsqueeze(1),
         C if C.dim() == 3 else C.unsqueeze(1), D, None if z is None else z.unsqueeze(-1), dt_bias,

@@ -12,6 +12,7 @@ from torch.library import triton_op
 
 from .. import _triton
 from .checks import check_multihead_inputs, check_state_batch_indices, check_state_update_inputs
+from .schema import as_multihead
 from .triton_kernels import multihead_state_update_kernel, selective_state_update_kernel
 
 
@@ -45,6 +46,9 @@ def multihead_state_update(
 ) -> Tensor:
     batch, nheads, headdim, dstate, ngroups, cache_size = check_multihead_inputs(
         state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices)
+    if x.dim() == 2:  # Mamba-1's layout: a channel a head of headdim 1
+        heads = as_multihead(state, x, dt, A, B, C, D, z, dt_bias)
+        return multihead_state_update(*heads, state_batch_indices, dt_softplus).view(batch, nheads)
     if type(state_batch_indices) is Tensor:  # (it reads the indices: not while tracing)
         check_state_batch_indices(state_batch_indices, cache_size)
     out = _triton.output((batch, nheads, headdim), x.dtype, x.device)  # 1-D while a kernel writes it

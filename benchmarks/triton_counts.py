@@ -1,0 +1,242 @@
+"""What each Triton launch of the scans moves and computes, counted by running it under Triton's interpreter.
+
+    TRITON_INTERPRET=1 python benchmarks/triton_counts.py      # rewrites benchmarks/triton_counts.json (minutes)
+
+benchmarks/triton_static.py reads the counts; it reruns this (in a child process, since the interpreter
+must be chosen before the kernels are defined) when `--count` is given or the kernels' source changed.
+
+The interpreter runs every program of a launch with numpy, so its loads, stores, atomics, `tl.dot`s and
+transcendentals can be counted exactly, loop trips and masks included, at a small shape: the scan at
+one channel of one row (two 2048-step chunks, as at the benchmark shape), the SSD scan at one row of
+512 tokens (two 256-token chunks), two heads of one group, Mamba-2's headdim 64 and dstate 128. Per
+launch it records
+
+- requested bytes: every element a load, store or atomic touches, as often as it touches it (what the
+  SMs ask of the L2; re-reads of B/C by every channel or head of a group are counted each time), and
+  the 32-byte sectors each access touches (what the L2 moves for it: more than the bytes where an
+  access is strided or scattered; taken over a program's whole tile, so it sees sectors left partly
+  unused, not the order in which a warp's lanes ask for them),
+- per buffer, the distinct bytes read and written, as a fraction of the buffer (what DRAM must move at
+  least, once per buffer),
+- FLOPs of `tl.dot` (2 M N K) and the transcendental results (exp, exp2, log, ...: SFU work),
+
+and the work units the counts scale by: (batch * dim * seqlen) for the scan, (batch * nheads * seqlen)
+for the SSD scan. Every kernel's work here is per token and channel/head (the state passes walk the
+chunks, the chunk kernels take them in parallel), so those counts scale by the units.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+COUNTS = Path(__file__).with_name("triton_counts.json")
+SOURCES = ("ssmops/ops/selective_scan/triton_kernels.py", "ssmops/ops/selective_scan/triton.py",
+           "ssmops/ops/ssd/triton_kernels.py", "ssmops/ops/ssd/triton.py")
+SCAN_SMALL = dict(batch=1, dim=1, seqlen=4096, dstate=16)
+SSD_SMALL = dict(batch=1, seqlen=512, nheads=2, headdim=64, ngroups=1, dstate=128, chunk=256)
+_SFU = ("exp", "exp2", "log", "log2", "sin", "cos", "sqrt", "precise_sqrt", "rsqrt")
+
+
+def source_hash() -> str:
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update((REPO / name).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def scan_inputs(batch: int, dim: int, seqlen: int, dstate: int, dtype, device="cpu") -> tuple:
+    """selective_scan_fwd's arguments as a Mamba block passes them (variable B/C, D, z, delta_bias,
+    softplus). On the meta device they give the full shape's launches without data."""
+    def randn(*shape, dt=dtype):
+        return torch.randn(*shape).to(dt) if device == "cpu" else torch.empty(*shape, dtype=dt, device=device)
+
+    return (randn(batch, dim, seqlen), randn(batch, dim, seqlen), randn(dim, dstate, dt=torch.float32),
+            randn(batch, dstate, seqlen), randn(batch, dstate, seqlen), randn(dim, dt=torch.float32),
+            randn(batch, dim, seqlen), randn(dim, dt=torch.float32), None, True)
+
+
+def ssd_inputs(batch: int, seqlen: int, nheads: int, headdim: int, ngroups: int, dstate: int, chunk: int, dtype,
+               device="cpu") -> tuple:
+    """ssd_scan_fwd's arguments as Mamba2 passes them (D per head, z, dt_bias, softplus)."""
+    def randn(*shape, dt=dtype):
+        return torch.randn(*shape).to(dt) if device == "cpu" else torch.empty(*shape, dtype=dt, device=device)
+
+    b, L, h, p, g, n = batch, seqlen, nheads, headdim, ngroups, dstate
+    return (randn(b, L, h, p), randn(b, L, h), randn(h, dt=torch.float32) - 1, randn(b, L, g, n), randn(b, L, g, n),
+            randn(h, dt=torch.float32), randn(b, L, h, p), randn(h, dt=torch.float32), None, None, None, chunk, True,
+            [])
+
+
+def recorded(family: str, fwd_args: tuple) -> list:
+    """(kernel, grid, args, meta) of the forward's and then the backward's launches, launching nothing
+    (the backward given a cotangent for every output)."""
+    from ssmops.ops import _triton
+    from ssmops.ops.selective_scan import triton as scan_triton
+    from ssmops.ops.ssd import triton as ssd_triton
+
+    launches: list = []
+    launch = _triton.launch
+    _triton.launch = lambda kernel, grid, args, meta: launches.append((kernel, tuple(grid), args, meta))
+    try:
+        if family == "scan":
+            out, x, out_z, last = scan_triton.selective_scan_fwd(*fwd_args)
+            scan_triton.selective_scan_bwd(*fwd_args[:9], torch.ones_like(out), x, torch.ones_like(last), fwd_args[9])
+        else:
+            out, final, states, varlen = ssd_triton.ssd_fwd(*fwd_args)
+            ssd_triton.ssd_bwd(*fwd_args, torch.ones_like(out), states, torch.ones_like(final), None)
+    finally:
+        _triton.launch = launch
+    return launches
+
+
+def launch_name(kernel, meta: dict) -> str:
+    name = getattr(kernel, "__name__", None) or kernel.fn.__name__
+    if meta.get("DZ"):
+        name += " (dz)"
+    return name + (f" ({meta['MODE']})" if "MODE" in meta else "")
+
+
+class _Counter:
+    """Hooks on the interpreter's builder that count one launch's memory traffic, dots and SFU work."""
+
+    def __init__(self):
+        from triton.runtime.interpreter import InterpreterBuilder
+
+        self.builder = InterpreterBuilder
+        self.saved = {}
+        self.reset()
+
+    def reset(self):
+        self.counts = collections.Counter()
+        self.read, self.written = [], []
+
+    def _hook(self, name, wrapper):
+        self.saved[name] = original = getattr(self.builder, name)
+        setattr(self.builder, name, wrapper(original))
+
+    def __enter__(self):
+        def element_bytes(ptrs):
+            return ptrs.get_element_ty().primitive_bitwidth // 8
+
+        def account(kind, ptrs, mask, accesses):
+            addresses = ptrs.data[mask].astype(np.uint64)
+            self.counts[kind] += addresses.size * element_bytes(ptrs)
+            # the 32-byte sectors the program's tile touches: what the L2 moves for it (a scattered or
+            # strided access touches more than its bytes)
+            self.counts["sectors"] += np.unique(addresses // 32).size * 32
+            accesses.append((addresses, element_bytes(ptrs)))
+
+        def load(original):
+            def hooked(builder, ptrs, mask, other, *rest):
+                account("load", ptrs, mask.data, self.read)
+                return original(builder, ptrs, mask, other, *rest)
+            return hooked
+
+        def store(original):
+            def hooked(builder, ptrs, value, mask, *rest):
+                account("store", ptrs, mask.data, self.written)
+                return original(builder, ptrs, value, mask, *rest)
+            return hooked
+
+        def atomic(original):
+            def hooked(builder, op, ptrs, value, mask, *rest):
+                m = mask.data if mask is not None else np.ones_like(ptrs.data, dtype=bool)
+                account("atomic", ptrs, m, self.written)
+                return original(builder, op, ptrs, value, mask, *rest)
+            return hooked
+
+        def dot(original):
+            def hooked(builder, a, b, *rest):
+                self.counts["flop"] += 2 * a.data.shape[-2] * a.data.shape[-1] * b.data.shape[-1]
+                return original(builder, a, b, *rest)
+            return hooked
+
+        def sfu(original):
+            def hooked(builder, arg, *rest):
+                self.counts["sfu"] += arg.data.size
+                return original(builder, arg, *rest)
+            return hooked
+
+        self._hook("create_masked_load", load)
+        self._hook("create_masked_store", store)
+        self._hook("create_atomic_rmw", atomic)
+        self._hook("create_dot", dot)
+        for op in _SFU:
+            if hasattr(self.builder, f"create_{op}"):
+                self._hook(f"create_{op}", sfu)
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self.saved.items():
+            setattr(self.builder, name, original)
+
+    def buffers(self, args: tuple) -> list:
+        """Per distinct storage among the launch's tensor arguments: the first argument using it, its size,
+        and the distinct bytes read and written in it."""
+        storages = {}
+        for i, arg in enumerate(args):
+            if isinstance(arg, torch.Tensor):
+                storage = arg.untyped_storage()
+                storages.setdefault(storage.data_ptr(), (i, storage.nbytes()))
+
+        def distinct(accesses):
+            per_storage = collections.Counter()
+            if not accesses:
+                return per_storage
+            starts = np.array(sorted(storages), dtype=np.uint64)
+            for size in {s for _, s in accesses}:
+                addresses = np.unique(np.concatenate([a for a, s in accesses if s == size]))
+                owner = np.searchsorted(starts, addresses, side="right") - 1
+                for start, n in zip(*np.unique(owner[owner >= 0], return_counts=True)):
+                    per_storage[int(starts[start])] += int(n) * size
+            return per_storage
+
+        read, written = distinct(self.read), distinct(self.written)
+        return [dict(arg=i, nbytes=nbytes, read=read[ptr], written=written[ptr])
+                for ptr, (i, nbytes) in sorted(storages.items(), key=lambda kv: kv[1][0])]
+
+
+def count(dtype=torch.bfloat16) -> dict:
+    """Runs the small launches under the interpreter and returns the counts (TRITON_INTERPRET=1 needed)."""
+    from ssmops.ops import _triton
+
+    if not _triton.INTERPRETED:
+        raise RuntimeError("run under TRITON_INTERPRET=1")
+    families = {
+        "scan": (SCAN_SMALL, scan_inputs(**SCAN_SMALL, dtype=dtype), SCAN_SMALL["dim"]),
+        "ssd": (SSD_SMALL, ssd_inputs(**SSD_SMALL, dtype=dtype), SSD_SMALL["nheads"]),
+    }
+    result = dict(sources=source_hash(), dtype=str(dtype).removeprefix("torch."))
+    for family, (shape, fwd_args, channels) in families.items():
+        rows = []
+        for kernel, grid, args, meta in recorded(family, fwd_args):
+            with _Counter() as counter:
+                kernel[grid](*args, **meta)
+            rows.append(dict(name=launch_name(kernel, meta), programs=int(np.prod(grid)), **counter.counts,
+                             buffers=counter.buffers(args)))
+            print(f"{family}: {rows[-1]['name']}: {dict(counter.counts)}", file=sys.stderr, flush=True)
+        result[family] = dict(shape=shape, units=shape["batch"] * channels * shape["seqlen"], launches=rows)
+    return result
+
+
+def main() -> int:
+    sys.path.insert(0, str(REPO))
+    counts = count()
+    COUNTS.write_text(json.dumps(counts, indent=1) + "\n")
+    print(f"wrote {COUNTS.relative_to(REPO)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run with TRITON_INTERPRET=1 (the interpreter must be chosen before the kernels are defined)")
+    sys.exit(main())
