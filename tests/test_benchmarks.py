@@ -169,6 +169,7 @@ def test_decode_benchmark_runs():
     for row in ("transformers (fp32)", "ssmops fp32 eager", "ssmops bf16 eager", "ssmops int8 eager"):
         assert row in out.stdout, row
     assert "of its sustained bound" in out.stdout and "of its peak bound" in out.stdout
+    assert "read bandwidth, measured now" in out.stdout and "x transformers" in out.stdout
 
 
 @pytest.mark.slow

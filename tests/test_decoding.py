@@ -224,19 +224,3 @@ def test_prompts_of_different_lengths_decode_as_if_alone(name):
                                    rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="at least one token"):
         model.generate([prompts[0], prompts[0][:0]], max_length=10)
-
-
-@pytest.mark.slow
-def test_decode_benchmark_runs():
-    import subprocess
-    import sys
-
-    from conftest import REPO
-
-    pytest.importorskip("transformers", reason="the benchmark compares with transformers (a test-only dependency)")
-    # llama.cpp's rows need its build (minutes): tests/test_benchmarks.py checks the GGUF file they time
-    out = subprocess.run([sys.executable, "benchmarks/decode.py", "--quick", "--no-compile", "--batches", "1,2",
-                          "--repeats", "1", "--no-llama-cpp"], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
-    assert "read bandwidth, measured now" in out.stdout and "ssmops int8 eager" in out.stdout
-    assert "x transformers" in out.stdout

@@ -35,7 +35,8 @@ def test_demo_model_learns_english_bytes():
     model = demo.build_model(seed=0)
     before = demo.held_out_loss(model, held_out)
     losses = []
-    demo.train(model, train_data, steps=20, batch=4, seqlen=64, seed=0, compile=False, on_step=lambda _, loss: losses.append(loss))
+    demo.train(model, train_data, steps=20, batch=4, seqlen=64, seed=0, compile=False,
+               on_step=lambda _, loss: losses.append(loss))
     after = demo.held_out_loss(model, held_out)
     assert len(losses) == 20 and before > context_free_bound
     assert after < context_free_bound - 0.3, (before, after, context_free_bound)
