@@ -5,8 +5,10 @@ PY := $(VENV)/bin/python
 # Torch is installed only when the venv has none; override e.g. TORCH_SPEC='torch>=2.10'.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
-# pytest-xdist's workers for make test and test-quick: the 2 cores of CI's machine, both used
+# pytest-xdist's workers for make test and test-quick: the 2 cores of CI's machine, both used; tests
+# handed out two at a time, the slow ones first (tests/conftest.py orders them), so both finish together
 TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --maxschedchunk 2
 
 .PHONY: install install-test demo test test-quick test-triton-interpreter bench-deps bench bench-cpu bench-ssd sanitize gpu-check clean
 
@@ -34,8 +36,8 @@ demo: install
 # The second run repeats the operator-level and deployment checks with the native
 # library unloaded, so that `default` is what the dispatcher registers for CPU.
 test: install-test
-	$(PYTEST) -n $(TEST_WORKERS) --durations=15 tests
-	SSMOPS_BACKEND=default $(PYTEST) -n $(TEST_WORKERS) tests/ops tests/test_compile_export.py -k "opcheck or compile or export or aoti"
+	$(PYTEST) $(XDIST) --durations=15 tests
+	SSMOPS_BACKEND=default $(PYTEST) $(XDIST) tests/ops tests/test_compile_export.py -k "opcheck or compile or export or aoti"
 
 # Every Triton case under the interpreter, the slow ones included (make test runs those not marked
 # slow there; on a GPU, make gpu-check runs them all natively).
@@ -44,7 +46,7 @@ test-triton-interpreter: install-test
 
 # The quick subset: everything but the checks marked slow.
 test-quick: install-test
-	$(PYTEST) -n $(TEST_WORKERS) -m "not slow" tests
+	$(PYTEST) $(XDIST) -m "not slow" tests
 
 # The benchmarks time their peers as published, fetched at run time into build/peers
 # (benchmarks/peers.py): mamba_ssm's sdist, whose code needs einops (installed here for that and

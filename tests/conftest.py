@@ -18,6 +18,18 @@ from ssmops.ops.selective_scan.checks import CHUNK_LEN
 
 REPO = Path(__file__).resolve().parents[1]
 
+def pytest_collection_modifyitems(config, items):
+    """The checks marked slow run first (longest first is how two workers finish together; with
+    `--maxschedchunk 2`, as `make test` runs them, pytest-xdist hands them out one or two at a time),
+    except those sharing a module-scoped fixture, which stay with their module so that it is built once."""
+
+    def shares_a_fixture(item) -> bool:
+        fixtures = getattr(item, "_fixtureinfo", None)
+        return fixtures is not None and any(defs[-1].scope != "function" for defs in fixtures.name2fixturedefs.values())
+
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None or shares_a_fixture(item))
+
+
 TOLERANCES = {torch.float32: 2e-4, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
 
 

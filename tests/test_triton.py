@@ -49,6 +49,7 @@ INTERPRETED_TEST_FILES = ["tests/ops/test_selective_scan.py", "tests/ops/test_ss
                           "tests/test_properties.py", "tests/test_nonfinite.py", "tests/test_triton.py"]
 
 
+@pytest.mark.slow  # minutes of interpreted kernels: not in `make test-quick`
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
 @pytest.mark.skipif(interpreting(), reason="already under the interpreter: the tests run in this process")
 @pytest.mark.parametrize("path", INTERPRETED_TEST_FILES, ids=lambda path: path.split("/")[-1][:-3])
