@@ -256,7 +256,8 @@ STATE_UPDATE_CASES = [
 
 def interpreter_examples(n: int):
     """Under Triton's interpreter (test_triton_interpreter_suite runs the property tests' Triton cases so) an
-    SSD problem takes seconds, its gradients ten, and a scan's gradients two: n drawn problems there."""
+    SSD problem takes seconds, its gradients ten to thirty, and a scan's gradients several: n drawn problems
+    there (derandomized, as everywhere in CI; natively on a GPU the profile's count)."""
     from hypothesis import settings
 
     from ssmops._registry import interpreting

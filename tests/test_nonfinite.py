@@ -135,7 +135,7 @@ def _assert_gradients_match(kw: dict, backend: str, device: str) -> None:
 
 
 @pytest.mark.parametrize("backend, device", _targets())
-@interpreter_examples(4)
+@interpreter_examples(3)
 @given(data=st.data())
 def test_ssd_gradients_are_finite_and_match_the_reference(backend, device, data):
     _assert_gradients_match(data.draw(ssd_problems(tiny=_tiny(backend, device))), backend, device)
@@ -205,7 +205,7 @@ def _assert_ssd_causal(kw: dict, poisoned: dict, t: int, backend: str, device: s
 
 
 @pytest.mark.parametrize("backend, device", _targets())
-@interpreter_examples(10)
+@interpreter_examples(6)
 @given(data=st.data())
 def test_ssd_non_finite_input_reaches_no_earlier_output(backend, device, data):
     # (no infinite upper limit with a lower one: the operator takes it as float32's largest value,
@@ -262,7 +262,7 @@ def scan_problems(draw, tiny: bool = False):
 
 
 @pytest.mark.parametrize("backend, device", _targets(names=None))
-@interpreter_examples(10)
+@interpreter_examples(6)
 @given(data=st.data())
 def test_scan_non_finite_input_reaches_no_earlier_output(backend, device, data):
     kw = data.draw(scan_problems(tiny=_tiny(backend, device)))

@@ -82,13 +82,14 @@ def _compare(backend, kw, tol_scale=1.0):
 
 
 @pytest.mark.parametrize("backend", backend_params())
+@interpreter_examples(12)
 @given(kw=scan_problems())
 def test_backend_matches_reference_on_drawn_problems(backend, kw):
     _compare(backend, kw)
 
 
 @pytest.mark.parametrize("backend", backend_params())
-@interpreter_examples(10)
+@interpreter_examples(5)
 @given(kw=scan_problems(), data=st.data())
 def test_backend_gradients_match_reference_on_drawn_problems(backend, kw, data):
     kw = {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
@@ -181,7 +182,7 @@ def _ssd_results(fn, kw, leaves=None):
 
 
 @pytest.mark.parametrize("backend", backend_params(names=("default", "cpu", "triton")))
-@interpreter_examples(8)
+@interpreter_examples(5)
 @given(kw=ssd_problems())
 def test_ssd_backend_matches_reference_on_drawn_problems(backend, kw):
     from ssmops.ops.ssd.reference import ssd_scan_ref
@@ -196,7 +197,7 @@ def test_ssd_backend_matches_reference_on_drawn_problems(backend, kw):
 
 
 @pytest.mark.parametrize("backend", backend_params(names=("default", "cpu", "triton")))
-@interpreter_examples(3)
+@interpreter_examples(2)
 @given(kw=ssd_problems())
 def test_ssd_backend_gradients_match_reference_on_drawn_problems(backend, kw):
     from ssmops.ops.ssd.reference import ssd_scan_ref
