@@ -1,0 +1,94 @@
+"""Mamba-2's SSD scan as standard operators, for ONNX export: a decomposition of `ssd_scan_fwd`
+into aten ops plus one `scan` over chunks (torch.onnx writes it as one ONNX `Scan`).
+
+Each iteration takes one chunk of `chunk_size` tokens and the state entering it, and computes
+the chunk in SSD's quadratic form: tokens reach later tokens of the chunk through
+`(C B^T * causal decay) @ (dt * x)`, the entering state reaches every token through `C @ state^T`
+decayed by exp(cumsum(dt * A)), and the state leaving the chunk is `(x dt decayed to its end)^T
+@ B` plus the decayed entering state. The graph has a fixed size whatever the sequence length
+and runs `ceil(seqlen / chunk_size)` iterations. The sequence is padded to whole chunks with
+tokens that change nothing (dt = 0: no decay, no input) and belong to the last sequence.
+
+`seq_idx` restarts the state where it changes, within a chunk (a mask on C B^T and on the
+tokens that make the leaving state) and across chunks (the sequence id of the token before the
+chunk is carried with the state). `cu_seqlens` (the varlen states) is not supported.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch._higher_order_ops.scan import scan
+
+from .default import discretize_dt
+
+
+def _chunks(t: Tensor, padded: int, chunk_size: int) -> Tensor:
+    """(batch, seqlen, ...) -> (nchunks, batch, chunk_size, ...), zero-padded to `padded` tokens."""
+    pad = [0, 0] * (t.dim() - 2) + [0, padded - t.shape[1]]
+    return F.pad(t, pad).unflatten(1, (padded // chunk_size, chunk_size)).movedim(1, 0)
+
+
+def _per_head(M: Tensor, nheads: int) -> Tensor:
+    """(batch, q, ngroups, dstate) -> (batch, q, nheads, dstate): each head its group's row."""
+    batch, q, ngroups, dstate = M.shape
+    return M.unsqueeze(3).expand(batch, q, ngroups, nheads // ngroups, dstate).reshape(batch, q, nheads, dstate)
+
+
+def ssd_scan_fwd(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_softplus,
+                 dt_limit):
+    """`ssmops::ssd_scan_fwd` from aten ops and a scan over chunks; `chunk_states` is the state
+    entering each chunk, as the operator returns it."""
+    if cu_seqlens is not None:
+        raise NotImplementedError("ONNX export of ssd_scan_fwd: cu_seqlens (return_varlen_states) is not "
+                                  "supported; pack sequences with seq_idx alone")
+    batch, seqlen, nheads, headdim = x.shape
+    dstate = B.shape[-1]
+    padded = (seqlen + chunk_size - 1) // chunk_size * chunk_size
+    dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)  # before padding: padded tokens keep dt = 0
+    A_f = A.float()
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).tril()[None, :, :, None]
+
+    xs = [_chunks(x.float(), padded, chunk_size), _chunks(dt, padded, chunk_size),
+          _chunks(B.float(), padded, chunk_size), _chunks(C.float(), padded, chunk_size)]
+    if seq_idx is not None:
+        # padded tokens belong to the last sequence, so that they never cut it off the leaving state
+        last = torch.arange(padded, device=x.device).clamp(max=seqlen - 1)
+        xs.append(seq_idx.long()[:, last].unflatten(1, (padded // chunk_size, chunk_size)).movedim(1, 0))
+
+    def chunk(carry: list[Tensor], blk: list[Tensor]):
+        state = carry[0]  # (batch, nheads, headdim, dstate)
+        x_c, dt_c, B_c, C_c = blk[:4]
+        B_h, C_h = _per_head(B_c, nheads), _per_head(C_c, nheads)
+        log_decay = torch.cumsum(dt_c * A_f, dim=1)  # (batch, q, nheads) from the chunk start through l
+        gap = log_decay[:, :, None, :] - log_decay[:, None, :, :]  # (batch, l, s, nheads)
+        mixer = torch.exp(gap.masked_fill(~causal, -torch.inf)) * torch.einsum("blhn,bshn->blsh", C_h, B_h)
+        carry_in = torch.exp(log_decay)  # the entering state's decay to each token
+        to_end = torch.exp(log_decay[:, -1:] - log_decay)  # each token's decay to the chunk's end
+        keep = torch.exp(log_decay[:, -1])  # (batch, nheads): the entering state's decay through the chunk
+        if seq_idx is not None:
+            seq_c, before = blk[4], carry[1]
+            mixer = mixer * (seq_c[:, :, None] == seq_c[:, None, :])[..., None]
+            carry_in = carry_in * (seq_c == before[:, None])[..., None]
+            to_end = to_end * (seq_c == seq_c[:, -1:])[..., None]
+            keep = keep * (seq_c[:, -1] == before)[:, None]
+        xdt = x_c * dt_c[..., None]  # (batch, q, nheads, headdim)
+        y = torch.einsum("blsh,bshp->blhp", mixer, xdt)
+        y = y + torch.einsum("blhn,bhpn->blhp", C_h, state) * carry_in[..., None]
+        leaving = torch.einsum("bshp,bshn->bhpn", xdt * to_end[..., None], B_h) + state * keep[..., None, None]
+        new_carry = [leaving] if seq_idx is None else [leaving, seq_c[:, -1]]
+        return new_carry, (y, state.clone())
+
+    state0 = (initial_states.float() if initial_states is not None
+              else x.new_zeros(batch, nheads, headdim, dstate, dtype=torch.float32))
+    # the initial state belongs to sequence 0 (mamba_ssm's rule)
+    carry0 = [state0] if seq_idx is None else [state0, x.new_zeros(batch, dtype=torch.long)]
+    carry, (ys, entering) = scan(chunk, carry0, xs)
+    y = ys.movedim(0, 1).flatten(1, 2)[:, :seqlen]  # (batch, seqlen, nheads, headdim)
+    if D is not None:
+        y = y + x.float() * (D.float() if D.dim() == 2 else D.float()[:, None])
+    if z is not None:
+        y = y * F.silu(z.float())
+    chunk_states = entering.movedim(0, 1).flatten(1, 2)  # (batch, nchunks * nheads, headdim, dstate)
+    return y.to(x.dtype), carry[0], chunk_states, x.new_empty(0, dtype=torch.float32)
