@@ -25,10 +25,12 @@ Not exported: a complex `A`, the SSD scan's `cu_seqlens` (varlen states), and ba
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from .ops.linear.default import weight_only_linear
 from .ops.mamba_step.default import mamba_layers_step, mamba_step
@@ -61,12 +63,41 @@ def decompositions() -> dict[torch._ops.OpOverload, Callable]:
     return table
 
 
+class _Decomposing(TorchFunctionMode):
+    """Calls of ssmops operators run their decompositions instead (at the Python level, so that a
+    tracer records aten operators, and an in-place decoding step is functionalised like any
+    in-place aten op)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = decompositions()
+        self.packets = {op.overloadpacket for op in self.table}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = func.default if isinstance(func, torch._ops.OpOverloadPacket) and func in self.packets else func
+        decomposition = self.table.get(target)
+        if decomposition is not None:
+            return decomposition(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def standard_ops() -> Iterator[None]:
+    """Within the block, every ssmops operator call runs as its decomposition into standard
+    (aten) operators: `torch.export.export` under it records a program that torch.onnx translates
+    as it is. Eager calls give the same results (slower: the scans' block-wise forms)."""
+    with _Decomposing():
+        yield
+
+
 def decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """`program` with every ssmops operator decomposed (and torch.export's default decompositions)."""
     table = torch.export.default_decompositions()
     for op, fn in decompositions().items():
         table[op] = fn
-    return program.run_decompositions(table)
+    with torch.no_grad():  # an inference graph: a scan over parameters that require grad has no backward
+        return program.run_decompositions(table)
 
 
 def export(
@@ -88,14 +119,16 @@ def export(
     elif isinstance(model, torch.nn.Module):
         if not isinstance(args, (tuple, list)):
             raise TypeError(f"args must be a tuple of the model's inputs, got {type(args).__name__}")
-        program = torch.export.export(model, tuple(args), kwargs, dynamic_shapes=dynamic_shapes, strict=strict)
+        with standard_ops(), torch.no_grad():
+            program = torch.export.export(model, tuple(args), kwargs, dynamic_shapes=dynamic_shapes, strict=strict)
     else:
         raise TypeError(f"model must be an nn.Module or a torch.export.ExportedProgram, got {type(model).__name__}")
     program = decompose(program)
     try:
-        return torch.onnx.export(
-            program, dynamo=True, input_names=input_names, output_names=output_names, optimize=optimize,
-            verbose=False,
-        )
+        with torch.no_grad():  # torch.onnx decomposes again; the same reason as in decompose
+            return torch.onnx.export(
+                program, dynamo=True, input_names=input_names, output_names=output_names, optimize=optimize,
+                verbose=False,
+            )
     except Exception as e:  # torch.onnx raises its own (private) error types
         raise ONNXExportError(f"torch.onnx.export failed: {e}") from e

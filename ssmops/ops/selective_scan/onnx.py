@@ -7,7 +7,7 @@ SSD uses would hold a (T, T) matrix per entry; instead the sequence is cut into 
 carries the state from block to block. Inside a block every operand (decays, drives, outputs) is
 computed for all its steps at once and the recurrence itself is `BLOCK` multiply-adds on the
 (batch, dim, dstate) state, so the graph has a fixed size whatever the sequence length and runs
-`ceil(seqlen / BLOCK)` iterations. The length is padded to whole blocks with steps that change
+`max(ceil(seqlen / BLOCK), 2)` iterations. The length is padded to whole blocks with steps that change
 nothing (dt = 0: decay 1, no input), so the last state is the state after the last real step.
 """
 
@@ -41,7 +41,8 @@ def selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, initial_state, delta
     dstate = A.shape[1]
     groups = 1 if B.dim() < 4 else B.shape[1]
     groups_C = 1 if C.dim() < 4 else C.shape[1]
-    padded = (seqlen + BLOCK - 1) // BLOCK * BLOCK
+    # At least two blocks: a symbolic count whose example value is 1 would be specialised by export
+    padded = torch.sym_max((seqlen + BLOCK - 1) // BLOCK, 2) * BLOCK
 
     dt = delta.float()
     if delta_bias is not None:
@@ -59,31 +60,34 @@ def selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, initial_state, delta
         # (nblocks, BLOCK, batch, dim) -> (nblocks, BLOCK, batch, g, dim // g)
         return x.unflatten(-1, (g, dim // g))
 
+    # The body closes over contiguous constants and Python flags only (not over the inputs, whose
+    # symbolic strides its trace would have to guard on)
+    B_variable, C_variable = B.dim() > 2, C.dim() > 2
     xs = [_blocks(dt, padded), _blocks(uf, padded)]
-    if B.dim() > 2:
-        xs.append(variable(B, groups))
-    if C.dim() > 2:
-        xs.append(variable(C, groups_C))
-    A_f = A.float()
+    xs += [variable(B, groups)] if B_variable else []
+    xs += [variable(C, groups_C)] if C_variable else []
+    A_f = A.float().contiguous()
+    B_const = None if B_variable else B.float().contiguous()
+    C_const = None if C_variable else C.float().contiguous()
 
     def step(h: Tensor, blk: list[Tensor]):
         # h: (batch, dim, dstate); a block's dt, u: (BLOCK, batch, dim), B/C (BLOCK, batch, g, 1, dstate)
         dt_b, u_b = blk[0], blk[1]
         decay = torch.exp(dt_b.unsqueeze(-1) * A_f)  # (BLOCK, batch, dim, dstate)
         dtu = (dt_b * u_b).unsqueeze(-1)
-        if B.dim() > 2:
+        if B_variable:
             drive = (per_group(dtu.squeeze(-1), groups).unsqueeze(-1) * blk[2]).flatten(2, 3)
         else:
-            drive = dtu * B.float()
+            drive = dtu * B_const
         states = []
         for t in range(BLOCK):
             h = decay[t] * h + drive[t]
             states.append(h)
         H = torch.stack(states)  # (BLOCK, batch, dim, dstate)
-        if C.dim() > 2:
+        if C_variable:
             y = (H.unflatten(2, (groups_C, dim // groups_C)) * blk[-1]).sum(-1).flatten(2, 3)
         else:
-            y = (H * C.float()).sum(-1)
+            y = (H * C_const).sum(-1)
         return h, y  # y: (BLOCK, batch, dim)
 
     h0 = initial_state.float() if initial_state is not None else u.new_zeros(batch, dim, dstate, dtype=torch.float32)

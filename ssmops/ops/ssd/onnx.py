@@ -1,12 +1,12 @@
 """Mamba-2's SSD scan as standard operators, for ONNX export: a decomposition of `ssd_scan_fwd`
 into aten ops plus one `scan` over chunks (torch.onnx writes it as one ONNX `Scan`).
 
-Each iteration takes one chunk of `chunk_size` tokens and the state entering it, and computes
+Each iteration takes one chunk of `q = min(chunk_size, MAX_CHUNK)` tokens and the state entering it, and computes
 the chunk in SSD's quadratic form: tokens reach later tokens of the chunk through
 `(C B^T * causal decay) @ (dt * x)`, the entering state reaches every token through `C @ state^T`
 decayed by exp(cumsum(dt * A)), and the state leaving the chunk is `(x dt decayed to its end)^T
 @ B` plus the decayed entering state. The graph has a fixed size whatever the sequence length
-and runs `ceil(seqlen / chunk_size)` iterations. The sequence is padded to whole chunks with
+and runs `max(ceil(seqlen / q), 2)` iterations. The sequence is padded to whole chunks with
 tokens that change nothing (dt = 0: no decay, no input) and belong to the last sequence.
 
 `seq_idx` restarts the state where it changes, within a chunk (a mask on C B^T and on the
@@ -21,13 +21,18 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch._higher_order_ops.scan import scan
 
+from .checks import num_chunks
 from .default import discretize_dt
+
+# Tokens per scan iteration (at most): the quadratic form costs q per token, an iteration's fixed cost
+# is spread over q tokens
+MAX_CHUNK = 64
 
 
 def _chunks(t: Tensor, padded: int, chunk_size: int) -> Tensor:
-    """(batch, seqlen, ...) -> (nchunks, batch, chunk_size, ...), zero-padded to `padded` tokens."""
+    """(batch, seqlen, ...) -> (nchunks, batch, q, ...), zero-padded to `padded` tokens."""
     pad = [0, 0] * (t.dim() - 2) + [0, padded - t.shape[1]]
-    return F.pad(t, pad).unflatten(1, (padded // chunk_size, chunk_size)).movedim(1, 0)
+    return F.pad(t, pad).unflatten(1, (padded // q, q)).movedim(1, 0)
 
 
 def _per_head(M: Tensor, nheads: int) -> Tensor:
@@ -45,17 +50,21 @@ def ssd_scan_fwd(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seql
                                   "supported; pack sequences with seq_idx alone")
     batch, seqlen, nheads, headdim = x.shape
     dstate = B.shape[-1]
-    padded = (seqlen + chunk_size - 1) // chunk_size * chunk_size
+    # At least two chunks: a symbolic count whose example value is 1 would be specialised by export.
+    # The scan's chunks need not be the operator's (a speed setting): at most MAX_CHUNK tokens, the
+    # quadratic form's cost per token
+    q = min(chunk_size, MAX_CHUNK)
+    padded = torch.sym_max((seqlen + q - 1) // q, 2) * q
     dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)  # before padding: padded tokens keep dt = 0
     A_f = A.float()
-    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).tril()[None, :, :, None]
+    causal = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()[None, :, :, None]
 
-    xs = [_chunks(x.float(), padded, chunk_size), _chunks(dt, padded, chunk_size),
-          _chunks(B.float(), padded, chunk_size), _chunks(C.float(), padded, chunk_size)]
+    xs = [_chunks(x.float(), padded, q), _chunks(dt, padded, q),
+          _chunks(B.float(), padded, q), _chunks(C.float(), padded, q)]
     if seq_idx is not None:
         # padded tokens belong to the last sequence, so that they never cut it off the leaving state
         last = torch.arange(padded, device=x.device).clamp(max=seqlen - 1)
-        xs.append(seq_idx.long()[:, last].unflatten(1, (padded // chunk_size, chunk_size)).movedim(1, 0))
+        xs.append(seq_idx.long()[:, last].unflatten(1, (padded // q, q)).movedim(1, 0))
 
     def chunk(carry: list[Tensor], blk: list[Tensor]):
         state = carry[0]  # (batch, nheads, headdim, dstate)
@@ -78,17 +87,18 @@ def ssd_scan_fwd(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seql
         y = y + torch.einsum("blhn,bhpn->blhp", C_h, state) * carry_in[..., None]
         leaving = torch.einsum("bshp,bshn->bhpn", xdt * to_end[..., None], B_h) + state * keep[..., None, None]
         new_carry = [leaving] if seq_idx is None else [leaving, seq_c[:, -1]]
-        return new_carry, (y, state.clone())
+        return new_carry, y
 
     state0 = (initial_states.float() if initial_states is not None
               else x.new_zeros(batch, nheads, headdim, dstate, dtype=torch.float32))
     # the initial state belongs to sequence 0 (mamba_ssm's rule)
     carry0 = [state0] if seq_idx is None else [state0, x.new_zeros(batch, dtype=torch.long)]
-    carry, (ys, entering) = scan(chunk, carry0, xs)
+    carry, ys = scan(chunk, carry0, xs)
     y = ys.movedim(0, 1).flatten(1, 2)[:, :seqlen]  # (batch, seqlen, nheads, headdim)
     if D is not None:
         y = y + x.float() * (D.float() if D.dim() == 2 else D.float()[:, None])
     if z is not None:
         y = y * F.silu(z.float())
-    chunk_states = entering.movedim(0, 1).flatten(1, 2)  # (batch, nchunks * nheads, headdim, dstate)
+    # chunk_states serves the backward only: zeros of its shape
+    chunk_states = x.new_zeros(batch, num_chunks(seqlen, chunk_size) * nheads, headdim, dstate, dtype=torch.float32)
     return y.to(x.dtype), carry[0], chunk_states, x.new_empty(0, dtype=torch.float32)
