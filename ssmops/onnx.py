@@ -91,6 +91,10 @@ def standard_ops() -> Iterator[None]:
         yield
 
 
+def _is_ssmops(target) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and target.namespace == "ssmops"
+
+
 def decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """`program` with every ssmops operator decomposed (and torch.export's default decompositions)."""
     table = torch.export.default_decompositions()
@@ -123,7 +127,8 @@ def export(
             program = torch.export.export(model, tuple(args), kwargs, dynamic_shapes=dynamic_shapes, strict=strict)
     else:
         raise TypeError(f"model must be an nn.Module or a torch.export.ExportedProgram, got {type(model).__name__}")
-    program = decompose(program)
+    if any(_is_ssmops(node.target) for node in program.graph.nodes if node.op == "call_function"):
+        program = decompose(program)  # a program exported without standard_ops
     try:
         with torch.no_grad():  # torch.onnx decomposes again; the same reason as in decompose
             return torch.onnx.export(
