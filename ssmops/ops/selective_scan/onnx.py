@@ -92,7 +92,8 @@ def selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, initial_state, delta
 
     h0 = initial_state.float() if initial_state is not None else u.new_zeros(batch, dim, dstate, dtype=torch.float32)
     last_state, ys = scan(step, h0, xs)
-    y = ys.flatten(0, 1)[:seqlen].permute(1, 2, 0)  # (batch, dim, seqlen)
+    # the padding cut off by a negative pad, not a slice: export cannot prove seqlen <= padded for a slice
+    y = F.pad(ys.flatten(0, 1).permute(1, 2, 0), (0, seqlen - padded))  # (batch, dim, seqlen)
     if D is not None:
         y = y + D.float()[:, None] * uf
     out = y.to(u.dtype)

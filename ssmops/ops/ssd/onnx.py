@@ -29,7 +29,7 @@ from .default import discretize_dt
 MAX_CHUNK = 64
 
 
-def _chunks(t: Tensor, padded: int, chunk_size: int) -> Tensor:
+def _chunks(t: Tensor, padded: int, q: int) -> Tensor:
     """(batch, seqlen, ...) -> (nchunks, batch, q, ...), zero-padded to `padded` tokens."""
     pad = [0, 0] * (t.dim() - 2) + [0, padded - t.shape[1]]
     return F.pad(t, pad).unflatten(1, (padded // q, q)).movedim(1, 0)
@@ -86,7 +86,7 @@ def ssd_scan_fwd(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seql
         y = torch.einsum("blsh,bshp->blhp", mixer, xdt)
         y = y + torch.einsum("blhn,bhpn->blhp", C_h, state) * carry_in[..., None]
         leaving = torch.einsum("bshp,bshn->bhpn", xdt * to_end[..., None], B_h) + state * keep[..., None, None]
-        new_carry = [leaving] if seq_idx is None else [leaving, seq_c[:, -1]]
+        new_carry = [leaving] if seq_idx is None else [leaving, seq_c[:, -1].clone()]  # no aliases out of a scan
         return new_carry, y
 
     state0 = (initial_states.float() if initial_states is not None
@@ -94,7 +94,8 @@ def ssd_scan_fwd(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seql
     # the initial state belongs to sequence 0 (mamba_ssm's rule)
     carry0 = [state0] if seq_idx is None else [state0, x.new_zeros(batch, dtype=torch.long)]
     carry, ys = scan(chunk, carry0, xs)
-    y = ys.movedim(0, 1).flatten(1, 2)[:, :seqlen]  # (batch, seqlen, nheads, headdim)
+    # the padding cut off by a negative pad, not a slice: export cannot prove seqlen <= padded for a slice
+    y = F.pad(ys.movedim(0, 1).flatten(1, 2), (0, 0, 0, 0, 0, seqlen - padded))  # (batch, seqlen, nheads, headdim)
     if D is not None:
         y = y + x.float() * (D.float() if D.dim() == 2 else D.float()[:, None])
     if z is not None:
