@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .export import ExportError
 from .ops.linear.default import weight_only_linear
 from .ops.mamba_step.default import mamba_layers_step, mamba_step
 from .ops.selective_scan.onnx import selective_scan_fwd
@@ -41,7 +42,7 @@ from .ops.state_update.default import multihead_state_update, selective_state_up
 __all__ = ["decompositions", "export", "ONNXExportError"]
 
 
-class ONNXExportError(RuntimeError):
+class ONNXExportError(ExportError):
     """torch.onnx could not translate the (decomposed) program; the message says where."""
 
 

@@ -7,6 +7,8 @@ marked slow."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -289,18 +291,24 @@ def _greedy_eager(model, prompt, steps):
 @pytest.mark.parametrize("name", ["mamba", "mamba2"])
 def test_lm_prefill_and_step_greedy_tokens_equal_eager(name, tmp_path):
     """A tiny LM as two ONNX files: the prefill (exported at 16 tokens, run at 11) gives eager's
-    logits, and greedy decoding through the step model gives eager's tokens and logits."""
+    logits, and greedy decoding through the step model gives eager's tokens and logits. The Mamba LM
+    goes through the command line (`ssmops export-lm --format onnx` from a checkpoint directory)."""
     if name == "mamba":
         from test_models import tiny_model
 
+        from ssmops.__main__ import main
+
         model = tiny_model()
+        model.save_pretrained(tmp_path / "checkpoint")
+        assert main(["export-lm", str(tmp_path / "checkpoint"), "--format", "onnx", "--out", str(tmp_path / "lm"),
+                     "--batch-size", "2", "--max-seqlen", "32"]) == 0
+        files = {what: tmp_path / "lm" / f"{what}.onnx" for what in ("prefill", "decode")}
     else:
         from test_models_mamba2 import tiny_model
 
         model = tiny_model("mamba2")
-    files = sx.lm_onnx(model, tmp_path, batch_size=2, max_seqlen=32, optimize=False)
-    prefill, _ = _session_from_file(files["prefill"])
-    step, _ = _session_from_file(files["decode"])
+        files = sx.lm_onnx(model, tmp_path, batch_size=2, max_seqlen=32, optimize=False)
+    prefill, step = _session_from_file(files["prefill"]), _session_from_file(files["decode"])
     prompt = torch.randint(0, 61, (2, 11), generator=torch.Generator().manual_seed(0))
     tokens, logits = _greedy_through_onnx(prefill, step, prompt, steps=4)
     tokens_ref, logits_ref = _greedy_eager(model, prompt, steps=4)
@@ -308,10 +316,35 @@ def test_lm_prefill_and_step_greedy_tokens_equal_eager(name, tmp_path):
     torch.testing.assert_close(logits, logits_ref, rtol=RTOL, atol=ATOL)
 
 
+def tiny_mamba2_block() -> nn.Module:
+    """The factory `ssmops export` builds in the CLI test: a small Mamba-2 block, fixed weights."""
+    from ssmops.modules import Mamba2
+
+    torch.manual_seed(0)
+    block = Mamba2(d_model=16, d_state=8, headdim=8, ngroups=2, chunk_size=8).eval()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return block
+
+
+@pytest.mark.slow
+def test_cli_exports_a_mamba2_block_to_onnx(tmp_path, monkeypatch):
+    from ssmops.__main__ import main
+
+    monkeypatch.chdir(Path(__file__).parent)
+    assert main(["export", "test_onnx:tiny_mamba2_block", "--input", "2x20x16", "--format", "onnx",
+                 "--out", str(tmp_path)]) == 0
+    session = _session_from_file(tmp_path / "model.onnx")
+    block = tiny_mamba2_block()
+    for length in (20, 7, 33):
+        _assert_matches(session, block, (torch.randn(2, length, 16),))
+
+
 def _session_from_file(path):
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1
-    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"]), None
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
 
 # --- the command line and bad input ---------------------------------------------------------------
