@@ -1,17 +1,22 @@
 """ONNX export of models that call ssmops operators: standard ONNX operators only.
 
     import ssmops.onnx
-    program = ssmops.onnx.export(model, (x,), dynamic_shapes=({1: "seqlen"},))
+    program = ssmops.onnx.export(model, (x,), dynamic_shapes=({1: torch.export.Dim("seqlen")},))
     program.save("model.onnx")          # any ONNX runtime runs it: no custom domain
 
-`export` is `torch.export.export`, then `ExportedProgram.run_decompositions(decompositions())`,
-then `torch.onnx.export(program, dynamo=True)`. `decompositions()` maps every ssmops operator
-to a function of aten operators (and, for the scans, one `scan` over blocks of time, which
-torch.onnx writes as one ONNX `Scan`), so the exporter meets nothing but operators it knows.
-To drive torch.onnx yourself, decompose first:
+`export` is `torch.export.export` under `standard_ops()`, then `torch.onnx.export(program,
+dynamo=True)`. Under `standard_ops()` every ssmops operator call runs its decomposition
+(`decompositions()`) into aten operators (and, for the scans, one `scan` over blocks of time, which
+torch.onnx writes as one ONNX `Scan`), so the exporter meets nothing but operators it knows. To
+drive torch.onnx yourself:
 
-    ep = torch.export.export(model, args, dynamic_shapes=...)
-    onnx_program = torch.onnx.export(ep.run_decompositions(ssmops.onnx.decompositions()), dynamo=True)
+    with ssmops.onnx.standard_ops():
+        ep = torch.export.export(model, args, dynamic_shapes=...)
+    onnx_program = torch.onnx.export(ep, dynamo=True)
+
+A program already exported with ssmops operators in it is decomposed by `decompose(ep)`
+(`ExportedProgram.run_decompositions`), except the in-place decoding steps, which export wraps in
+`auto_functionalized` where no decomposition table reaches them: trace those under `standard_ops()`.
 
 Why not plain `torch.onnx.export(model, args, dynamo=True)`: it would find the decompositions
 only in `torch._decomp.decomposition_table` (private), which FakeTensor also consults, before an
@@ -117,8 +122,8 @@ def export(
     strict: bool = False,
 ) -> torch.onnx.ONNXProgram:
     """Exports `model` (or an ExportedProgram) to ONNX with every ssmops operator written in
-    standard ONNX operators. `dynamic_shapes` is torch.export's (e.g. `({1: "seqlen"},)` or
-    `torch.export.Dim`s). Returns torch.onnx's `ONNXProgram` (`.save(path)`, `.model_proto`)."""
+    standard ONNX operators, traced without gradients. `dynamic_shapes` is
+    torch.export's (e.g. `({1: torch.export.Dim("seqlen")},)`). Returns torch.onnx's `ONNXProgram` (`.save(path)`, `.model_proto`)."""
     if isinstance(model, torch.export.ExportedProgram):
         program = model
     elif isinstance(model, torch.nn.Module):
