@@ -122,8 +122,9 @@ def export(
     strict: bool = False,
 ) -> torch.onnx.ONNXProgram:
     """Exports `model` (or an ExportedProgram) to ONNX with every ssmops operator written in
-    standard ONNX operators, traced without gradients. `dynamic_shapes` is
-    torch.export's (e.g. `({1: torch.export.Dim("seqlen")},)`). Returns torch.onnx's `ONNXProgram` (`.save(path)`, `.model_proto`)."""
+    standard ONNX operators, traced without gradients. `dynamic_shapes` is torch.export's (e.g.
+    `({1: torch.export.Dim("seqlen")},)`). Returns torch.onnx's `ONNXProgram` (`.save(path)`,
+    `.model_proto`)."""
     if isinstance(model, torch.export.ExportedProgram):
         program = model
     elif isinstance(model, torch.nn.Module):
