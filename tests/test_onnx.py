@@ -115,7 +115,7 @@ def test_mamba1_ops_export_and_match_eager(tmp_path):
     program = so.export(module, (torch.randn(2, 8, 21),), dynamic_shapes=({2: seqlen},), optimize=False)
     session, model = _session(program, tmp_path / "mamba1.onnx")
     assert any(node.op_type == "Scan" for node in model.graph.node)  # the recurrence is a loop, not unrolled
-    for length in (21, 3, 16, 17, 50):  # around the scan's 16-step blocks too
+    for length in (21, 3, 4, 5, 50):  # around the scan's 4-step blocks too
         _assert_matches(session, module, (torch.randn(2, 8, length, generator=torch.Generator().manual_seed(length)),))
 
 
