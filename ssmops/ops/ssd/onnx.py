@@ -35,12 +35,6 @@ def _chunks(t: Tensor, padded: int, q: int) -> Tensor:
     return F.pad(t, pad).unflatten(1, (padded // q, q)).movedim(1, 0)
 
 
-def _per_head(M: Tensor, nheads: int) -> Tensor:
-    """(batch, q, ngroups, dstate) -> (batch, q, nheads, dstate): each head its group's row."""
-    batch, q, ngroups, dstate = M.shape
-    return M.unsqueeze(3).expand(batch, q, ngroups, nheads // ngroups, dstate).reshape(batch, q, nheads, dstate)
-
-
 def ssd_scan_fwd(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_softplus,
                  dt_limit):
     """`ssmops::ssd_scan_fwd` from aten ops and a scan over chunks; `chunk_states` is the state
@@ -56,11 +50,16 @@ def ssd_scan_fwd(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seql
     q = min(chunk_size, MAX_CHUNK)
     padded = torch.sym_max((seqlen + q - 1) // q, 2) * q
     dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)  # before padding: padded tokens keep dt = 0
-    A_f = A.float()
-    causal = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()[None, :, :, None]
+    ngroups = B.shape[2]
+    per_group = nheads // ngroups
+    A_col = A.float()[:, None]  # (nheads, 1)
+    causal = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()
 
-    xs = [_chunks(x.float(), padded, q), _chunks(dt, padded, q),
-          _chunks(B.float(), padded, q), _chunks(C.float(), padded, q)]
+    # Heads (and groups) ahead of tokens, so that every product is a matrix product batched over
+    # (batch, group, head): (nchunks, batch, nheads, q, headdim), (nchunks, batch, nheads, q) and
+    # (nchunks, batch, ngroups, q, dstate); a group's C B^T is computed once for its heads.
+    xs = [_chunks(x.float(), padded, q).permute(0, 1, 3, 2, 4), _chunks(dt, padded, q).transpose(2, 3),
+          _chunks(B.float(), padded, q).transpose(2, 3), _chunks(C.float(), padded, q).transpose(2, 3)]
     if seq_idx is not None:
         # padded tokens belong to the last sequence, so that they never cut it off the leaving state
         last = torch.arange(padded, device=x.device).clamp(max=seqlen - 1)
@@ -69,25 +68,29 @@ def ssd_scan_fwd(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seql
     def chunk(carry: list[Tensor], blk: list[Tensor]):
         state = carry[0]  # (batch, nheads, headdim, dstate)
         x_c, dt_c, B_c, C_c = blk[:4]
-        B_h, C_h = _per_head(B_c, nheads), _per_head(C_c, nheads)
-        log_decay = torch.cumsum(dt_c * A_f, dim=1)  # (batch, q, nheads) from the chunk start through l
-        gap = log_decay[:, :, None, :] - log_decay[:, None, :, :]  # (batch, l, s, nheads)
-        mixer = torch.exp(gap.masked_fill(~causal, -torch.inf)) * torch.einsum("blhn,bshn->blsh", C_h, B_h)
+        batch_ = x_c.shape[0]
+        by_group = (batch_, ngroups, per_group)
+        log_decay = torch.cumsum(dt_c * A_col, dim=2)  # (batch, nheads, q) from the chunk start through l
+        gap = log_decay[..., :, None] - log_decay[..., None, :]  # (batch, nheads, l, s)
+        decay = torch.exp(gap.masked_fill(~causal, -torch.inf))
+        mixer = decay.reshape(*by_group, q, q) * (C_c @ B_c.transpose(-1, -2)).unsqueeze(2)  # (b, g, hpg, l, s)
         carry_in = torch.exp(log_decay)  # the entering state's decay to each token
-        to_end = torch.exp(log_decay[:, -1:] - log_decay)  # each token's decay to the chunk's end
-        keep = torch.exp(log_decay[:, -1])  # (batch, nheads): the entering state's decay through the chunk
+        to_end = torch.exp(log_decay[..., -1:] - log_decay)  # each token's decay to the chunk's end
+        keep = torch.exp(log_decay[..., -1])  # (batch, nheads): the entering state's decay through the chunk
         if seq_idx is not None:
             seq_c, before = blk[4], carry[1]
-            mixer = mixer * (seq_c[:, :, None] == seq_c[:, None, :])[..., None]
-            carry_in = carry_in * (seq_c == before[:, None])[..., None]
-            to_end = to_end * (seq_c == seq_c[:, -1:])[..., None]
+            mixer = mixer * (seq_c[:, :, None] == seq_c[:, None, :])[:, None, None]
+            carry_in = carry_in * (seq_c == before[:, None])[:, None]
+            to_end = to_end * (seq_c == seq_c[:, -1:])[:, None]
             keep = keep * (seq_c[:, -1] == before)[:, None]
-        xdt = x_c * dt_c[..., None]  # (batch, q, nheads, headdim)
-        y = torch.einsum("blsh,bshp->blhp", mixer, xdt)
-        y = y + torch.einsum("blhn,bhpn->blhp", C_h, state) * carry_in[..., None]
-        leaving = torch.einsum("bshp,bshn->bhpn", xdt * to_end[..., None], B_h) + state * keep[..., None, None]
+        xdt = (x_c * dt_c[..., None]).reshape(*by_group, q, headdim)
+        y = mixer @ xdt  # (batch, ngroups, per_group, q, headdim)
+        state_g = state.reshape(*by_group, headdim, dstate)
+        y = y + (C_c.unsqueeze(2) @ state_g.transpose(-1, -2)) * carry_in.reshape(*by_group, q, 1)
+        leaving = (xdt * to_end.reshape(*by_group, q, 1)).transpose(-1, -2) @ B_c.unsqueeze(2)
+        leaving = leaving.reshape(state.shape) + state * keep[..., None, None]
         new_carry = [leaving] if seq_idx is None else [leaving, seq_c[:, -1].clone()]  # no aliases out of a scan
-        return new_carry, y
+        return new_carry, y.reshape(batch_, nheads, q, headdim)
 
     state0 = (initial_states.float() if initial_states is not None
               else x.new_zeros(batch, nheads, headdim, dstate, dtype=torch.float32))
@@ -95,7 +98,8 @@ def ssd_scan_fwd(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seql
     carry0 = [state0] if seq_idx is None else [state0, x.new_zeros(batch, dtype=torch.long)]
     carry, ys = scan(chunk, carry0, xs)
     # the padding cut off by a negative pad, not a slice: export cannot prove seqlen <= padded for a slice
-    y = F.pad(ys.movedim(0, 1).flatten(1, 2), (0, 0, 0, 0, 0, seqlen - padded))  # (batch, seqlen, nheads, headdim)
+    y = ys.permute(1, 0, 3, 2, 4).flatten(1, 2)  # (batch, padded, nheads, headdim)
+    y = F.pad(y, (0, 0, 0, 0, 0, seqlen - padded))
     if D is not None:
         y = y + x.float() * (D.float() if D.dim() == 2 else D.float()[:, None])
     if z is not None:
