@@ -10,9 +10,10 @@ dynamo=True)`. Under `standard_ops()` every ssmops operator call runs its decomp
 torch.onnx writes as one ONNX `Scan`), so the exporter meets nothing but operators it knows. To
 drive torch.onnx yourself:
 
-    with ssmops.onnx.standard_ops():
+    with torch.no_grad(), ssmops.onnx.standard_ops():
         ep = torch.export.export(model, args, dynamic_shapes=...)
-    onnx_program = torch.onnx.export(ep, dynamo=True)
+    with torch.no_grad():  # torch.onnx retraces; a scan over parameters that need grad has no backward
+        onnx_program = torch.onnx.export(ep, dynamo=True)
 
 A program already exported with ssmops operators in it is decomposed by `decompose(ep)`
 (`ExportedProgram.run_decompositions`), except the in-place decoding steps, which export wraps in
