@@ -1,6 +1,7 @@
 """onnxruntime (CPU) on ssmops' standard-operator ONNX graphs against ssmops eager, same models.
 
-    python benchmarks/onnx_runtime.py [--threads 2] [--d-model 256] [--layers 4] [--seqlen 512]
+    python benchmarks/onnx_runtime.py [--threads 1] [--d-model 256] [--layers 4] [--seqlen 512]
+    python benchmarks/onnx_runtime.py --threads 1 --scaling 128 512 2048 4096   # one graph, many lengths
 
 Rows: a Mamba LM's prefill (tokens/s) and its one-token decoding step (tokens/s), a Mamba-2 LM's
 prefill, and a VMamba-style vision model scanning a patch grid four ways (images/s). The ratio is
@@ -118,6 +119,22 @@ def lm_rows(model: MambaLMHeadModel, name: str, out: Path, seqlen: int, decode: 
     _row(f"{name} decoding step", "tokens/s", tokens, long - short, onnx)
 
 
+def scaling_rows(model: MambaLMHeadModel, name: str, out: Path, seqlens: list[int], threads: int) -> None:
+    """One prefill graph (seqlen dynamic) at several prompt lengths: tokens/s should stay flat."""
+    import onnx
+
+    files = sx.lm_onnx(model, out / name, batch_size=1, max_seqlen=max(seqlens) + 64)
+    graph = onnx.load(str(files["prefill"])).graph
+    print(f"{name} prefill graph: {len(graph.node)} nodes, {sum(n.op_type == 'Scan' for n in graph.node)} Scan")
+    prefill = _session(files["prefill"], threads)
+    for seqlen in seqlens:
+        prompt = torch.randint(0, model.config.vocab_size, (1, seqlen), generator=torch.Generator().manual_seed(0))
+        with torch.inference_mode():
+            eager = time_call(lambda: model(prompt, num_last_tokens=1))
+        onnx_s = time_call(lambda: prefill.run(None, _feed(prefill, [prompt])))
+        _row(f"{name} prefill, {seqlen} tokens", "tokens/s", seqlen, eager, onnx_s)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
@@ -126,6 +143,8 @@ def main() -> None:
     parser.add_argument("--seqlen", type=int, default=512)
     parser.add_argument("--image", type=int, default=64, help="image side (pixels); 4x4 patches")
     parser.add_argument("--images", type=int, default=8, help="images per batch")
+    parser.add_argument("--scaling", type=int, nargs="*", metavar="SEQLEN",
+                        help="instead: the LMs' prefill graphs at these prompt lengths (e.g. 128 512 2048 4096)")
     args = parser.parse_args()
     import onnxruntime
 
@@ -139,10 +158,14 @@ def main() -> None:
         out = Path(tmp)
         vocab = 1024
         mamba = MambaLMHeadModel(MambaConfig(d_model=args.d_model, n_layer=args.layers, vocab_size=vocab)).eval()
-        lm_rows(mamba, f"Mamba LM d{args.d_model}x{args.layers}", out, args.seqlen, decode=True, threads=args.threads)
         mamba2 = MambaLMHeadModel(MambaConfig(
             d_model=args.d_model, n_layer=args.layers, vocab_size=vocab,
             ssm_cfg={"layer": "Mamba2", "d_state": 64, "headdim": 32, "chunk_size": 64})).eval()
+        if args.scaling:
+            for model, name in ((mamba, "Mamba LM"), (mamba2, "Mamba-2 LM")):
+                scaling_rows(model, f"{name} d{args.d_model}x{args.layers}", out, args.scaling, args.threads)
+            return
+        lm_rows(mamba, f"Mamba LM d{args.d_model}x{args.layers}", out, args.seqlen, decode=True, threads=args.threads)
         lm_rows(mamba2, f"Mamba-2 LM d{args.d_model}x{args.layers}", out, args.seqlen, decode=False,
                 threads=args.threads)
         vision = VisionMamba().eval()
