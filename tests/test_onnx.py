@@ -299,7 +299,7 @@ def _greedy_eager(model, prompt, steps):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mamba", "mamba2"])
+@pytest.mark.parametrize("name", ["mamba", "mamba2", "hybrid"])
 def test_lm_prefill_and_step_greedy_tokens_equal_eager(name, tmp_path):
     """A tiny LM as two ONNX files: the prefill (exported at 16 tokens, run at 11) gives eager's
     logits, and greedy decoding through the step model gives eager's tokens and logits. The Mamba LM
@@ -317,7 +317,7 @@ def test_lm_prefill_and_step_greedy_tokens_equal_eager(name, tmp_path):
     else:
         from test_models_mamba2 import tiny_model
 
-        model = tiny_model("mamba2")
+        model = tiny_model(name)  # hybrid: attention layers with a KV cache, rotary, MLPs
         files = sx.lm_onnx(model, tmp_path, batch_size=2, max_seqlen=32, optimize=False)
     prefill, step = _session_from_file(files["prefill"]), _session_from_file(files["decode"])
     prompt = torch.randint(0, 61, (2, 11), generator=torch.Generator().manual_seed(0))
