@@ -226,6 +226,28 @@ def test_decoding_steps_export_and_match_eager(tmp_path):
         _assert_matches(session, module, _step_inputs(seed))
 
 
+class CacheStep(nn.Module):
+    """Mamba-2's step on rows of a cache larger than the batch (state_batch_indices; -1: a padding row)."""
+
+    def forward(self, cache, x, dt, A, B, C, indices):
+        cache = cache.clone()
+        y = ssmops.selective_state_update(cache, x, dt, A, B, C, dt_softplus=True, state_batch_indices=indices)
+        return y, cache
+
+
+def test_decoding_step_on_cache_rows_exports_and_matches_eager(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    cache, x = torch.randn(5, 4, 3, 6, generator=g), torch.randn(2, 4, 3, generator=g)
+    dt = torch.randn(2, 4, generator=g)[..., None].expand(2, 4, 3).contiguous()
+    A = (-torch.rand(4, generator=g))[:, None, None].expand(4, 3, 6).contiguous()
+    B, C = torch.randn(2, 2, 6, generator=g), torch.randn(2, 2, 6, generator=g)
+    inputs = [cache, x, dt, A, B, C, torch.tensor([3, 1], dtype=torch.int32)]
+    session, _ = _session(so.export(CacheStep(), tuple(inputs), optimize=False), tmp_path / "cache_step.onnx")
+    for rows in ([0, 4], [2, -1]):
+        inputs[-1] = torch.tensor(rows, dtype=torch.int32)
+        _assert_matches(session, CacheStep(), inputs)
+
+
 # --- models -----------------------------------------------------------------------------------------
 
 
