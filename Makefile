@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml setup.py $(shell find ssmops/csrc -type f)
 
 # What the tests need besides (pyproject's `test` extra).
 $(VENV)/.test-installed: $(VENV)/.installed
-	$(PY) -m pip install -q pytest pytest-xdist hypothesis transformers "triton; platform_system == 'Linux'"
+	$(PY) -m pip install -q pytest pytest-xdist hypothesis transformers "triton; platform_system == 'Linux'" onnx onnxscript onnxruntime
 	touch $@
 
 install: $(VENV)/.installed

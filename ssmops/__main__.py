@@ -1,7 +1,8 @@
 """`ssmops` command line (also `python -m ssmops`).
 
     ssmops export my_models:build_model --checkpoint model.safetensors \\
-        --input 1x64:int64 --format aoti --format torchscript --out exported/
+        --input 1x64:int64 --format aoti --format torchscript --format onnx --out exported/
+    ssmops export-lm CHECKPOINT_DIR --format onnx --out exported/   # prefill.onnx + decode.onnx
     ssmops generate CHECKPOINT_DIR --prompt "The for statement" --max-new-tokens 200 --top-k 10
 
 `module:factory` names a function that returns the nn.Module (called with no
@@ -22,7 +23,8 @@ import torch
 
 from .textgen import GenerateError, add_generate_parser, add_weights_argument, generate_command, load_checkpoint
 
-FORMATS = ("pt2", "aoti", "torchscript")
+FORMATS = ("pt2", "aoti", "torchscript", "onnx")
+LM_FORMATS = ("aoti", "onnx")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64,
            "int32": torch.int32}
 
@@ -81,7 +83,7 @@ def export_command(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     traces = "pt2" in formats or "aoti" in formats
-    progress = _Progress(total=2 + traces + ("aoti" in formats) + ("torchscript" in formats))
+    progress = _Progress(total=2 + traces + sum(f in formats for f in ("aoti", "torchscript", "onnx")))
     with progress.step(f"building {args.model}"):
         model = _load_factory(args.model)()
         if not isinstance(model, torch.nn.Module):
@@ -104,6 +106,10 @@ def export_command(args: argparse.Namespace) -> int:
     if "torchscript" in formats:
         with progress.step("tracing with TorchScript (inference only)"):
             written.append(sx.torchscript(model, inputs, out / "model_ts.pt"))
+    if "onnx" in formats:
+        with progress.step("exporting to ONNX in standard operators (seqlen dynamic)"):
+            written.append(sx.onnx_file(model, inputs, out / "model.onnx", seq_dim=args.seq_dim,
+                                        batch_dim=args.batch_dim))
     example = out / "example_inputs.pt"
     torch.save([x.cpu() for x in inputs], example)
     written.append(example)
@@ -119,20 +125,26 @@ def export_command(args: argparse.Namespace) -> int:
 
 
 def export_lm_command(args: argparse.Namespace) -> int:
-    """`ssmops export-lm`: a checkpoint directory's LM as the prefill and decoding-step packages."""
+    """`ssmops export-lm`: a checkpoint directory's LM as the prefill and decoding-step packages
+    (AOTInductor) or ONNX files."""
     from . import export as sx
 
     progress = _Progress(total=2)
     with progress.step(f"loading {args.checkpoint_dir}"):
         model = load_checkpoint(args.checkpoint_dir, args.weights).to(args.device)
-    with progress.step(f"exporting and packaging the prefill and the decoding step for {args.device}"):
-        written = sx.lm_packages(model, args.out, batch_size=args.batch_size, max_seqlen=args.max_seqlen)
+    if args.format == "onnx":
+        with progress.step("exporting the prefill and the decoding step to ONNX"):
+            written = sx.lm_onnx(model, args.out, batch_size=args.batch_size, max_seqlen=args.max_seqlen)
+    else:
+        with progress.step(f"exporting and packaging the prefill and the decoding step for {args.device}"):
+            written = sx.lm_packages(model, args.out, batch_size=args.batch_size, max_seqlen=args.max_seqlen)
     print("\nwrote:")
     for what, path in written.items():
         print(f"  {path}  ({path.stat().st_size / 2**20:.1f} MiB): the {what}")
     print(f"  prefill: input_ids ({args.batch_size}, 2..{args.max_seqlen - 1}) int64 -> last logits, caches; "
           f"decode: token ({args.batch_size}, 1), positions ({args.batch_size},), caches -> logits, caches")
-    print(f"  operator library for C++: {_library_or_reason()}")
+    if args.format != "onnx":
+        print(f"  operator library for C++: {_library_or_reason()}")
     return 0
 
 
@@ -149,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ssmops", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    exp = sub.add_parser("export", help="export a model to torch.export / AOTInductor / TorchScript")
+    exp = sub.add_parser("export", help="export a model to torch.export / AOTInductor / TorchScript / ONNX")
     exp.add_argument("model", help="module:factory returning the nn.Module")
     exp.add_argument("--checkpoint", help="state_dict as .pt/.pth/.bin or .safetensors")
     exp.add_argument("--input", action="append", type=_parse_input, required=True,
@@ -160,12 +172,14 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--seq-dim", type=int, default=1, help="the inputs' seqlen dimension (kept dynamic)")
     exp.add_argument("--batch-dim", type=int, default=0, help="the inputs' batch dimension (dynamic where possible)")
     lm = sub.add_parser("export-lm", help="a language model checkpoint as AOTInductor prefill and decoding-step "
-                        "packages")
+                        "packages, or as two ONNX files")
     lm.add_argument("checkpoint_dir", help="any layout MambaLMHeadModel.from_pretrained reads")
     lm.add_argument("--out", default="exported", help="output folder")
     lm.add_argument("--batch-size", type=int, default=1, help="the packages' batch size")
     lm.add_argument("--max-seqlen", type=int, default=2048, help="the KV caches' length (prompt + generated)")
     lm.add_argument("--device", default="cpu", help="device to export and compile for (cpu, cuda)")
+    lm.add_argument("--format", choices=LM_FORMATS, default="aoti",
+                    help="aoti: prefill.pt2 + decode.pt2 (default); onnx: prefill.onnx + decode.onnx")
     add_weights_argument(lm)
     add_generate_parser(sub)
     args = parser.parse_args(argv)

@@ -6,6 +6,7 @@ or a TorchScript file that a C++ process can run.
     sx.save_program(ep, "model.pt2")
     sx.aoti_package(ep, "model_aoti.pt2")                     # CPU or CUDA, by the inputs' device
     sx.torchscript(model, (tokens,), "model_ts.pt")           # inference only
+    sx.onnx_file(model, (tokens,), "model.onnx")              # standard ONNX operators (ssmops.onnx)
 
 A C++ program loads the operator library (`ssmops.library_path()`) and then the
 package (`examples/cpp`). Inputs are taken to be `(batch, seqlen, ...)` by default;
@@ -205,3 +206,38 @@ def lm_packages(model: nn.Module, out_dir: str | Path, *, batch_size: int = 1, m
     decode = decoding_step_program(model, batch_size, max_seqlen, example_prompt_len)
     return {"prefill": aoti_package(prefill, out_dir / "prefill.pt2"),
             "decode": aoti_package(decode, out_dir / "decode.pt2")}
+
+
+def onnx_file(model: nn.Module, example_inputs: Sequence[torch.Tensor], path: str | Path, *, seq_dim: int = 1,
+              batch_dim: int | None = 0, dynamic_shapes=None, optimize: bool = True) -> Path:
+    """An ONNX file of `model` in standard ONNX operators (`ssmops.onnx`), seqlen dynamic as in
+    `export_program`; needs the onnx and onnxscript packages (and onnxruntime to run it)."""
+    from . import onnx as ssmops_onnx
+
+    with ssmops_onnx.standard_ops():
+        ep = export_program(model, example_inputs, seq_dim=seq_dim, batch_dim=batch_dim, dynamic_shapes=dynamic_shapes)
+    ssmops_onnx.export(ep, optimize=optimize).save(str(path))
+    return Path(path)
+
+
+def lm_onnx(model: nn.Module, out_dir: str | Path, *, batch_size: int = 1, max_seqlen: int = 2048,
+            example_prompt_len: int = 16, optimize: bool = True) -> dict[str, Path]:
+    """A language model's prefill and one-token step as two ONNX files in standard operators, with
+    the inputs and outputs of `lm_packages`' (the prompt length dynamic, 2 .. max_seqlen - 1):
+    {"prefill": out_dir/prefill.onnx, "decode": out_dir/decode.onnx}. Float weights only (a
+    converted model's int8 or bf16 projections are exported as the float products they compute)."""
+    from . import onnx as ssmops_onnx
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = next(model.parameters()).device
+    model = model.eval()
+    prompt = torch.zeros(batch_size, example_prompt_len, dtype=torch.long, device=device)
+    seqlen = torch.export.Dim("seqlen", min=2, max=max_seqlen - 1)
+    with ssmops_onnx.standard_ops():
+        prefill = export_program(LMPrefill(model, max_seqlen), (prompt,), dynamic_shapes=({1: seqlen},))
+        decode = decoding_step_program(model, batch_size, max_seqlen, example_prompt_len)
+    files = {"prefill": out_dir / "prefill.onnx", "decode": out_dir / "decode.onnx"}
+    ssmops_onnx.export(prefill, optimize=optimize).save(str(files["prefill"]))
+    ssmops_onnx.export(decode, optimize=optimize).save(str(files["decode"]))
+    return files

@@ -33,7 +33,8 @@ def multihead_state_update(state, x, dt, A, B, C, D, z, dt_bias, state_batch_ind
         return multihead_state_update(*heads, state_batch_indices, dt_softplus).squeeze(-1)
     batch, nheads, headdim, dstate, ngroups, cache_size = check_multihead_inputs(
         state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices)
-    check_state_batch_indices(state_batch_indices, cache_size)
+    if not torch.compiler.is_compiling():  # reads the indices' values: not while traced (ssmops.onnx traces this)
+        check_state_batch_indices(state_batch_indices, cache_size)
     dt = _per_channel(dt, batched=True)  # (batch, nheads, headdim or 1)
     if dt_bias is not None:
         dt = dt + _per_channel(dt_bias, batched=False)
