@@ -18,9 +18,9 @@ unregisters the mapping, and models built before or after are transformers' as s
 built otherwise (`MambaForCausalLM(config)`) switches with `to_ssmops(model)` and back with
 `from_ssmops(model)`.
 
-Families: mamba (MambaForCausalLM), falcon_mamba (FalconMambaForCausalLM), mamba2
-(Mamba2ForCausalLM) and bamba (BambaForCausalLM, its Mamba-2 layers; attention stays
-transformers'). transformers itself is imported only when one of these functions is called.
+Families (model_type): the Mamba-1 mixers of mamba, falcon_mamba, jamba and zamba, the Mamba-2 mixers
+of mamba2, bamba, zamba2, granitemoehybrid (Granite 4.0), nemotron_h and falcon_h1; attention, MLPs and
+experts stay transformers'. transformers itself is imported only when one of these functions is called.
 """
 
 from __future__ import annotations
