@@ -118,6 +118,21 @@ def test_greedy_generate_matches(family):
     assert torch.equal(uncached, expected)
 
 
+@pytest.mark.parametrize("family", list(_MODELS))
+def test_decoding_step_logits_match(family):
+    """The logits of single-token steps after a cached prompt (the decoding step: Mamba-1's fused
+    `mamba_step` on CPU, the state update elsewhere), not only the argmax that generate compares."""
+    reference, model = _inference_pair(family)
+    ids = _prompt(length=9)
+    with torch.no_grad():
+        caches = [m(ids[:, :7], use_cache=True) for m in (reference, model)]
+        caches = [out.cache_params if hasattr(out, "cache_params") else out.cache for out in caches]
+        for t in (7, 8):
+            expected = reference(ids[:, t:t + 1], cache=caches[0], use_cache=True).logits
+            torch.testing.assert_close(model(ids[:, t:t + 1], cache=caches[1], use_cache=True).logits, expected,
+                                       rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("overrides", [{"mamba_rms_norm": True, "mamba_norm_before_gate": False},
                                        {"mamba_rms_norm": True, "mamba_norm_before_gate": True}])
 def test_falcon_h1_gated_norm_variants(overrides):

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from ..layernorm_gated import rmsnorm_fn
 from ..mamba_inner import causal_conv1d, causal_conv1d_update
+from ..modules.mamba import FUSED_STEP_MAX_BATCH
 from ..selective_scan import selective_scan_fn
 from ..ssd_combined import mamba_chunk_scan_combined
 from ..state_update import selective_state_update
@@ -130,12 +131,40 @@ def _selective_scan(mixer: nn.Module, cache, ssm_state: Tensor | None, x: Tensor
     return y
 
 
+def _fused_step_serves(mixer: nn.Module, hidden_states: Tensor, cache, conv_state: Tensor | None,
+                       ssm_state: Tensor | None, attention_mask: Tensor | None) -> bool:
+    """Whether a decoding token of a plain Mamba-1 mixer runs as one `ssmops::mamba_step` call (what
+    `ssmops.modules.Mamba.step` does): eager on CPU, float32 activations, states and small parameters,
+    up to FUSED_STEP_MAX_BATCH rows, no autograd, no padding mask (transformers passes none to a
+    decoding token), no norms on dt, B, C and no quantized projection. A token is ~7 operator calls
+    and matrix-vector products a layer otherwise, each a dispatch and a wake-up of the threads; as one
+    call the projections stream their weights once (1.5x at mamba-130m's shape on 1 core)."""
+    if (conv_state is None or ssm_state is None or hidden_states.shape[1] != 1 or attention_mask is not None
+            or hidden_states.device.type != "cpu" or hidden_states.shape[0] > FUSED_STEP_MAX_BATCH):
+        return False
+    if hasattr(mixer, "b_layernorm") or hasattr(mixer.config, "_is_quantized") or torch.compiler.is_compiling():
+        return False
+    if cache.is_recording_past(mixer.layer_idx):
+        return False
+    if torch.is_grad_enabled() and any(p.requires_grad for p in mixer.parameters()):
+        return False
+    small = (hidden_states, conv_state, ssm_state, mixer.conv1d.weight, mixer.conv1d.bias, mixer.in_proj.bias,
+             mixer.dt_proj.bias, mixer.out_proj.bias, mixer.D, mixer.A_log)
+    return all(t is None or t.dtype == torch.float32 for t in small)
+
+
 def _mamba_forward(self, hidden_states: Tensor, cache=None, attention_mask: Tensor | None = None, **kwargs) -> Tensor:
     """Mamba-1's mixer on ssmops, and Falcon-Mamba's and Jamba's (RMS norms on dt, B and C)."""
     cache = kwargs.pop("cache_params", cache)  # the keyword's name before transformers 5.40
     _refuse_packing(self, kwargs)
     dtype = hidden_states.dtype
     conv_state, ssm_state = _states(self, cache)
+    if _fused_step_serves(self, hidden_states, cache, conv_state, ssm_state, attention_mask):
+        out = torch.ops.ssmops.mamba_step(
+            hidden_states[:, 0], conv_state, ssm_state, self.in_proj.weight, None, self.in_proj.bias,
+            self.conv1d.weight.squeeze(1), self.conv1d.bias, self.x_proj.weight, None, self.dt_proj.weight, None,
+            self.dt_proj.bias, self.A_log, self.D, self.out_proj.weight, None, self.out_proj.bias)
+        return out.unsqueeze(1)
 
     hidden_states = _apply_mask(hidden_states, attention_mask)
     x, gate = self.in_proj(hidden_states).transpose(1, 2).chunk(2, dim=1)  # (batch, d_inner, seqlen) each
