@@ -24,6 +24,8 @@ pure-PyTorch path when mamba_ssm / causal_conv1d are not installed) and after
 
 On a machine whose cores are shared, `--threads 1` gives steadier numbers: an OpenMP region
 over 2 threads waits for a descheduled thread (a (512, 16) exp took 7.6 ms instead of 0.03 ms).
+With one thread, `--clock cpu` times the process's CPU time instead of the wall clock: what the
+work took, without the time other processes held the core (memory stalls still count).
 
 Prints each speed and the ratio ssmops / transformers.
 """
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -60,16 +63,16 @@ def build(family: str, shape: str):
     return transformers.Mamba2ForCausalLM(config).eval()
 
 
-def measure(model, prompt: torch.Tensor, tokens: int, repeats: int) -> tuple[float, float, float]:
+def measure(model, prompt: torch.Tensor, tokens: int, repeats: int, clock) -> tuple[float, float, float]:
     """(prefill tokens/s, decode tokens/s through `generate`, one-token forward steps/s)."""
     mask = torch.ones_like(prompt)
-    prefill = time_call(lambda: model(prompt, attention_mask=mask, use_cache=True, logits_to_keep=1), repeats)
+    prefill = time_call(lambda: model(prompt, attention_mask=mask, use_cache=True, logits_to_keep=1), repeats, clock)
 
     def generate(n):
         return lambda: model.generate(prompt, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                                       do_sample=False)
 
-    one, many = time_call(generate(1), repeats), time_call(generate(tokens), repeats)
+    one, many = time_call(generate(1), repeats, clock), time_call(generate(tokens), repeats, clock)
     cache = model(prompt, attention_mask=mask, use_cache=True).cache
     token = prompt[:, -1:]
 
@@ -77,7 +80,7 @@ def measure(model, prompt: torch.Tensor, tokens: int, repeats: int) -> tuple[flo
         for _ in range(tokens):
             model(token, cache=cache, use_cache=True)
 
-    return prompt.shape[1] / prefill, (tokens - 1) / max(many - one, 1e-9), tokens / time_call(steps, repeats)
+    return prompt.shape[1] / prefill, (tokens - 1) / max(many - one, 1e-9), tokens / time_call(steps, repeats, clock)
 
 
 def main() -> None:
@@ -88,19 +91,22 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="new tokens timed for decoding")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall clock, or this process's CPU time (with --threads 1 on shared cores)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     families = ("mamba", "mamba2") if args.family == "all" else (args.family,)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     prompt = torch.randint(1, SHAPES[args.shape][2], (1, args.prompt), generator=torch.Generator().manual_seed(0))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; shape {args.shape}; batch 1, "
-          f"prompt {args.prompt}, {args.tokens} new tokens, fp32\n")
+          f"prompt {args.prompt}, {args.tokens} new tokens, fp32, {args.clock} clock\n")
     print(f"{'model':<20}{'':>10}{'transformers':>15}{'ssmops':>12}{'ratio':>8}")
     for family in families:
         model = build(family, args.shape)
         with torch.inference_mode():
-            theirs = measure(from_ssmops(model), prompt, args.tokens, args.repeats)
-            ours = measure(to_ssmops(model), prompt, args.tokens, args.repeats)
+            theirs = measure(from_ssmops(model), prompt, args.tokens, args.repeats, clock)
+            ours = measure(to_ssmops(model), prompt, args.tokens, args.repeats, clock)
         name = type(model).__name__
         for label, t, o in zip(("prefill", "decode", "step"), theirs, ours):
             print(f"{name:<20}{label:>10}{t:>11.0f} t/s{o:>8.0f} t/s{o / t:>7.2f}x")
