@@ -16,9 +16,10 @@ pure-PyTorch path when mamba_ssm / causal_conv1d are not installed) and after
   logits of its last position only (`logits_to_keep=1`), as `generate`'s prefill computes them: the
   output head over all 512 positions (a 512 x 768 x 50280 product, ~45% of ssmops' Mamba-1 prefill
   at 130m) is the same work on either path and no part of a prefill's use;
-* decode tokens/s: `generate` of N greedy tokens after the prompt, timed as
-  (time for N tokens - time for 1 token) / (N - 1), so prefill is excluded (generate's own
-  per-token work included);
+* decode tokens/s: `generate` of N greedy tokens after the prompt, timed by a streamer from the
+  first new token to the last (N - 1 tokens): prefill is excluded, generate's own per-token work
+  included (a difference of two generate timings left the prefill's noise in it, as large as the
+  decoding of 32 tokens on transformers' path);
 * step/s: the model's forward on one token with the prompt's cache, N times (the mixers'
   decoding step without generate around it).
 
@@ -33,6 +34,7 @@ Prints each speed and the ratio ssmops / transformers.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -63,16 +65,33 @@ def build(family: str, shape: str):
     return transformers.Mamba2ForCausalLM(config).eval()
 
 
+class _TokenClock:
+    """A `generate` streamer that only reads the clock: generate calls `put` with the prompt, then
+    with each new token, so the times between the first and the last token are the decoding alone."""
+
+    def __init__(self, clock):
+        self.clock, self.times = clock, []
+
+    def put(self, value) -> None:
+        self.times.append(self.clock())
+
+    def end(self) -> None:
+        pass
+
+
 def measure(model, prompt: torch.Tensor, tokens: int, repeats: int, clock) -> tuple[float, float, float]:
     """(prefill tokens/s, decode tokens/s through `generate`, one-token forward steps/s)."""
     mask = torch.ones_like(prompt)
     prefill = time_call(lambda: model(prompt, attention_mask=mask, use_cache=True, logits_to_keep=1), repeats, clock)
 
-    def generate(n):
-        return lambda: model.generate(prompt, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                                      do_sample=False)
+    def decode_seconds() -> float:
+        streamer = _TokenClock(clock)
+        model.generate(prompt, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                       streamer=streamer)
+        return streamer.times[-1] - streamer.times[1]  # from the first new token (after prefill) to the last
 
-    one, many = time_call(generate(1), repeats, clock), time_call(generate(tokens), repeats, clock)
+    decode_seconds()  # warm-up
+    decode = statistics.median(decode_seconds() for _ in range(repeats))
     cache = model(prompt, attention_mask=mask, use_cache=True).cache
     token = prompt[:, -1:]
 
@@ -80,7 +99,7 @@ def measure(model, prompt: torch.Tensor, tokens: int, repeats: int, clock) -> tu
         for _ in range(tokens):
             model(token, cache=cache, use_cache=True)
 
-    return prompt.shape[1] / prefill, (tokens - 1) / max(many - one, 1e-9), tokens / time_call(steps, repeats, clock)
+    return prompt.shape[1] / prefill, (tokens - 1) / decode, tokens / time_call(steps, repeats, clock)
 
 
 def main() -> None:
