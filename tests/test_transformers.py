@@ -133,6 +133,23 @@ def test_decoding_step_logits_match(family):
                                        rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["mamba", "mamba2"])
+def test_decoding_calls_wrapped_projections(family):
+    """A projection that is more than F.linear (PEFT's LoRA wrapper, a hook) is called as a module by
+    the decoding token too, not read for its weight by the fused step or weight_only_linear."""
+    reference, model = _pair(family)
+    for m in (reference, model):
+        for layer in m.base_model.layers:
+            for proj in (layer.mixer.in_proj, layer.mixer.out_proj):
+                proj.register_forward_hook(lambda module, args, out: out + 0.25)
+    ids = _prompt(length=8)
+    with torch.no_grad():
+        caches = [m(ids[:, :7], use_cache=True).cache for m in (reference, model)]
+        expected = reference(ids[:, 7:], cache=caches[0], use_cache=True).logits
+        torch.testing.assert_close(model(ids[:, 7:], cache=caches[1], use_cache=True).logits, expected,
+                                   rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("overrides", [{"mamba_rms_norm": True, "mamba_norm_before_gate": False},
                                        {"mamba_rms_norm": True, "mamba_norm_before_gate": True}])
 def test_falcon_h1_gated_norm_variants(overrides):

@@ -131,6 +131,24 @@ def _selective_scan(mixer: nn.Module, cache, ssm_state: Tensor | None, x: Tensor
     return y
 
 
+def _plain_linear(layer: nn.Module) -> bool:
+    """Whether calling `layer` is exactly F.linear with its weight and bias: an nn.Linear itself (not
+    PEFT's LoRA wrapper or a quantized layer) without hooks (accelerate's offloading, ...), so that
+    its weight may be read without calling it."""
+    return type(layer) is nn.Linear and not (layer._forward_hooks or layer._forward_pre_hooks)
+
+
+def _linear(layer: nn.Module, x: Tensor) -> Tensor:
+    """`layer(x)`; for a decoding token (up to FUSED_STEP_MAX_BATCH rows) on CPU in float32 without
+    autograd, ssmops' `weight_only_linear`, which streams the weight once (about twice aten's
+    matrix-vector product at in_proj's shape on one core; the token's time is these reads)."""
+    if (x.device.type == "cpu" and x.numel() <= FUSED_STEP_MAX_BATCH * x.shape[-1] and _plain_linear(layer)
+            and x.dtype == layer.weight.dtype == torch.float32 and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and (x.requires_grad or layer.weight.requires_grad))):
+        return torch.ops.ssmops.weight_only_linear(x, layer.weight, None, layer.bias)
+    return layer(x)
+
+
 def _fused_step_serves(mixer: nn.Module, hidden_states: Tensor, cache, conv_state: Tensor | None,
                        ssm_state: Tensor | None, attention_mask: Tensor | None) -> bool:
     """Whether a decoding token of a plain Mamba-1 mixer runs as one `ssmops::mamba_step` call (what
@@ -144,6 +162,8 @@ def _fused_step_serves(mixer: nn.Module, hidden_states: Tensor, cache, conv_stat
         return False
     if hasattr(mixer, "b_layernorm") or hasattr(mixer.config, "_is_quantized") or torch.compiler.is_compiling():
         return False
+    if not all(_plain_linear(layer) for layer in (mixer.in_proj, mixer.x_proj, mixer.dt_proj, mixer.out_proj)):
+        return False  # PEFT's LoRA, a quantized or hooked projection: called as modules below
     if cache.is_recording_past(mixer.layer_idx):
         return False
     if torch.is_grad_enabled() and any(p.requires_grad for p in mixer.parameters()):
@@ -167,9 +187,10 @@ def _mamba_forward(self, hidden_states: Tensor, cache=None, attention_mask: Tens
         return out.unsqueeze(1)
 
     hidden_states = _apply_mask(hidden_states, attention_mask)
-    x, gate = self.in_proj(hidden_states).transpose(1, 2).chunk(2, dim=1)  # (batch, d_inner, seqlen) each
+    x, gate = _linear(self.in_proj, hidden_states).transpose(1, 2).chunk(2, dim=1)  # (batch, d_inner, seqlen) each
     x = _apply_mask(_conv(self, x, cache, conv_state).transpose(1, 2), attention_mask)  # (batch, seqlen, d_inner)
-    dt, B, C = torch.split(self.x_proj(x), [self.time_step_rank, self.ssm_state_size, self.ssm_state_size], dim=-1)
+    dt, B, C = torch.split(_linear(self.x_proj, x), [self.time_step_rank, self.ssm_state_size, self.ssm_state_size],
+                           dim=-1)
     if hasattr(self, "b_layernorm"):  # Falcon-Mamba, Jamba
         dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
     if hasattr(self.config, "_is_quantized"):  # a quantized dt_proj is only callable as a module
@@ -180,7 +201,7 @@ def _mamba_forward(self, hidden_states: Tensor, cache=None, attention_mask: Tens
     A = -torch.exp(self.A_log.float())
     y = _selective_scan(self, cache, ssm_state, x.transpose(1, 2), dt, A, B.transpose(1, 2), C.transpose(1, 2),
                         self.D.float(), gate, dt_bias, state_shape=(x.shape[0], *A.shape))
-    return self.out_proj(y.transpose(1, 2).to(dtype))
+    return _linear(self.out_proj, y.transpose(1, 2).to(dtype))
 
 
 def _zamba_forward(self, hidden_states: Tensor, cache=None, attention_mask: Tensor | None = None, **kwargs) -> Tensor:
@@ -194,7 +215,7 @@ def _zamba_forward(self, hidden_states: Tensor, cache=None, attention_mask: Tens
     conv_state, ssm_state = _states(self, cache)
 
     hidden_states = _apply_mask(hidden_states, attention_mask)
-    xz = self.in_proj(hidden_states).transpose(1, 2).reshape(batch, -1, 2, seq_len)  # channel 2c: x, 2c + 1: gate
+    xz = _linear(self.in_proj, hidden_states).transpose(1, 2).reshape(batch, -1, 2, seq_len)  # 2c: x, 2c + 1: gate
     x, gate = xz[:, :, 0].contiguous(), xz[:, :, 1]  # (batch, d_inner, seqlen) each
     x = _apply_mask(_conv(self, x, cache, conv_state).transpose(1, 2), attention_mask).transpose(1, 2)
     x_heads = x.reshape(batch, heads, head_dim, seq_len)
@@ -204,7 +225,7 @@ def _zamba_forward(self, hidden_states: Tensor, cache=None, attention_mask: Tens
     A = -torch.exp(self.A_log.float())  # (heads, head_dim, dstate)
     y = _selective_scan(self, cache, ssm_state, x_heads.reshape(batch, -1, seq_len), dt, A.reshape(-1, dstate),
                         B, C, self.D.float().reshape(-1), gate, dt_bias, state_shape=(batch, *A.shape))
-    return self.out_proj(y.transpose(1, 2).to(dtype))
+    return _linear(self.out_proj, y.transpose(1, 2).to(dtype))
 
 
 def _mamba2_forward(self, hidden_states: Tensor, cache=None, attention_mask: Tensor | None = None, **kwargs) -> Tensor:
@@ -221,9 +242,9 @@ def _mamba2_forward(self, hidden_states: Tensor, cache=None, attention_mask: Ten
 
     hidden_states = _apply_mask(hidden_states, attention_mask)
     if hasattr(self, "mup_vector"):  # Falcon-H1
-        zxbcdt = self.in_proj(hidden_states * self.ssm_in_multiplier) * self.mup_vector
+        zxbcdt = _linear(self.in_proj, hidden_states * self.ssm_in_multiplier) * self.mup_vector
     else:
-        zxbcdt = self.in_proj(hidden_states)
+        zxbcdt = _linear(self.in_proj, hidden_states)
     gate, xBC, dt = zxbcdt.split([self.intermediate_size, self.conv_dim, heads], dim=-1)
     xBC = _conv(self, xBC.transpose(1, 2), cache, conv_state, seq_idx)
     xBC = _apply_mask(xBC.transpose(1, 2), attention_mask)
@@ -251,7 +272,7 @@ def _mamba2_forward(self, hidden_states: Tensor, cache=None, attention_mask: Ten
         y = rmsnorm_fn(y, self.norm.weight, None, z=gate, eps=self.norm.variance_epsilon,
                        group_size=self.intermediate_size // groups,
                        norm_before_gate=getattr(self.norm, "norm_before_gate", False))
-    return self.out_proj(y.to(dtype))
+    return _linear(self.out_proj, y.to(dtype))
 
 
 def _dt_limit(limit) -> tuple[float, float]:
