@@ -142,8 +142,10 @@ def _linear(layer: nn.Module, x: Tensor) -> Tensor:
     """`layer(x)`; for a decoding token (up to FUSED_STEP_MAX_BATCH rows) on CPU in float32 without
     autograd, ssmops' `weight_only_linear`, which streams the weight once (about twice aten's
     matrix-vector product at in_proj's shape on one core; the token's time is these reads)."""
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():  # before the size test: no guard on it
+        return layer(x)
     if (x.device.type == "cpu" and x.numel() <= FUSED_STEP_MAX_BATCH * x.shape[-1] and _plain_linear(layer)
-            and x.dtype == layer.weight.dtype == torch.float32 and not torch.compiler.is_compiling()
+            and x.dtype == layer.weight.dtype == torch.float32
             and not (torch.is_grad_enabled() and (x.requires_grad or layer.weight.requires_grad))):
         return torch.ops.ssmops.weight_only_linear(x, layer.weight, None, layer.bias)
     return layer(x)
@@ -157,10 +159,12 @@ def _fused_step_serves(mixer: nn.Module, hidden_states: Tensor, cache, conv_stat
     decoding token), no norms on dt, B, C and no quantized projection. A token is ~7 operator calls
     and matrix-vector products a layer otherwise, each a dispatch and a wake-up of the threads; as one
     call the projections stream their weights once (1.5x at mamba-130m's shape on 1 core)."""
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():  # graphs get the operators it fuses
+        return False
     if (conv_state is None or ssm_state is None or hidden_states.shape[1] != 1 or attention_mask is not None
             or hidden_states.device.type != "cpu" or hidden_states.shape[0] > FUSED_STEP_MAX_BATCH):
         return False
-    if hasattr(mixer, "b_layernorm") or hasattr(mixer.config, "_is_quantized") or torch.compiler.is_compiling():
+    if hasattr(mixer, "b_layernorm") or hasattr(mixer.config, "_is_quantized"):
         return False
     if not all(_plain_linear(layer) for layer in (mixer.in_proj, mixer.x_proj, mixer.dt_proj, mixer.out_proj)):
         return False  # PEFT's LoRA, a quantized or hooked projection: called as modules below
