@@ -195,6 +195,16 @@ def test_packed_sequences_stay_apart(family):
             torch.testing.assert_close(by_lengths, packed, rtol=1e-4, atol=1e-5)
 
 
+def test_bad_packing_is_named():
+    """A seq_idx of the wrong shape, or cu_seq_lens_q with several rows: a ValueError naming it."""
+    _, model = _inference_pair("nemotron_h")
+    ids = _prompt(2, 8)
+    with pytest.raises(ValueError, match=r"seq_idx must be a tensor of shape \(2, 8\)"):
+        model.base_model(ids, seq_idx=torch.zeros(2, 7, dtype=torch.int32), use_cache=False)
+    with pytest.raises(ValueError, match="cu_seq_lens_q .* needs batch 1"):
+        model.base_model(ids, cu_seq_lens_q=torch.tensor([0, 8]), use_cache=False)
+
+
 def test_packed_sequences_refused_by_mamba1_mixers():
     """Zamba passes seq_idx to its Mamba-1 mixers, whose scan cannot restart inside a row: a ValueError."""
     _, model = _inference_pair("zamba")
