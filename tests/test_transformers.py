@@ -5,6 +5,8 @@ Tiny random configurations built in code (nothing is downloaded), float32 on CPU
 
 from __future__ import annotations
 
+import copy
+import functools
 import pickle
 import subprocess
 import sys
@@ -23,35 +25,69 @@ VOCAB = 64
 _SLOW = pytest.mark.slow  # the module stays near a minute on 2 cores without these
 
 
-def _config(family: str):
+def _config(family: str, **overrides):
+    """A tiny random configuration of `family` (2 layers, one of them the family's SSM mixer at least)."""
     common = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "pad_token_id": 0,
               "eos_token_id": VOCAB - 1, "bos_token_id": 1}
-    if family in ("mamba", "falcon_mamba"):
-        cls = transformers.MambaConfig if family == "mamba" else transformers.FalconMambaConfig
-        return cls(state_size=8, expand=2, conv_kernel=4, **common)
-    if family == "mamba2":  # chunk_size 8: the prompts below cross chunk boundaries
-        return transformers.Mamba2Config(state_size=16, expand=2, num_heads=8, head_dim=8, n_groups=2,
-                                         chunk_size=8, conv_kernel=4, **common)
-    return transformers.BambaConfig(  # layer 0 Mamba-2, layer 1 attention
-        num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, mamba_n_heads=8, mamba_d_head=8,
-        mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=8, attn_layer_indices=[1], **common)
+    attention = {"intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
+    # chunk_size 8 for Mamba-2 layers: the prompts below cross chunk boundaries
+    settings = {
+        "mamba": {"state_size": 8, "expand": 2, "conv_kernel": 4},
+        "falcon_mamba": {"state_size": 8, "expand": 2, "conv_kernel": 4},
+        "mamba2": {"state_size": 16, "expand": 2, "num_heads": 8, "head_dim": 8, "n_groups": 2, "chunk_size": 8,
+                   "conv_kernel": 4},
+        "bamba": {**attention, "mamba_n_heads": 8, "mamba_d_head": 8, "mamba_n_groups": 1, "mamba_d_state": 16,
+                  "mamba_chunk_size": 8, "attn_layer_indices": [1]},  # layer 0 Mamba-2, layer 1 attention
+        "jamba": {**attention, "num_experts": 1, "attn_layer_period": 2, "attn_layer_offset": 1, "mamba_d_state": 8,
+                  "mamba_dt_rank": 4},
+        # two hybrid layers: a Mamba layer each, behind the shared attention block (one would tie to nothing)
+        "zamba": {**attention, "num_key_value_heads": 4, "n_mamba_heads": 2, "attention_hidden_size": 64,
+                  "layers_block_type": ["hybrid", "hybrid"], "mamba_d_state": 8, "mamba_dt_rank": 4},
+        "zamba2": {**attention, "num_key_value_heads": 4, "n_mamba_heads": 8, "mamba_d_state": 16,
+                   "mamba_ngroups": 2, "chunk_size": 8, "layers_block_type": ["mamba", "hybrid"]},
+        # mup multipliers that differ per part of in_proj; Mamba and attention in parallel in each layer
+        "falcon_h1": {**attention, "mamba_d_ssm": 64, "mamba_n_heads": 8, "mamba_d_head": 8, "mamba_n_groups": 2,
+                      "mamba_d_state": 16, "mamba_chunk_size": 8, "ssm_multipliers": [0.5, 1.5, 0.7, 1.3, 0.9],
+                      "ssm_in_multiplier": 0.8},
+        "granitemoehybrid": {**attention, "num_local_experts": 2, "num_experts_per_tok": 1,
+                             "shared_intermediate_size": 32, "layer_types": ["mamba", "attention"],
+                             "mamba_n_heads": 8, "mamba_d_head": 8, "mamba_n_groups": 1, "mamba_d_state": 16,
+                             "mamba_chunk_size": 8},
+        "nemotron_h": {**attention, "head_dim": 8, "layers_block_type": ["mamba", "attention"], "mamba_num_heads": 8,
+                       "mamba_head_dim": 8, "n_groups": 2, "ssm_state_size": 16, "chunk_size": 8},
+    }[family]
+    cls = transformers.AutoConfig.for_model(family).__class__
+    return cls(**{**common, **settings, **overrides})
+
+
+# Layouts with Mamba layers only, for packed rows (attention under sdpa would see across the sequences)
+_SSM_ONLY = {"mamba2": {}, "zamba2": {"layers_block_type": ["mamba", "mamba"]},
+             "granitemoehybrid": {"layer_types": ["mamba", "mamba"]},
+             "nemotron_h": {"layers_block_type": ["mamba", "mamba"]}}
 
 
 _MODELS = {"mamba": "MambaForCausalLM", "falcon_mamba": "FalconMambaForCausalLM",
-           "mamba2": "Mamba2ForCausalLM", "bamba": "BambaForCausalLM"}
+           "mamba2": "Mamba2ForCausalLM", "bamba": "BambaForCausalLM", "jamba": "JambaForCausalLM",
+           "zamba": "ZambaForCausalLM", "zamba2": "Zamba2ForCausalLM", "falcon_h1": "FalconH1ForCausalLM",
+           "granitemoehybrid": "GraniteMoeHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM"}
 
 
-def _pair(family: str):
-    """(transformers' model, the same weights with ssmops' mixers), both in eval mode."""
+def _pair(family: str, **overrides):
+    """(transformers' model, a copy with ssmops' mixers), both in eval mode. The copy is switched with
+    `to_ssmops`: building under `enable_transformers` costs transformers' patch walk over all of its
+    modules (~1 s a model); `test_enabled_build_switches_every_family` covers that path."""
     torch.manual_seed(0)
-    cls = getattr(transformers, _MODELS[family])
-    config = _config(family)
-    reference = cls(config).eval()
-    with ssmops.enable_transformers():
-        model = cls._from_config(config).eval()  # from_config applies transformers' patch mapping
-    model.load_state_dict(reference.state_dict())
+    reference = getattr(transformers, _MODELS[family])(_config(family, **overrides)).eval()
+    model = integration.to_ssmops(copy.deepcopy(reference))
     assert integration.uses_ssmops(model) and not integration.uses_ssmops(reference)
     return reference, model
+
+
+@functools.cache
+def _inference_pair(family: str):
+    """`_pair(family)` built once for the tests that only run it without gradients (building the pair
+    costs more than such a test of a tiny model)."""
+    return _pair(family)
 
 
 def _prompt(batch: int = 2, length: int = 11) -> torch.Tensor:
@@ -60,7 +96,7 @@ def _prompt(batch: int = 2, length: int = 11) -> torch.Tensor:
 
 @pytest.mark.parametrize("family", list(_MODELS))
 def test_logits_match_transformers(family):
-    reference, model = _pair(family)
+    reference, model = _inference_pair(family)
     ids = _prompt()
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # left padding in the second row
@@ -72,7 +108,7 @@ def test_logits_match_transformers(family):
 
 @pytest.mark.parametrize("family", list(_MODELS))
 def test_greedy_generate_matches(family):
-    reference, model = _pair(family)
+    reference, model = _inference_pair(family)
     ids = _prompt()
     settings = {"max_new_tokens": 8, "do_sample": False, "attention_mask": torch.ones_like(ids)}
     expected = reference.generate(ids, **settings)
@@ -82,33 +118,107 @@ def test_greedy_generate_matches(family):
     assert torch.equal(uncached, expected)
 
 
+@pytest.mark.parametrize("family", list(_MODELS))
+def test_decoding_step_logits_match(family):
+    """The logits of single-token steps after a cached prompt (the decoding step: Mamba-1's fused
+    `mamba_step` on CPU, the state update elsewhere), not only the argmax that generate compares."""
+    reference, model = _inference_pair(family)
+    ids = _prompt(length=9)
+    with torch.no_grad():
+        caches = [m(ids[:, :7], use_cache=True) for m in (reference, model)]
+        caches = [out.cache_params if hasattr(out, "cache_params") else out.cache for out in caches]
+        for t in (7, 8):
+            expected = reference(ids[:, t:t + 1], cache=caches[0], use_cache=True).logits
+            torch.testing.assert_close(model(ids[:, t:t + 1], cache=caches[1], use_cache=True).logits, expected,
+                                       rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["mamba", "mamba2"])
+def test_decoding_calls_wrapped_projections(family):
+    """A projection that is more than F.linear (PEFT's LoRA wrapper, a hook) is called as a module by
+    the decoding token too, not read for its weight by the fused step or weight_only_linear."""
+    reference, model = _pair(family)
+    for m in (reference, model):
+        for layer in m.base_model.layers:
+            for proj in (layer.mixer.in_proj, layer.mixer.out_proj):
+                proj.register_forward_hook(lambda module, args, out: out + 0.25)
+    ids = _prompt(length=8)
+    with torch.no_grad():
+        caches = [m(ids[:, :7], use_cache=True).cache for m in (reference, model)]
+        expected = reference(ids[:, 7:], cache=caches[0], use_cache=True).logits
+        torch.testing.assert_close(model(ids[:, 7:], cache=caches[1], use_cache=True).logits, expected,
+                                   rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("overrides", [{"mamba_rms_norm": True, "mamba_norm_before_gate": False},
+                                       {"mamba_rms_norm": True, "mamba_norm_before_gate": True}])
+def test_falcon_h1_gated_norm_variants(overrides):
+    """Falcon-H1's optional gated norm, after or before the gate (the default config gates in the scan)."""
+    reference, model = _pair("falcon_h1", **overrides)
+    ids = _prompt()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, use_cache=False).logits, reference(ids, use_cache=False).logits,
+                                   rtol=1e-4, atol=1e-5)
+    settings = {"max_new_tokens": 4, "do_sample": False, "attention_mask": torch.ones_like(ids)}
+    assert torch.equal(model.generate(ids, **settings), reference.generate(ids, **settings))
+
+
+@pytest.mark.parametrize("family", ["mamba", "mamba2", "zamba"])
 def test_prefill_in_chunks_continues_the_state(family):
     """A prompt fed in two pieces through the cache gives the logits of the whole prompt at once: the
     second piece's scan starts from the first's state (ssmops' scans take an initial state)."""
-    _, model = _pair(family)
+    _, model = _inference_pair(family)
     ids = _prompt(length=12)
     with torch.no_grad():
         whole = model(ids, use_cache=False).logits
         first = model(ids[:, :7], use_cache=True)
-        second = model(ids[:, 7:], cache=first.cache_params, use_cache=True)
+        cache = first.cache_params if hasattr(first, "cache_params") else first.cache
+        second = model(ids[:, 7:], cache=cache, use_cache=True)
     torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), whole, rtol=1e-4, atol=1e-5)
 
 
-def test_packed_sequences_stay_apart_mamba2():
-    """A `seq_idx` keyword restarts the conv and the scan (transformers' own path refuses it without
-    mamba_ssm). Mamba2ForCausalLM.forward does not pass its extra keywords on, Mamba2Model does."""
-    _, model = _pair("mamba2")
+@pytest.mark.parametrize("family", list(_SSM_ONLY))
+def test_packed_sequences_stay_apart(family):
+    """A `seq_idx` keyword restarts the conv and the scan (transformers' own path ignores it without
+    mamba_ssm). The CausalLM classes do not all pass their extra keywords on; the base models do."""
+    _, model = _pair(family, **_SSM_ONLY[family])
     a, b = _prompt(1, 5), _prompt(1, 9)[:, 2:]
     seq_idx = torch.tensor([[0] * 5 + [1] * 7], dtype=torch.int32)
     with torch.no_grad():
-        packed = model.backbone(torch.cat([a, b], 1), seq_idx=seq_idx, use_cache=False).last_hidden_state
-        apart = [model.backbone(part, use_cache=False).last_hidden_state for part in (a, b)]
-    torch.testing.assert_close(packed, torch.cat(apart, 1), rtol=1e-4, atol=1e-5)
+        packed = model.base_model(torch.cat([a, b], 1), seq_idx=seq_idx, use_cache=False).last_hidden_state
+        apart = [model.base_model(part, use_cache=False).last_hidden_state for part in (a, b)]
+        torch.testing.assert_close(packed, torch.cat(apart, 1), rtol=1e-4, atol=1e-5)
+        if family == "nemotron_h":  # DataCollatorWithFlattening(return_flash_attn_kwargs=True)'s form
+            cu_seqlens = torch.tensor([0, 5, 12])
+            by_lengths = model.base_model(torch.cat([a, b], 1), cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
+                                          max_length_q=7, max_length_k=7, use_cache=False).last_hidden_state
+            torch.testing.assert_close(by_lengths, packed, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["mamba", "mamba2", pytest.param("falcon_mamba", marks=_SLOW),
-                                    pytest.param("bamba", marks=_SLOW)])
+def test_bad_packing_is_named():
+    """A seq_idx of the wrong shape, or cu_seq_lens_q with several rows: a ValueError naming it."""
+    _, model = _inference_pair("nemotron_h")
+    ids = _prompt(2, 8)
+    with pytest.raises(ValueError, match=r"seq_idx must be a tensor of shape \(2, 8\)"):
+        model.base_model(ids, seq_idx=torch.zeros(2, 7, dtype=torch.int32), use_cache=False)
+    with pytest.raises(ValueError, match="cu_seq_lens_q .* needs batch 1"):
+        model.base_model(ids, cu_seq_lens_q=torch.tensor([0, 8]), use_cache=False)
+
+
+def test_packed_sequences_refused_by_mamba1_mixers():
+    """Zamba passes seq_idx to its Mamba-1 mixers, whose scan cannot restart inside a row: a ValueError."""
+    _, model = _inference_pair("zamba")
+    with pytest.raises(ValueError, match="seq_idx"):
+        model.base_model(_prompt(1, 8), seq_idx=torch.zeros(1, 8, dtype=torch.int32), use_cache=False)
+
+
+# The others compile and export too (checked by hand: `_COMPILED` can take any family); the suite runs
+# these to stay within its minutes on 2 cores.
+_COMPILED = ["mamba", "mamba2", "zamba2", "nemotron_h"] + [
+    pytest.param(family, marks=_SLOW) for family in ("falcon_mamba", "bamba")]
+
+
+@pytest.mark.parametrize("family", _COMPILED)
 def test_training_step_compiles_fullgraph(family):
     """torch.compile(model, fullgraph=True): forward and loss in one graph (no break anywhere in
     transformers' model either), its backward through ssmops' backward operators; loss and gradients
@@ -148,21 +258,20 @@ def test_training_step_compiles_fullgraph_inductor(family):
     torch.testing.assert_close(mixer.A_log.grad, reference_mixer.A_log.grad, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("family", ["mamba", "mamba2", pytest.param("falcon_mamba", marks=_SLOW),
-                                    pytest.param("bamba", marks=_SLOW)])
+@pytest.mark.parametrize("family", _COMPILED)
 def test_export_forward(family):
     """The forward exported with a dynamic sequence length, then run at another length."""
     reference, model = _pair(family)
     seqlen = torch.export.Dim("seqlen", min=2, max=64)
-    program = torch.export.export(model, (_prompt(),), kwargs={"use_cache": False},
-                                  dynamic_shapes={"input_ids": {1: seqlen}, "use_cache": None})
+    model.config.use_cache = False  # not as a keyword: Granite's forward takes it in **kwargs, which export refuses
+    program = torch.export.export(model, (_prompt(),), dynamic_shapes={"input_ids": {1: seqlen}})
     scans = [n for n in program.graph.nodes if n.op == "call_function" and str(n.target).startswith("ssmops.")]
     mixers = [m for m in model.modules() if type(m) in integration._mixer_classes.values()]
     assert len(scans) == len(mixers) > 0, "one ssmops scan per Mamba layer in the exported graph"
     ids = _prompt(2, 23)
     with torch.no_grad():
-        torch.testing.assert_close(program.module()(ids, use_cache=False).logits,
-                                   reference(ids, use_cache=False).logits, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(program.module()(ids).logits, reference(ids, use_cache=False).logits,
+                                   rtol=1e-4, atol=1e-5)
 
 
 def test_from_pretrained_one_line(tmp_path):
@@ -215,6 +324,21 @@ def test_peft_lora_with_trainer(family, tmp_path):
     torch.testing.assert_close(train(ours), train(reference), rtol=1e-4, atol=1e-5)
 
 
+def test_enabled_build_switches_every_family():
+    """While enabled, transformers' build (from_pretrained and from_config run it inside `apply_patches`)
+    gives every family's mixers on ssmops, NemotronH's too (its block builds them from a table)."""
+    from transformers.monkey_patching import apply_patches
+
+    with ssmops.enable_transformers(), apply_patches():  # one patch walk for the ten builds
+        models = {family: getattr(transformers, name)(_config(family)) for family, name in _MODELS.items()}
+    for family, model in models.items():
+        mixers = [m for m in model.modules() if isinstance(m, integration.mixer_class(family).__mro__[1])]
+        assert mixers and all(type(m) is integration.mixer_class(family) for m in mixers), family
+    nemotron = models["nemotron_h"]
+    assert not integration.uses_ssmops(integration.from_ssmops(nemotron))
+    assert type(nemotron.model.layers[0]) is transformers.models.nemotron_h.modeling_nemotron_h.NemotronHBlock
+
+
 def test_enable_disable_leave_transformers_as_shipped():
     from transformers.models.mamba.modeling_mamba import MambaMixer
     from transformers.monkey_patching import get_patch_mapping
@@ -242,8 +366,8 @@ def test_enable_disable_leave_transformers_as_shipped():
 
 
 def test_unsupported_is_named(monkeypatch):
-    with pytest.raises(integration.UnsupportedTransformersError, match="'zamba2' is not supported"):
-        ssmops.enable_transformers(["mamba", "zamba2"])
+    with pytest.raises(integration.UnsupportedTransformersError, match="'rwkv' is not supported"):
+        ssmops.enable_transformers(["mamba", "rwkv"])
     with pytest.raises(integration.UnsupportedTransformersError, match="model_type 'gpt2'"):
         integration.to_ssmops(transformers.GPT2LMHeadModel(transformers.GPT2Config(
             n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8)))

@@ -18,20 +18,23 @@ unregisters the mapping, and models built before or after are transformers' as s
 built otherwise (`MambaForCausalLM(config)`) switches with `to_ssmops(model)` and back with
 `from_ssmops(model)`.
 
-Families: mamba (MambaForCausalLM), falcon_mamba (FalconMambaForCausalLM), mamba2
-(Mamba2ForCausalLM) and bamba (BambaForCausalLM, its Mamba-2 layers; attention stays
-transformers'). transformers itself is imported only when one of these functions is called.
+Families (model_type): the Mamba-1 mixers of mamba, falcon_mamba, jamba and zamba, the Mamba-2 mixers
+of mamba2, bamba, zamba2, granitemoehybrid (Granite 4.0), nemotron_h and falcon_h1; attention, MLPs and
+experts stay transformers'. transformers itself is imported only when one of these functions is called.
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..layernorm_gated import rmsnorm_fn
 from ..mamba_inner import causal_conv1d, causal_conv1d_update
+from ..modules.mamba import FUSED_STEP_MAX_BATCH
 from ..selective_scan import selective_scan_fn
 from ..ssd_combined import mamba_chunk_scan_combined
 from ..state_update import selective_state_update
@@ -64,7 +67,8 @@ def _states(mixer: nn.Module, cache) -> tuple[Tensor | None, Tensor | None]:
 def _conv(mixer: nn.Module, x: Tensor, cache, conv_state: Tensor | None, seq_idx: Tensor | None = None) -> Tensor:
     """The mixer's depthwise causal conv + silu on x (batch, dim, seqlen), with transformers' cache:
     one token updates the conv window in place; a prompt (or a chunk while the cache records its
-    past) goes through `update_conv_state`, which returns the window's left context and the new inputs."""
+    past) goes through `update_conv_state`, which returns the window's left context and the new inputs
+    (the context counts as sequence 0 of a `seq_idx`, as the scan's initial state does)."""
     seq_len = x.shape[-1]
     weight, bias = mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias
     if conv_state is not None and seq_len == 1 and not cache.is_recording_past(mixer.layer_idx):
@@ -72,20 +76,126 @@ def _conv(mixer: nn.Module, x: Tensor, cache, conv_state: Tensor | None, seq_idx
     if cache is None:
         return causal_conv1d(x, weight, bias, activation="silu", seq_idx=seq_idx)
     x = cache.update_conv_state(x, mixer.layer_idx, conv_kernel_size=mixer.conv_kernel_size)
-    return causal_conv1d(x, weight, bias, activation="silu")[..., -seq_len:]
+    if seq_idx is not None:
+        seq_idx = F.pad(seq_idx, (x.shape[-1] - seq_len, 0), value=0)
+    return causal_conv1d(x, weight, bias, activation="silu", seq_idx=seq_idx)[..., -seq_len:]
+
+
+def _packed_seq_idx(kwargs: dict, batch: int, seq_len: int, device: torch.device) -> Tensor | None:
+    """The packing of a row as `seq_idx` (batch, seqlen) int32: transformers' `seq_idx` keyword
+    (DataCollatorWithFlattening(return_seq_idx=True)), or one made from its `cu_seq_lens_q`
+    (return_flash_attn_kwargs=True: the cumulative lengths of the sequences packed in a batch-1 row)."""
+    seq_idx = kwargs.get("seq_idx")
+    if seq_idx is not None:
+        if not isinstance(seq_idx, Tensor) or tuple(seq_idx.shape) != (batch, seq_len):
+            raise ValueError(f"seq_idx must be a tensor of shape ({batch}, {seq_len}) (batch, seqlen), got "
+                             f"{tuple(seq_idx.shape) if isinstance(seq_idx, Tensor) else type(seq_idx).__name__}")
+        return seq_idx.to(torch.int32)
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if cu_seqlens is None:
+        return None
+    if batch != 1 or not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1:
+        got = tuple(cu_seqlens.shape) if isinstance(cu_seqlens, Tensor) else repr(cu_seqlens)
+        raise ValueError(f"cu_seq_lens_q packs sequences into one row: it needs batch 1 and a 1-D tensor, got batch "
+                         f"{batch} and {got}")
+    positions = torch.arange(seq_len, device=device)
+    return torch.searchsorted(cu_seqlens[1:].to(device), positions, right=True).to(torch.int32)[None]
+
+
+def _refuse_packing(mixer: nn.Module, kwargs: dict) -> None:
+    if kwargs.get("seq_idx") is not None or kwargs.get("cu_seq_lens_q") is not None:
+        raise ValueError(f"seq_idx / cu_seq_lens_q: {type(mixer).__name__} is a Mamba-1 mixer, whose selective scan "
+                         "cannot restart its state inside a row (mamba_ssm's cannot either); run packed sequences "
+                         "as separate rows with an attention_mask")
+
+
+def _selective_scan(mixer: nn.Module, cache, ssm_state: Tensor | None, x: Tensor, dt: Tensor, A: Tensor,
+                    B: Tensor, C: Tensor, D: Tensor, gate: Tensor, dt_bias: Tensor | None,
+                    state_shape: tuple[int, ...]) -> Tensor:
+    """Mamba-1's scan over a prompt, or its decoding step for one token with a cached state, the
+    final state stored in the cache as `state_shape`. x, dt (without its bias), gate: (batch, dim,
+    seqlen); A: (dim, dstate); B, C: (batch, dstate, seqlen) or (batch, groups, dstate, seqlen);
+    D, dt_bias: (dim,). Returns y (batch, dim, seqlen)."""
+    batch, dim, seq_len = x.shape
+    if ssm_state is not None and seq_len == 1:
+        state = ssm_state.view(batch, dim, A.shape[-1])  # a view: the step updates the cache's tensor in place
+        return selective_state_update(state, x[..., 0], dt[..., 0], A, B[..., 0], C[..., 0], D, gate[..., 0],
+                                      dt_bias, dt_softplus=True).unsqueeze(-1)
+    initial_state = ssm_state.float().reshape(batch, dim, -1) if ssm_state is not None else None
+    y = selective_scan_fn(x, dt, A, B, C, D, gate, dt_bias, delta_softplus=True,
+                          return_last_state=cache is not None, initial_state=initial_state)
+    if cache is None:
+        return y
+    y, last_state = y
+    cache.update_recurrent_state(last_state.view(state_shape), mixer.layer_idx)
+    return y
+
+
+def _plain_linear(layer: nn.Module) -> bool:
+    """Whether calling `layer` is exactly F.linear with its weight and bias: an nn.Linear itself (not
+    PEFT's LoRA wrapper or a quantized layer) without hooks (accelerate's offloading, ...), so that
+    its weight may be read without calling it."""
+    return type(layer) is nn.Linear and not (layer._forward_hooks or layer._forward_pre_hooks)
+
+
+def _linear(layer: nn.Module, x: Tensor) -> Tensor:
+    """`layer(x)`; for a decoding token (up to FUSED_STEP_MAX_BATCH rows) on CPU in float32 without
+    autograd, ssmops' `weight_only_linear`, which streams the weight once (about twice aten's
+    matrix-vector product at in_proj's shape on one core; the token's time is these reads)."""
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():  # before the size test: no guard on it
+        return layer(x)
+    if (x.device.type == "cpu" and x.numel() <= FUSED_STEP_MAX_BATCH * x.shape[-1] and _plain_linear(layer)
+            and x.dtype == layer.weight.dtype == torch.float32
+            and not (torch.is_grad_enabled() and (x.requires_grad or layer.weight.requires_grad))):
+        return torch.ops.ssmops.weight_only_linear(x, layer.weight, None, layer.bias)
+    return layer(x)
+
+
+def _fused_step_serves(mixer: nn.Module, hidden_states: Tensor, cache, conv_state: Tensor | None,
+                       ssm_state: Tensor | None, attention_mask: Tensor | None) -> bool:
+    """Whether a decoding token of a plain Mamba-1 mixer runs as one `ssmops::mamba_step` call (what
+    `ssmops.modules.Mamba.step` does): eager on CPU, float32 activations, states and small parameters,
+    up to FUSED_STEP_MAX_BATCH rows, no autograd, no padding mask (transformers passes none to a
+    decoding token), no norms on dt, B, C and no quantized projection. A token is ~7 operator calls
+    and matrix-vector products a layer otherwise, each a dispatch and a wake-up of the threads; as one
+    call the projections stream their weights once (1.5x at mamba-130m's shape on 1 core)."""
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():  # graphs get the operators it fuses
+        return False
+    if (conv_state is None or ssm_state is None or hidden_states.shape[1] != 1 or attention_mask is not None
+            or hidden_states.device.type != "cpu" or hidden_states.shape[0] > FUSED_STEP_MAX_BATCH):
+        return False
+    if hasattr(mixer, "b_layernorm") or hasattr(mixer.config, "_is_quantized"):
+        return False
+    if not all(_plain_linear(layer) for layer in (mixer.in_proj, mixer.x_proj, mixer.dt_proj, mixer.out_proj)):
+        return False  # PEFT's LoRA, a quantized or hooked projection: called as modules below
+    if cache.is_recording_past(mixer.layer_idx):
+        return False
+    if torch.is_grad_enabled() and any(p.requires_grad for p in mixer.parameters()):
+        return False
+    small = (hidden_states, conv_state, ssm_state, mixer.conv1d.weight, mixer.conv1d.bias, mixer.in_proj.bias,
+             mixer.dt_proj.bias, mixer.out_proj.bias, mixer.D, mixer.A_log)
+    return all(t is None or t.dtype == torch.float32 for t in small)
 
 
 def _mamba_forward(self, hidden_states: Tensor, cache=None, attention_mask: Tensor | None = None, **kwargs) -> Tensor:
-    """Mamba-1's mixer (and Falcon-Mamba's: RMS norms on dt, B and C) on ssmops."""
+    """Mamba-1's mixer on ssmops, and Falcon-Mamba's and Jamba's (RMS norms on dt, B and C)."""
     cache = kwargs.pop("cache_params", cache)  # the keyword's name before transformers 5.40
-    dtype, seq_len = hidden_states.dtype, hidden_states.shape[1]
+    _refuse_packing(self, kwargs)
+    dtype = hidden_states.dtype
     conv_state, ssm_state = _states(self, cache)
+    if _fused_step_serves(self, hidden_states, cache, conv_state, ssm_state, attention_mask):
+        out = torch.ops.ssmops.mamba_step(
+            hidden_states[:, 0], conv_state, ssm_state, self.in_proj.weight, None, self.in_proj.bias,
+            self.conv1d.weight.squeeze(1), self.conv1d.bias, self.x_proj.weight, None, self.dt_proj.weight, None,
+            self.dt_proj.bias, self.A_log, self.D, self.out_proj.weight, None, self.out_proj.bias)
+        return out.unsqueeze(1)
 
     hidden_states = _apply_mask(hidden_states, attention_mask)
-    x, gate = self.in_proj(hidden_states).transpose(1, 2).chunk(2, dim=1)  # (batch, d_inner, seqlen) each
+    x, gate = _linear(self.in_proj, hidden_states).transpose(1, 2).chunk(2, dim=1)  # (batch, d_inner, seqlen) each
     x = _apply_mask(_conv(self, x, cache, conv_state).transpose(1, 2), attention_mask)  # (batch, seqlen, d_inner)
-    dt, B, C = torch.split(self.x_proj(x), [self.time_step_rank, self.ssm_state_size, self.ssm_state_size], dim=-1)
-    if hasattr(self, "b_layernorm"):  # Falcon-Mamba
+    dt, B, C = torch.split(_linear(self.x_proj, x), [self.time_step_rank, self.ssm_state_size, self.ssm_state_size],
+                           dim=-1)
+    if hasattr(self, "b_layernorm"):  # Falcon-Mamba, Jamba
         dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
     if hasattr(self.config, "_is_quantized"):  # a quantized dt_proj is only callable as a module
         dt = (self.dt_proj(dt) - self.dt_proj.bias).transpose(1, 2)
@@ -93,73 +203,118 @@ def _mamba_forward(self, hidden_states: Tensor, cache=None, attention_mask: Tens
         dt = self.dt_proj.weight @ dt.transpose(1, 2)  # (batch, d_inner, seqlen); the bias goes to the scan
     dt_bias = self.dt_proj.bias.float() if self.dt_proj.bias is not None else None
     A = -torch.exp(self.A_log.float())
-
-    if ssm_state is not None and seq_len == 1:
-        y = selective_state_update(ssm_state, x[:, 0], dt[..., 0], A, B[:, 0], C[:, 0], self.D.float(),
-                                   gate[..., 0], dt_bias, dt_softplus=True).unsqueeze(-1)
-    else:
-        initial_state = ssm_state.float() if ssm_state is not None else None
-        y = selective_scan_fn(x.transpose(1, 2), dt, A, B.transpose(1, 2), C.transpose(1, 2), self.D.float(), gate,
-                              dt_bias, delta_softplus=True, return_last_state=cache is not None,
-                              initial_state=initial_state)
-        if cache is not None:
-            y, last_state = y
-            cache.update_recurrent_state(last_state, self.layer_idx)
-    return self.out_proj(y.transpose(1, 2).to(dtype))
+    y = _selective_scan(self, cache, ssm_state, x.transpose(1, 2), dt, A, B.transpose(1, 2), C.transpose(1, 2),
+                        self.D.float(), gate, dt_bias, state_shape=(x.shape[0], *A.shape))
+    return _linear(self.out_proj, y.transpose(1, 2).to(dtype))
 
 
-def _mamba2_forward(self, hidden_states: Tensor, cache=None, attention_mask: Tensor | None = None, **kwargs) -> Tensor:
-    """Mamba-2's mixer (and Bamba's, the same layer) on ssmops. A `seq_idx` keyword (batch, seqlen)
-    keeps packed sequences apart in the conv and the scan."""
+def _zamba_forward(self, hidden_states: Tensor, cache=None, attention_mask: Tensor | None = None, **kwargs) -> Tensor:
+    """Zamba's mixer on ssmops: Mamba-1 split into heads, each with its own x_proj and dt_proj (one
+    grouped scan: the heads are B/C's groups), in_proj's outputs interleaving x and the gate."""
     cache = kwargs.pop("cache_params", cache)
-    seq_idx = kwargs.get("seq_idx")
+    _refuse_packing(self, kwargs)
     batch, seq_len, _ = hidden_states.shape
     dtype = hidden_states.dtype
-    heads, headdim, groups, dstate = self.num_heads, self.head_dim, self.n_groups, self.ssm_state_size
+    heads, head_dim, rank, dstate = self.n_mamba_heads, self.mamba_head_dim, self.time_step_rank, self.ssm_state_size
     conv_state, ssm_state = _states(self, cache)
 
     hidden_states = _apply_mask(hidden_states, attention_mask)
-    gate, xBC, dt = self.in_proj(hidden_states).split([self.intermediate_size, self.conv_dim, heads], dim=-1)
-    xBC = _conv(self, xBC.transpose(1, 2), cache, conv_state, seq_idx if cache is None else None)
+    xz = _linear(self.in_proj, hidden_states).transpose(1, 2).reshape(batch, -1, 2, seq_len)  # 2c: x, 2c + 1: gate
+    x, gate = xz[:, :, 0].contiguous(), xz[:, :, 1]  # (batch, d_inner, seqlen) each
+    x = _apply_mask(_conv(self, x, cache, conv_state).transpose(1, 2), attention_mask).transpose(1, 2)
+    x_heads = x.reshape(batch, heads, head_dim, seq_len)
+    dt, B, C = torch.einsum("hpd,bhdl->bhpl", self.x_proj_weight, x_heads).split([rank, dstate, dstate], dim=2)
+    dt = torch.einsum("hdr,bhrl->bhdl", self.dt_proj_weight, dt).reshape(batch, -1, seq_len)
+    dt_bias = self.dt_proj_bias.float().reshape(-1) if self.dt_proj_bias is not None else None
+    A = -torch.exp(self.A_log.float())  # (heads, head_dim, dstate)
+    y = _selective_scan(self, cache, ssm_state, x_heads.reshape(batch, -1, seq_len), dt, A.reshape(-1, dstate),
+                        B, C, self.D.float().reshape(-1), gate, dt_bias, state_shape=(batch, *A.shape))
+    return _linear(self.out_proj, y.transpose(1, 2).to(dtype))
+
+
+def _mamba2_forward(self, hidden_states: Tensor, cache=None, attention_mask: Tensor | None = None, **kwargs) -> Tensor:
+    """Mamba-2's mixer on ssmops, and the same layer in Bamba, Zamba2, Granite 4.0 and NemotronH
+    (a gated RMS norm per group of heads), and in Falcon-H1 (mup multipliers on in_proj's input and
+    outputs; the gated norm optional, before or after the gate). Packed sequences (transformers'
+    `seq_idx` or `cu_seq_lens_q` keywords) stay apart in the conv and the scan."""
+    cache = kwargs.pop("cache_params", cache)
+    batch, seq_len, _ = hidden_states.shape
+    dtype = hidden_states.dtype
+    heads, headdim, groups, dstate = self.num_heads, self.head_dim, self.n_groups, self.ssm_state_size
+    seq_idx = _packed_seq_idx(kwargs, batch, seq_len, hidden_states.device)
+    conv_state, ssm_state = _states(self, cache)
+
+    hidden_states = _apply_mask(hidden_states, attention_mask)
+    if hasattr(self, "mup_vector"):  # Falcon-H1
+        zxbcdt = _linear(self.in_proj, hidden_states * self.ssm_in_multiplier) * self.mup_vector
+    else:
+        zxbcdt = _linear(self.in_proj, hidden_states)
+    gate, xBC, dt = zxbcdt.split([self.intermediate_size, self.conv_dim, heads], dim=-1)
+    xBC = _conv(self, xBC.transpose(1, 2), cache, conv_state, seq_idx)
     xBC = _apply_mask(xBC.transpose(1, 2), attention_mask)
     x, B, C = xBC.split([self.intermediate_size, groups * dstate, groups * dstate], dim=-1)
     A = -torch.exp(self.A_log.float())
+    gated_norm = getattr(self, "mamba_rms_norm", True)  # Falcon-H1 may gate without a norm: in the scan
+    z = None if gated_norm else gate
 
     if ssm_state is not None and seq_len == 1:
         y = selective_state_update(ssm_state, x.view(batch, heads, headdim), dt[:, 0], A,
                                    B.view(batch, groups, dstate), C.view(batch, groups, dstate), self.D,
-                                   None, self.dt_bias, dt_softplus=True)
+                                   None if z is None else z.view(batch, heads, headdim), self.dt_bias, dt_softplus=True)
     else:
         y = mamba_chunk_scan_combined(
             x.view(batch, seq_len, heads, headdim), dt, A, B.view(batch, seq_len, groups, dstate),
-            C.view(batch, seq_len, groups, dstate), self.chunk_size, D=self.D, dt_bias=self.dt_bias,
+            C.view(batch, seq_len, groups, dstate), self.chunk_size, D=self.D,
+            z=None if z is None else z.view(batch, seq_len, heads, headdim), dt_bias=self.dt_bias,
             initial_states=ssm_state, seq_idx=seq_idx, dt_softplus=True,
             dt_limit=_dt_limit(self.time_step_limit), return_final_states=cache is not None)
         if cache is not None:
             y, final_state = y
             cache.update_recurrent_state(final_state, layer_idx=self.layer_idx)
     y = y.reshape(batch, seq_len, -1)
-    y = rmsnorm_fn(y, self.norm.weight, None, z=gate, eps=self.norm.variance_epsilon,
-                   group_size=self.intermediate_size // groups, norm_before_gate=False)
-    return self.out_proj(y.to(dtype))
+    if gated_norm:
+        y = rmsnorm_fn(y, self.norm.weight, None, z=gate, eps=self.norm.variance_epsilon,
+                       group_size=self.intermediate_size // groups,
+                       norm_before_gate=getattr(self.norm, "norm_before_gate", False))
+    return _linear(self.out_proj, y.to(dtype))
 
 
 def _dt_limit(limit) -> tuple[float, float]:
     return (0.0, float("inf")) if limit is None else (float(limit[0]), float(limit[1]))
 
 
-# model_type -> (transformers' modeling module, its mixer class, the ssmops forward, the forward's
-# children whose accelerate hooks must fire first: their weights are read without calling them)
+class _Family(NamedTuple):
+    module: str  # transformers' modeling module
+    mixer: str  # its SSM mixer class
+    forward: object  # the ssmops forward
+    hooked: tuple[str, ...]  # the forward's children whose accelerate hooks must fire first (weights read directly)
+    # The class that builds the mixer through a table of its own (NemotronH's MIXER_TYPES, which the
+    # patch registry's renaming never reaches): its ssmops subclass switches the mixer after __init__.
+    builder: str | None = None
+
+
 _FAMILIES = {
-    "mamba": ("transformers.models.mamba.modeling_mamba", "MambaMixer", _mamba_forward, ("conv1d", "dt_proj")),
-    "falcon_mamba": ("transformers.models.falcon_mamba.modeling_falcon_mamba", "FalconMambaMixer", _mamba_forward,
+    "mamba": _Family("transformers.models.mamba.modeling_mamba", "MambaMixer", _mamba_forward, ("conv1d", "dt_proj")),
+    "falcon_mamba": _Family("transformers.models.falcon_mamba.modeling_falcon_mamba", "FalconMambaMixer",
+                            _mamba_forward, ("conv1d", "dt_proj")),
+    "mamba2": _Family("transformers.models.mamba2.modeling_mamba2", "Mamba2Mixer", _mamba2_forward, ("conv1d",)),
+    "bamba": _Family("transformers.models.bamba.modeling_bamba", "BambaMixer", _mamba2_forward, ("conv1d",)),
+    "jamba": _Family("transformers.models.jamba.modeling_jamba", "JambaMambaMixer", _mamba_forward,
                      ("conv1d", "dt_proj")),
-    "mamba2": ("transformers.models.mamba2.modeling_mamba2", "Mamba2Mixer", _mamba2_forward, ("conv1d",)),
-    "bamba": ("transformers.models.bamba.modeling_bamba", "BambaMixer", _mamba2_forward, ("conv1d",)),
+    "zamba": _Family("transformers.models.zamba.modeling_zamba", "ZambaMambaMixer", _zamba_forward, ("conv1d",)),
+    "zamba2": _Family("transformers.models.zamba2.modeling_zamba2", "Zamba2MambaMixer", _mamba2_forward,
+                      ("conv1d",)),
+    "falcon_h1": _Family("transformers.models.falcon_h1.modeling_falcon_h1", "FalconH1Mixer", _mamba2_forward,
+                         ("conv1d",)),
+    "granitemoehybrid": _Family("transformers.models.granitemoehybrid.modeling_granitemoehybrid",
+                                "GraniteMoeHybridMambaLayer", _mamba2_forward, ("conv1d",)),
+    "nemotron_h": _Family("transformers.models.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer",
+                          _mamba2_forward, ("conv1d",), builder="NemotronHBlock"),
 }
 FAMILIES = tuple(_FAMILIES)
 
 _mixer_classes: dict[str, type] = {}  # model_type -> the ssmops subclass, built once per process
+_builder_classes: dict[str, type] = {}  # model_type -> the ssmops subclass of its builder, where it has one
 _registered: list[str] = []  # the patch-mapping keys this module registered
 
 
@@ -195,11 +350,12 @@ def mixer_class(model_type: str) -> type:
     _transformers()
     (model_type,) = _check_families(model_type)
     if model_type not in _mixer_classes:
-        module_name, class_name, forward, hooked = _FAMILIES[model_type]
-        base = getattr(importlib.import_module(module_name), class_name)
+        family = _FAMILIES[model_type]
+        module = importlib.import_module(family.module)
+        base, forward = getattr(module, family.mixer), family.forward
         try:  # fire accelerate's hooks (offloading) of the children whose weights the forward reads directly
             from transformers.integrations.accelerate import force_accelerate_hooks
-            forward = force_accelerate_hooks(list(hooked))(forward)
+            forward = force_accelerate_hooks(list(family.hooked))(forward)
         except ImportError:
             pass
 
@@ -208,18 +364,39 @@ def mixer_class(model_type: str) -> type:
             _check_config(self)
 
         namespace = {"__init__": __init__, "forward": forward, "__module__": __name__,
-                     "__doc__": f"transformers' {class_name} whose forward runs on ssmops' operators."}
+                     "__doc__": f"transformers' {family.mixer} whose forward runs on ssmops' operators."}
         # the same __name__ as transformers' class: accelerate's `_no_split_modules` and similar lists go by name
-        _mixer_classes[model_type] = type(class_name, (base,), namespace)
+        _mixer_classes[model_type] = type(family.mixer, (base,), namespace)
+        if family.builder is not None:
+            _builder_classes[model_type] = _builder_class(getattr(module, family.builder), _mixer_classes[model_type])
     return _mixer_classes[model_type]
+
+
+def _builder_class(base: type, mixer: type) -> type:
+    """A subclass of `base` (same name) whose __init__ makes each of its mixers of transformers' class
+    the ssmops subclass `mixer`: for the classes that look their mixer up in a table of their own."""
+    original = mixer.__mro__[1]
+
+    def __init__(self, *args, **kwargs):
+        base.__init__(self, *args, **kwargs)
+        for module in self.modules():
+            if type(module) is original:
+                _check_config(module)
+                module.__class__ = mixer
+
+    return type(base.__name__, (base,), {"__init__": __init__, "__module__": __name__,
+                                         "__doc__": f"transformers' {base.__name__} with its mixers on ssmops."})
 
 
 def __getattr__(name: str) -> type:
     """The mixer classes by name (`ssmops.integrations.transformers.MambaMixer`, ...), built on first
     use: where pickle (`torch.save(model)`) looks for them, in this process or a fresh one."""
-    for family, (_, class_name, _, _) in _FAMILIES.items():
-        if name == class_name:
-            return mixer_class(family)
+    for model_type, family in _FAMILIES.items():
+        if name == family.mixer:
+            return mixer_class(model_type)
+        if name == family.builder:
+            mixer_class(model_type)
+            return _builder_classes[model_type]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -240,7 +417,11 @@ def enable_transformers(families=None) -> "_Enabled":
     _transformers()
     from transformers.monkey_patching import register_patch_mapping
 
-    mapping = {f"^{_FAMILIES[f][1]}$": mixer_class(f) for f in _check_families(families)}
+    mapping = {}
+    for model_type in _check_families(families):
+        mapping[f"^{_FAMILIES[model_type].mixer}$"] = mixer_class(model_type)
+        if model_type in _builder_classes:
+            mapping[f"^{_FAMILIES[model_type].builder}$"] = _builder_classes[model_type]
     register_patch_mapping(mapping, overwrite=True)
     _registered.extend(key for key in mapping if key not in _registered)
     return _Enabled()
@@ -295,7 +476,7 @@ def to_ssmops(model: nn.Module, families=None) -> nn.Module:
 
 def from_ssmops(model: nn.Module) -> nn.Module:
     """Undo `to_ssmops` (or `enable_transformers` at build time) on one model, in place."""
-    ssmops_classes = set(_mixer_classes.values())
+    ssmops_classes = set(_mixer_classes.values()) | set(_builder_classes.values())
     for module in model.modules():
         if type(module) in ssmops_classes:
             module.__class__ = type(module).__mro__[1]
