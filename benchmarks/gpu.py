@@ -182,6 +182,27 @@ def main(argv=None) -> int:
     return 0
 
 
+def time_decode_steps(contenders: dict, state, kw: dict, repeats: int) -> tuple[dict, str]:
+    """Each contender's step(state, **kw) timed eager and replayed from a CUDA graph: (seconds by name,
+    a printable summary)."""
+    times = {}
+    for name, step in contenders.items():
+        def call(step=step):
+            return step(state, **kw)
+
+        times[name] = (cuda_time(call, repeats), cuda_time(graphed(call), repeats))
+    cells = ", ".join(f"{name} {eager * 1e6:.1f} us eager, {graph * 1e6:.1f} us graphed"
+                      for name, (eager, graph) in times.items())
+    return times, cells
+
+
+def compare_decode_steps(times: dict) -> None:
+    if "mamba_ssm" in times:
+        ours, theirs = times["ssmops"], times["mamba_ssm"]
+        print(f"  ssmops vs mamba_ssm: eager {theirs[0] / ours[0]:.2f}x, graphed {theirs[1] / ours[1]:.2f}x "
+              "(goal >= 1x)")
+
+
 def decode_step(args, bw: float) -> None:
     """Mamba-1's decoding step as issue 42 times it (dim 5120, dstate 16, float32 state, activations in
     the given dtype; D, z, dt_bias, softplus), batch 1 and 64, microseconds per call, eager and replayed
@@ -206,20 +227,10 @@ def decode_step(args, bw: float) -> None:
                   C=randn(b, n), D=randn(d, dt=torch.float32), z=randn(b, d), dt_bias=randn(d, dt=torch.float32),
                   dt_softplus=True)
         moved = nbytes(state, state, kw["x"], kw["dt"], kw["z"], kw["x"])  # state in and out; y out
-        times = {}
-        for name, step in contenders.items():
-            def call(step=step):
-                return step(state, **kw)
-
-            times[name] = (cuda_time(call, args.repeats), cuda_time(graphed(call), args.repeats))
-        cells = ", ".join(f"{name} {eager * 1e6:.1f} us eager, {graph * 1e6:.1f} us graphed"
-                          for name, (eager, graph) in times.items())
+        times, cells = time_decode_steps(contenders, state, kw, args.repeats)
         print(f"decode step (batch {b}, dim {d}, dstate {n}): {cells}; ssmops graphed at "
               f"{moved / times['ssmops'][1] / bw:.0%} of copy bandwidth")
-        if "mamba_ssm" in times:
-            ours, theirs = times["ssmops"], times["mamba_ssm"]
-            print(f"  ssmops vs mamba_ssm: eager {theirs[0] / ours[0]:.2f}x, graphed {theirs[1] / ours[1]:.2f}x "
-                  "(goal >= 1x)")
+        compare_decode_steps(times)
 
 
 SWEEP_WARPS = (1, 2, 4, 8, 16)
@@ -402,18 +413,9 @@ def ssd_decode_step(args) -> None:
                   A=(-torch.rand(h, device="cuda") - 0.1)[:, None, None].expand(h, p, n), B=randn(batch, ng, n),
                   C=randn(batch, ng, n), D=randn(h, dt=torch.float32)[:, None].expand(h, p), z=randn(batch, h, p),
                   dt_bias=randn(h, dt=torch.float32)[:, None].expand(h, p), dt_softplus=True)
-        times = {}
-        for name, step in contenders.items():
-            def call(step=step):
-                return step(state, **kw)
-
-            times[name] = (cuda_time(call, args.repeats), cuda_time(graphed(call), args.repeats))
-        cells = ", ".join(f"{name} {eager * 1e6:.1f} us eager, {graph * 1e6:.1f} us graphed"
-                          for name, (eager, graph) in times.items())
+        times, cells = time_decode_steps(contenders, state, kw, args.repeats)
         print(f"multi-head decode step (batch {batch}, nheads {h}, headdim {p}, dstate {n}): {cells}")
-        if "mamba_ssm" in times:
-            ours, theirs = times["ssmops"], times["mamba_ssm"]
-            print(f"  ssmops vs mamba_ssm: eager {theirs[0] / ours[0]:.2f}x, graphed {theirs[1] / ours[1]:.2f}x")
+        compare_decode_steps(times)
 
 
 def _compiled_ref_times(args, dtype) -> tuple[float, float]:
