@@ -253,9 +253,9 @@ def test_lm_prefill_and_decode_packages_run_in_cpp_like_eager(name, cpp_runner, 
     """A Mamba-2 LM and a hybrid (attention with KV cache) as two AOTInductor packages: the prefill
     (prompt length dynamic) and the one-token step. In C++, the prefill's logits and caches are
     eager's, and the step on them gives the logits of the model over prompt + token."""
-    from test_models_mamba2 import tiny_model
+    from test_models_mamba2 import HYBRID_PAIR, tiny_model
 
-    model = tiny_model(name)
+    model = tiny_model(name, **(HYBRID_PAIR if name == "hybrid" else {}))
     if name == "mamba2":
         packages = sx.lm_packages(model, tmp_path / "packages", batch_size=2, max_seqlen=32)
     else:  # the same through the command line, from a checkpoint directory

@@ -216,9 +216,15 @@ MODELS = {"mamba2": {}, "hybrid": HYBRID,
           "hybrid-interleaved-rotary": {**HYBRID, "attn_cfg": {**HYBRID["attn_cfg"], "rotary_emb_interleaved": True}}}
 
 
-def tiny_model(name: str, seed: int = 0) -> MambaLMHeadModel:
+# The hybrid's two kinds of layer (Mamba-2, attention with a KV cache, MLPs) once each: for the checks
+# that compile or export a package per model, where the repeated layers would only add compile time.
+HYBRID_PAIR = {"n_layer": 2, "attn_layer_idx": [1]}
+
+
+def tiny_model(name: str, seed: int = 0, **overrides) -> MambaLMHeadModel:
+    """MODELS[name] (with `overrides` of its config), its parameters moved off their initial values."""
     torch.manual_seed(seed)
-    model = MambaLMHeadModel(mamba2_config(**MODELS[name])).eval()
+    model = MambaLMHeadModel(mamba2_config(**{**MODELS[name], **overrides})).eval()
     with torch.no_grad():  # move the parameters the init leaves at 0 or 1
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)

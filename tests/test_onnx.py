@@ -337,9 +337,10 @@ def test_lm_prefill_and_step_greedy_tokens_equal_eager(name, tmp_path):
                      "--batch-size", "2", "--max-seqlen", "32"]) == 0
         files = {what: tmp_path / "lm" / f"{what}.onnx" for what in ("prefill", "decode")}
     else:
-        from test_models_mamba2 import tiny_model
+        from test_models_mamba2 import HYBRID_PAIR, tiny_model
 
-        model = tiny_model(name)  # hybrid: attention layers with a KV cache, rotary, MLPs
+        # hybrid: a Mamba-2 layer and an attention layer with a KV cache, rotary, MLPs
+        model = tiny_model(name, **(HYBRID_PAIR if name == "hybrid" else {}))
         files = sx.lm_onnx(model, tmp_path, batch_size=2, max_seqlen=32, optimize=False)
     prefill, step = _session_from_file(files["prefill"]), _session_from_file(files["decode"])
     prompt = torch.randint(0, 61, (2, 11), generator=torch.Generator().manual_seed(0))
