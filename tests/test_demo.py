@@ -185,6 +185,7 @@ def test_generate_rejects_bad_arguments(tmp_path, capsys):
         main(["generate", str(tmp_path), "--prompt", "x", "--max-new-tokens", "0"])
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_python_m_ssmops_generate(tmp_path):
     """The command as a user types it: the text on stdout, notes and tokens/s on stderr; a bad path is one
     line on stderr and exit code 1, with no traceback."""

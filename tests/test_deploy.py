@@ -147,6 +147,7 @@ def test_load_state_dict_reads_safetensors_and_pt(tmp_path):
             assert torch.equal(loaded[k], state[k])
 
 
+@pytest.mark.slow  # an AOTInductor compile
 def test_cli_exports_a_checkpoint(tmp_path):
     trained = _model(True)
     with torch.no_grad():

@@ -270,6 +270,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow  # a fresh interpreter per ISA
 @pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
 def test_every_isa_path_matches_reference(isa, isa_reference):
     if isa == "avx2" and not (_cpu_has("avx2") and _cpu_has("fma")):

@@ -31,6 +31,7 @@ except FileNotFoundError as err:
 """
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_package_without_library_warns_once_and_runs_default(tmp_path):
     shutil.copytree(REPO / "ssmops", tmp_path / "ssmops", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
     out = run_python(_SCRIPT, env={"PYTHONPATH": str(tmp_path), "SSMOPS_BACKEND": ""}, cwd=tmp_path)
@@ -110,6 +111,7 @@ print("FAILED", failed)
 """
 
 
+@pytest.mark.slow  # a fresh interpreter per module
 def test_every_module_imports_alone_in_a_fresh_interpreter():
     """Each module of the package, imported first and alone (e.g. ssmops.ops.selective_scan.default),
     succeeds: no module reads a half-imported one through an import cycle. Triton's modules are

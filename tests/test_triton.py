@@ -275,6 +275,7 @@ def test_triton_state_update_matches_default(case):
                           tuple({**kw, "state": kw["state"].clone()}.values()))
 
 
+@pytest.mark.slow  # interpreted kernels in a fresh interpreter
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
 @pytest.mark.skipif(TRITON_INSTALLED and _triton_version() < (3, 9),
                     reason="the kernels run under Triton 3.9's interpreter; 3.6's stops in them (a TypeError "
@@ -481,6 +482,7 @@ def test_triton_kernels_write_only_flat_buffers_of_their_own():
     assert len(seen) == 10, seen
 
 
+@pytest.mark.slow  # compiles every launch for sm_90
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
 @pytest.mark.skipif(interpreting(), reason="compiles the JIT kernels, which the interpreter replaces")
 @pytest.mark.skipif(TRITON_INSTALLED and _triton_version() < (3, 9),
