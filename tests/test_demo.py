@@ -27,7 +27,7 @@ def test_demo_model_learns_english_bytes():
     the demo's model and training loop bring the held-out loss below the held-out text's own byte
     entropy: the lowest loss of any model that ignores context (the uniform guess is ln 256 = 5.55
     nats, the untrained model ~5.2), so only a model that has learnt to read the preceding bytes gets
-    under it (these steps reach ~2.2 against a bound of ~3.1; 100 demo steps reach ~1.3)."""
+    under it (these steps reach ~2.2 against a bound of ~3.1; 100 demo steps reach ~1.4)."""
     train_data, held_out = demo.load_text()
     counts = torch.bincount(held_out, minlength=256).double()
     freqs = counts[counts > 0] / counts.sum()
