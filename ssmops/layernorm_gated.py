@@ -47,10 +47,12 @@ def layernorm_fn(
     if gate is not None and not norm_before_gate:
         out = out * gate
     groups = out.unflatten(-1, (hidden // group_size, group_size))
-    if not is_rms_norm:
+    if is_rms_norm:  # one aten operator for the sums (a decoding token's norm is a chain of tiny calls)
+        groups = F.rms_norm(groups, (group_size,), None, eps)
+    else:
         groups = groups - groups.mean(-1, keepdim=True)
-    out = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2)
-    out = out * weight.float()
+        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + eps)
+    out = groups.flatten(-2) * weight.float()
     if bias is not None:
         out = out + bias.float()
     if gate is not None and norm_before_gate:

@@ -360,9 +360,13 @@ def test_enable_disable_leave_transformers_as_shipped():
     assert type(during.backbone.layers[0].mixer).__name__ == "MambaMixer"  # _no_split_modules go by name
     assert integration.uses_ssmops(pickle.loads(pickle.dumps(during)))  # torch.save(model) keeps the mixers
 
+    keys = before.state_dict().keys()
     integration.to_ssmops(before)  # an already built model, in place, and back
-    assert integration.uses_ssmops(before)
+    assert integration.uses_ssmops(before) and type(before.lm_head) is integration.DecodingHead
+    assert before.lm_head.weight is before.backbone.embeddings.weight  # still tied
+    assert before.state_dict().keys() == keys
     assert not integration.uses_ssmops(integration.from_ssmops(before))
+    assert type(before.lm_head) is torch.nn.Linear
 
 
 def test_unsupported_is_named(monkeypatch):

@@ -16,7 +16,10 @@ each supported mixer class name to a subclass of transformers' own mixer that ov
 alone. Nothing of transformers is modified: `disable_transformers()` (or leaving the `with` block)
 unregisters the mapping, and models built before or after are transformers' as shipped. A model
 built otherwise (`MambaForCausalLM(config)`) switches with `to_ssmops(model)` and back with
-`from_ssmops(model)`.
+`from_ssmops(model)`. `to_ssmops` also makes the output head's decoding token stream its weights
+once (`DecodingHead`: a third of a 130m model's reads per token); the registry cannot reach the
+head, which the model builds from torch's own nn.Linear, so for the fastest decoding call
+`to_ssmops(model)` on a model `from_pretrained` built as well (it keeps mixers already switched).
 
 Families (model_type): the Mamba-1 mixers of mamba, falcon_mamba, jamba and zamba, the Mamba-2 mixers
 of mamba2, bamba, zamba2, granitemoehybrid (Granite 4.0), nemotron_h and falcon_h1; attention, MLPs and
@@ -132,23 +135,40 @@ def _selective_scan(mixer: nn.Module, cache, ssm_state: Tensor | None, x: Tensor
 
 
 def _plain_linear(layer: nn.Module) -> bool:
-    """Whether calling `layer` is exactly F.linear with its weight and bias: an nn.Linear itself (not
-    PEFT's LoRA wrapper or a quantized layer) without hooks (accelerate's offloading, ...), so that
-    its weight may be read without calling it."""
-    return type(layer) is nn.Linear and not (layer._forward_hooks or layer._forward_pre_hooks)
+    """Whether calling `layer` is exactly F.linear with its weight and bias: an nn.Linear itself (or
+    the `DecodingHead` below; not PEFT's LoRA wrapper or a quantized layer) without hooks (accelerate's
+    offloading, ...), so that its weight may be read without calling it."""
+    return type(layer) in (nn.Linear, DecodingHead) and not (layer._forward_hooks or layer._forward_pre_hooks)
+
+
+def _weight_only_serves(layer: nn.Module, x: Tensor) -> bool:
+    """Whether `layer(x)` runs as ssmops' `weight_only_linear`: a decoding token (up to
+    FUSED_STEP_MAX_BATCH rows) on CPU in float32 without autograd through a plain linear layer. It
+    streams the weight once: about twice aten's matrix-vector product at in_proj's shape on one core,
+    1.7x at the output head's (50280 x 768) on two; a token's time is these reads."""
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():  # before the size test: no guard on it
+        return False
+    return (x.device.type == "cpu" and x.numel() <= FUSED_STEP_MAX_BATCH * x.shape[-1] and _plain_linear(layer)
+            and x.dtype == layer.weight.dtype == torch.float32
+            and not (torch.is_grad_enabled() and (x.requires_grad or layer.weight.requires_grad)))
 
 
 def _linear(layer: nn.Module, x: Tensor) -> Tensor:
-    """`layer(x)`; for a decoding token (up to FUSED_STEP_MAX_BATCH rows) on CPU in float32 without
-    autograd, ssmops' `weight_only_linear`, which streams the weight once (about twice aten's
-    matrix-vector product at in_proj's shape on one core; the token's time is these reads)."""
-    if torch.compiler.is_compiling() or torch.compiler.is_exporting():  # before the size test: no guard on it
-        return layer(x)
-    if (x.device.type == "cpu" and x.numel() <= FUSED_STEP_MAX_BATCH * x.shape[-1] and _plain_linear(layer)
-            and x.dtype == layer.weight.dtype == torch.float32
-            and not (torch.is_grad_enabled() and (x.requires_grad or layer.weight.requires_grad))):
+    """`layer(x)`, on `weight_only_linear` where `_weight_only_serves`."""
+    if _weight_only_serves(layer, x):
         return torch.ops.ssmops.weight_only_linear(x, layer.weight, None, layer.bias)
     return layer(x)
+
+
+class DecodingHead(nn.Linear):
+    """The output head (transformers' `lm_head`, an nn.Linear) of a model `to_ssmops` switched: the
+    same layer, whose decoding token runs on `weight_only_linear` (the head's 154 MB of float32
+    weights at the 130m models' vocabulary are a third of a token's reads)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if _weight_only_serves(self, x):
+            return torch.ops.ssmops.weight_only_linear(x, self.weight, None, self.bias)
+        return super().forward(x)
 
 
 def _fused_step_serves(mixer: nn.Module, hidden_states: Tensor, cache, conv_state: Tensor | None,
@@ -449,8 +469,9 @@ class _Enabled:
 
 def to_ssmops(model: nn.Module, families=None) -> nn.Module:
     """Switch an already built transformers model in place: each mixer of a supported family
-    becomes the ssmops subclass of its own class (parameters, buffers and hooks untouched).
-    Returns the model. Raises UnsupportedTransformersError if the model has no such mixer."""
+    becomes the ssmops subclass of its own class, and a plain nn.Linear output head (`lm_head`) a
+    `DecodingHead` (parameters, tied weights, buffers and hooks untouched). Returns the model.
+    Raises UnsupportedTransformersError if the model has no such mixer."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if families is None and model_type in _FAMILIES:
         families = [model_type]  # import only the modeling module it needs
@@ -471,12 +492,15 @@ def to_ssmops(model: nn.Module, families=None) -> nn.Module:
         raise UnsupportedTransformersError(
             f"{type(model).__name__} (model_type {model_type!r}) has no mixer that ssmops' transformers integration "
             f"supports; supported model types: {', '.join(FAMILIES)}")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is nn.Linear:
+        head.__class__ = DecodingHead
     return model
 
 
 def from_ssmops(model: nn.Module) -> nn.Module:
     """Undo `to_ssmops` (or `enable_transformers` at build time) on one model, in place."""
-    ssmops_classes = set(_mixer_classes.values()) | set(_builder_classes.values())
+    ssmops_classes = set(_mixer_classes.values()) | set(_builder_classes.values()) | {DecodingHead}
     for module in model.modules():
         if type(module) in ssmops_classes:
             module.__class__ = type(module).__mro__[1]
