@@ -1,6 +1,6 @@
 """Mamba language models on ssmops against transformers' PyTorch path, same weights.
 
-    python benchmarks/models.py [--family mamba1|mamba2|all] [--threads 2] [--quick] [--profile]
+    python benchmarks/models.py [--family mamba1|mamba2|all] [--threads 2] [--quick] [--profile] [--no-compile]
 
 Two 130M-shaped models with random weights, built with transformers and converted with
 `MambaLMHeadModel.from_hf` (--quick: d_model 256, 4 layers):
@@ -88,6 +88,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="smaller models and shorter prompts")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs after a warm-up (median)")
     parser.add_argument("--profile", action="store_true", help="profile ssmops' decoding token")
+    parser.add_argument("--no-compile", action="store_true", help="skip the compiled step (cg=True)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     try:
@@ -138,10 +139,11 @@ def compare(family: str, args) -> None:
             t_one = time_call(lambda: generate(prompt, 1), args.repeats)
             t_many = time_call(lambda: generate(prompt, new_tokens), args.repeats)
             rows[name] = (prompt_len / t_prefill, (new_tokens - 1) / max(t_many - t_one, 1e-9))
-        ours_generate(prompt, 2, cg=True)  # compiles the step
-        t_one = time_call(lambda: ours_generate(prompt, 1, cg=True), args.repeats)
-        t_many = time_call(lambda: ours_generate(prompt, new_tokens, cg=True), args.repeats)
-        compiled_decode = (new_tokens - 1) / max(t_many - t_one, 1e-9)
+        if not args.no_compile:
+            ours_generate(prompt, 2, cg=True)  # compiles the step
+            t_one = time_call(lambda: ours_generate(prompt, 1, cg=True), args.repeats)
+            t_many = time_call(lambda: ours_generate(prompt, new_tokens, cg=True), args.repeats)
+            compiled_decode = (new_tokens - 1) / max(t_many - t_one, 1e-9)
         short = prompt[:, :16]
         t_one = time_call(lambda: ours_generate(short, 1), args.repeats)
         t_many = time_call(lambda: ours_generate(short, new_tokens), args.repeats)
@@ -153,8 +155,9 @@ def compare(family: str, args) -> None:
             print(f"  {name:14s} {pre:14.1f} {dec:13.1f}")
         (op, od), (hp, hd) = rows["ssmops"], rows["transformers"]
         print(f"  {'ratio':14s} {op / hp:13.2f}x {od / hd:12.2f}x   (ssmops / transformers)")
-        print(f"ssmops decode with cg=True (the step as one compiled graph): {compiled_decode:.1f} tok/s, "
-              f"{compiled_decode / hd:.2f}x transformers")
+        if not args.no_compile:
+            print(f"ssmops decode with cg=True (the step as one compiled graph): {compiled_decode:.1f} tok/s, "
+                  f"{compiled_decode / hd:.2f}x transformers")
         print(f"ssmops decode after a 16-token prompt: {ours_short_decode:.1f} tok/s (after {prompt_len}: {od:.1f}); "
               "the decode step does not read the prompt, so a gap here is timing noise (see the load average)")
         if args.profile:

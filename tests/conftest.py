@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import math
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -25,9 +27,33 @@ def pytest_collection_modifyitems(config, items):
 
     def shares_a_fixture(item) -> bool:
         fixtures = getattr(item, "_fixtureinfo", None)
-        return fixtures is not None and any(defs[-1].scope != "function" for defs in fixtures.name2fixturedefs.values())
+        return fixtures is not None and any(defs[-1].scope == "module" for defs in fixtures.name2fixturedefs.values())
 
     items.sort(key=lambda item: item.get_closest_marker("slow") is None or shares_a_fixture(item))
+
+
+@pytest.fixture(scope="session")
+def cpp_runner() -> Path:
+    """examples/cpp built with CMake as the README says, into build/cpp, where the demo builds it (so
+    that the demo's own build finds it done): once for all pytest-xdist workers and runs, under a file
+    lock, and not again while the runner is newer than its sources and torch (so that no second CMake
+    runs in that folder beside the demo's)."""
+    if shutil.which("cmake") is None:
+        pytest.skip("cmake is not installed")
+    build = REPO / "build" / "cpp"
+    runner = build / "ssmops_run"
+    build.mkdir(parents=True, exist_ok=True)
+    inputs = [p for p in (REPO / "examples" / "cpp").rglob("*") if p.is_file()]
+    inputs.append(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so")
+    env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": "2"}
+    with open(REPO / "build" / "cpp.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not runner.exists() or runner.stat().st_mtime < max(p.stat().st_mtime for p in inputs if p.exists()):
+            subprocess.run(["cmake", "-S", REPO / "examples" / "cpp", "-B", build, "-DCMAKE_BUILD_TYPE=Release",
+                            f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"], check=True, capture_output=True,
+                           env=env)
+            subprocess.run(["cmake", "--build", build], check=True, capture_output=True, env=env)
+    return runner
 
 
 TOLERANCES = {torch.float32: 2e-4, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}

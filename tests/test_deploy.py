@@ -6,10 +6,8 @@ process (no Python in it); its outputs are compared with eager PyTorch.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import shutil
 import struct
 import subprocess
 import sys
@@ -26,24 +24,6 @@ from models import TinyScanModel
 pytestmark = pytest.mark.skipif(
     ssmops.available_backends()["cpu"] != "available", reason="needs the native operator library"
 )
-
-
-@pytest.fixture(scope="module")
-def cpp_runner():
-    """examples/cpp built with CMake, as the README says, once for every pytest-xdist worker: into
-    build/cpp-tests under a file lock, so that a second worker (or a later run) finds it built."""
-    if shutil.which("cmake") is None:
-        pytest.skip("cmake is not installed")
-    build = REPO / "build" / "cpp-tests"
-    build.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": "2"}
-    with open(build / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        subprocess.run(["cmake", "-S", REPO / "examples" / "cpp", "-B", build, "-DCMAKE_BUILD_TYPE=Release",
-                        f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"], check=True, capture_output=True,
-                       env=env)
-        subprocess.run(["cmake", "--build", build], check=True, capture_output=True, env=env)
-    return build / "ssmops_run"
 
 
 def _run_cpp(runner, model_flag, model_path, inputs, tmp_path):
