@@ -226,8 +226,9 @@ def demo_train(args, model: MambaLMHeadModel, train_data: torch.Tensor, held_out
                 f"{rate:6.0f} tokens/s  elapsed {now - t0:5.1f} s")
         print("\r" + line if LIVE else line, end="" if LIVE else "\n", flush=True)
 
-    with Ticker("torch.compile(fullgraph=True) of forward+backward, and step 1") as compiling:
-        train(model, train_data, args.steps, batch=args.batch, on_step=on_step)
+    what = "step 1, eager" if args.eager else "torch.compile(fullgraph=True) of forward+backward, and step 1"
+    with Ticker(what) as compiling:
+        train(model, train_data, args.steps, batch=args.batch, on_step=on_step, compile=not args.eager)
     if LIVE:
         print()
     after = held_out_loss(model, held_out)
@@ -340,6 +341,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=REPO / "build" / "demo", help="where the weights and package go")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--eager", action="store_true", help="train without torch.compile")
     args = parser.parse_args()
     t_start = time.perf_counter()
     torch.set_num_threads(args.threads)

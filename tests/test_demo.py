@@ -45,13 +45,14 @@ def test_demo_model_learns_english_bytes():
 
 @pytest.mark.slow
 def test_demo_runs(tmp_path, request):
-    """examples/demo.py end to end, shortened: compiled training, generation, the package checked in
-    Python and (where CMake is) in C++, the backend table; the checkpoint it leaves is generated from.
+    """examples/demo.py end to end, shortened: training (eager: test_models.py compiles the same model's
+    forward and loss and trains it), generation, the package checked in Python and (where CMake is) in
+    C++, the backend table; the checkpoint it leaves is generated from.
     Where CMake is, the C++ runner is built first by the `cpp_runner` fixture, in the folder where the
     demo builds it (the demo's build then has nothing to do), once for this test and test_deploy's."""
     if shutil.which("cmake") is not None and ssmops.available_backends()["cpu"] == "available":
         request.getfixturevalue("cpp_runner")
-    args = ["--steps", "3", "--batch", "2", "--new-tokens", "4", "--out", str(tmp_path)]
+    args = ["--steps", "3", "--batch", "2", "--new-tokens", "4", "--eager", "--out", str(tmp_path)]
     env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": "2"}  # 3 steps leave the runner's build nothing to overlap
     out = subprocess.run([sys.executable, "examples/demo.py", *args], cwd=REPO, capture_output=True, text=True,
                          timeout=900, env=env)

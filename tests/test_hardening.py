@@ -158,7 +158,7 @@ def test_chaining_two_halves_through_the_state_equals_one_pass(backend):
 _LONG_SCRIPT = """
 import json, resource, torch, ssmops
 torch.manual_seed(0)
-b, d, l, n = 1, 64, 1_000_000, 16
+b, d, l, n = 1, 16, 1_000_000, 16
 def rss(): return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 kw = dict(u=torch.empty(b, d, l).normal_(), delta=torch.empty(b, d, l).uniform_(-3, -1),
           A=-torch.rand(d, n) - 0.5, B=torch.empty(b, n, l).normal_(), C=torch.empty(b, n, l).normal_(),

@@ -93,7 +93,13 @@ def _package_modules() -> list[str]:
 
 _IMPORT_EACH_ALONE = """
 import os, sys
-import torch  # the slow part, once: each module is then imported alone in a forked child
+# the slow part, once: torch (and inductor's utilities, which the Triton launchers import, and Triton);
+# each module of the package is then imported first and alone in a forked child
+import torch, torch._inductor.utils
+try:
+    import triton
+except ImportError:
+    pass
 
 failed = []
 for name in sys.argv[1:]:
