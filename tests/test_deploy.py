@@ -229,23 +229,21 @@ def test_ssd_model_package_runs_in_cpp_like_eager(cpp_runner, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mamba2", "hybrid"])
-def test_lm_prefill_and_decode_packages_run_in_cpp_like_eager(name, cpp_runner, tmp_path):
-    """A Mamba-2 LM and a hybrid (attention with KV cache) as two AOTInductor packages: the prefill
-    (prompt length dynamic) and the one-token step. In C++, the prefill's logits and caches are
-    eager's, and the step on them gives the logits of the model over prompt + token."""
+def test_lm_prefill_and_decode_packages_run_in_cpp_like_eager(cpp_runner, tmp_path):
+    """A hybrid LM (a Mamba-2 layer, as a Mamba-2 LM repeats it, and attention with a KV cache) as two
+    AOTInductor packages, written by the command line from a checkpoint directory (which calls
+    `ssmops.export.lm_packages`): the prefill (prompt length dynamic) and the one-token step. In C++,
+    the prefill's logits and caches are eager's, and the step on them gives the logits of the model
+    over prompt + token."""
     from test_models_mamba2 import HYBRID_PAIR, tiny_model
 
-    model = tiny_model(name, **(HYBRID_PAIR if name == "hybrid" else {}))
-    if name == "mamba2":
-        packages = sx.lm_packages(model, tmp_path / "packages", batch_size=2, max_seqlen=32)
-    else:  # the same through the command line, from a checkpoint directory
-        from ssmops.__main__ import main
+    from ssmops.__main__ import main
 
-        model.save_pretrained(tmp_path / "checkpoint")
-        assert main(["export-lm", str(tmp_path / "checkpoint"), "--out", str(tmp_path / "packages"),
-                     "--batch-size", "2", "--max-seqlen", "32"]) == 0
-        packages = {what: tmp_path / "packages" / f"{what}.pt2" for what in ("prefill", "decode")}
+    model = tiny_model("hybrid", **HYBRID_PAIR)
+    model.save_pretrained(tmp_path / "checkpoint")
+    assert main(["export-lm", str(tmp_path / "checkpoint"), "--out", str(tmp_path / "packages"),
+                 "--batch-size", "2", "--max-seqlen", "32"]) == 0
+    packages = {what: tmp_path / "packages" / f"{what}.pt2" for what in ("prefill", "decode")}
     prompt = torch.randint(0, 61, (2, 11), generator=torch.Generator().manual_seed(0))
     logits, *caches = _run_cpp(cpp_runner, "--package", packages["prefill"], [prompt], tmp_path)
     with torch.no_grad():
