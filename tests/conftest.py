@@ -20,6 +20,22 @@ from ssmops.ops.selective_scan.checks import CHUNK_LEN
 
 REPO = Path(__file__).resolve().parents[1]
 
+def pytest_configure(config):
+    """Under pytest-xdist, each of N workers gets cores / N threads (torch's intra-op threads, and
+    OpenMP's and inductor's compile workers in the processes it starts): N workers of all the cores
+    each would oversubscribe them, and OpenMP's threads spin while they wait for a core another
+    worker holds. The checks that depend on the thread count set it themselves."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        threads = str(max(1, (os.cpu_count() or 1) // workers))
+        os.environ.setdefault("OMP_NUM_THREADS", threads)
+        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", threads)
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        import torch._inductor.config as inductor_config  # read its environment when first imported
+
+        inductor_config.compile_threads = int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
+
+
 def pytest_collection_modifyitems(config, items):
     """The checks marked slow run first (longest first is how two workers finish together; with
     `--maxschedchunk 2`, as `make test` runs them, pytest-xdist hands them out one or two at a time),
