@@ -6,7 +6,8 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 # pytest-xdist's workers for make test and test-quick: the 2 cores of CI's machine, both used; tests
-# handed out two at a time, the slow ones first (tests/conftest.py orders them), so both finish together
+# handed out two at a time, the slow ones first (tests/conftest.py orders them), so both finish together;
+# each worker runs on its share of the cores (conftest's pytest_configure sets the threads)
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --maxschedchunk 2
 
