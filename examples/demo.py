@@ -165,6 +165,16 @@ class Ticker:
         self.stop()
 
 
+CPP_BUILD = REPO / "build" / "cpp"  # where the C++ runner is built (tests/conftest.py's `cpp_runner` too)
+
+
+def cpp_build_commands() -> list[list[str]]:
+    """CMake's configure and build of examples/cpp into CPP_BUILD, as the README gives them."""
+    return [["cmake", "-S", str(REPO / "examples" / "cpp"), "-B", str(CPP_BUILD), "-DCMAKE_BUILD_TYPE=Release",
+             f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"],
+            ["cmake", "--build", str(CPP_BUILD)]]
+
+
 def start_cpp_build() -> tuple[subprocess.Popen | None, str]:
     """Configures and builds examples/cpp in build/cpp in the background (one job by default, so that
     it takes one core from the compile that runs meanwhile, not both), or says why it cannot."""
@@ -173,15 +183,12 @@ def start_cpp_build() -> tuple[subprocess.Popen | None, str]:
     missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
     if missing:
         return None, f"not run: {' and '.join(missing)} not found on PATH (the package is still checked in Python)"
-    build = REPO / "build" / "cpp"
-    configure = ["cmake", "-S", str(REPO / "examples" / "cpp"), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
-                 f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"]
-    script = f"{subprocess.list2cmdline(configure)} && cmake --build {subprocess.list2cmdline([str(build)])}"
+    script = " && ".join(subprocess.list2cmdline(command) for command in cpp_build_commands())
     env = {"CMAKE_BUILD_PARALLEL_LEVEL": "1", **os.environ}  # one job unless the caller says otherwise
-    build.mkdir(parents=True, exist_ok=True)
-    with open(build / "demo-build.log", "w") as log:  # a file, not a pipe that could fill and stall the build
+    CPP_BUILD.mkdir(parents=True, exist_ok=True)
+    with open(CPP_BUILD / "demo-build.log", "w") as log:  # a file, not a pipe that could fill and stall the build
         proc = subprocess.Popen(["sh", "-c", script], stdout=log, stderr=subprocess.STDOUT, env=env)
-    return proc, str(build / "ssmops_run")
+    return proc, str(CPP_BUILD / "ssmops_run")
 
 
 class _Logits(nn.Module):

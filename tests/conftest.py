@@ -20,18 +20,19 @@ from ssmops.ops.selective_scan.checks import CHUNK_LEN
 
 REPO = Path(__file__).resolve().parents[1]
 
+
 def pytest_configure(config):
-    """Under pytest-xdist, each of N workers gets cores / N threads (torch's intra-op threads, and
-    OpenMP's and inductor's compile workers in the processes it starts): N workers of all the cores
-    each would oversubscribe them, and OpenMP's threads spin while they wait for a core another
-    worker holds. The checks that depend on the thread count set it themselves."""
+    """Under pytest-xdist, each of N workers gets cores / N threads: torch's intra-op threads, inductor's
+    compile workers, and (through the environment) those of the processes it starts. N workers of all
+    the cores each would oversubscribe them, OpenMP's threads spinning while they wait for a core
+    another worker holds. The checks that depend on the thread count set it themselves."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 1:
-        threads = str(max(1, (os.cpu_count() or 1) // workers))
-        os.environ.setdefault("OMP_NUM_THREADS", threads)
-        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", threads)
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(threads))
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-        import torch._inductor.config as inductor_config  # read its environment when first imported
+        import torch._inductor.config as inductor_config  # may be imported already, before the variable was set
 
         inductor_config.compile_threads = int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
 
@@ -50,25 +51,25 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def cpp_runner() -> Path:
-    """examples/cpp built with CMake as the README says, into build/cpp, where the demo builds it (so
-    that the demo's own build finds it done): once for all pytest-xdist workers and runs, under a file
-    lock, and not again while the runner is newer than its sources and torch (so that no second CMake
-    runs in that folder beside the demo's)."""
+    """examples/cpp built with the demo's CMake commands into its folder (so that the demo's own build
+    finds it done): once for all pytest-xdist workers and runs, under a file lock, and not again while
+    the runner is newer than its sources and torch (so that no second CMake runs there beside the demo's)."""
     if shutil.which("cmake") is None:
         pytest.skip("cmake is not installed")
-    build = REPO / "build" / "cpp"
-    runner = build / "ssmops_run"
-    build.mkdir(parents=True, exist_ok=True)
+    if str(REPO / "examples") not in sys.path:
+        sys.path.insert(0, str(REPO / "examples"))
+    import demo
+
+    runner = demo.CPP_BUILD / "ssmops_run"
     inputs = [p for p in (REPO / "examples" / "cpp").rglob("*") if p.is_file()]
     inputs.append(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so")
+    demo.CPP_BUILD.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": "2"}
-    with open(REPO / "build" / "cpp.lock", "w") as lock:
+    with open(demo.CPP_BUILD.parent / "cpp.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not runner.exists() or runner.stat().st_mtime < max(p.stat().st_mtime for p in inputs if p.exists()):
-            subprocess.run(["cmake", "-S", REPO / "examples" / "cpp", "-B", build, "-DCMAKE_BUILD_TYPE=Release",
-                            f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"], check=True, capture_output=True,
-                           env=env)
-            subprocess.run(["cmake", "--build", build], check=True, capture_output=True, env=env)
+            for command in demo.cpp_build_commands():
+                subprocess.run(command, check=True, capture_output=True, env=env)
     return runner
 
 

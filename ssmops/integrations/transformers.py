@@ -499,7 +499,8 @@ def to_ssmops(model: nn.Module, families=None) -> nn.Module:
 
 
 def from_ssmops(model: nn.Module) -> nn.Module:
-    """Undo `to_ssmops` (or `enable_transformers` at build time) on one model, in place."""
+    """Undo `to_ssmops` (or `enable_transformers` at build time) on one model, in place: its mixers
+    and its output head are transformers' classes again."""
     ssmops_classes = set(_mixer_classes.values()) | set(_builder_classes.values()) | {DecodingHead}
     for module in model.modules():
         if type(module) in ssmops_classes:
