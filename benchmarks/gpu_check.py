@@ -4,8 +4,9 @@
 
 On a machine with a CUDA (or ROCm) torch, Triton, pytest, pytest-xdist and hypothesis, and no network:
 1. reuses the C++ library in ssmops/ (built on any machine: it is on the stable ABI) or builds it;
-2. runs the CUDA suite on several workers: every family's grid on CUDA (triton and default), the GPU
-   tests of tests/test_triton.py, the training and export tests of tests/test_gpu_training.py;
+2. runs the CUDA suite on several workers: every family's grid on CUDA (triton and default), the
+   property tests (drawn problems, non-finite inputs), the GPU tests of tests/test_triton.py, the
+   training and export tests of tests/test_gpu_training.py, and transformers' models on ssmops;
 3. runs benchmarks/gpu.py (ssmops against mamba_ssm's Triton kernels, timed as published from the
    sdist in build/peers, which `make bench-deps` fetches on a machine with the package index);
 4. writes report.md beside the pytest log and the benchmark's output: the machine, pass/fail/skip
@@ -29,7 +30,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # the tests that run on a GPU: the selection keeps their CUDA and Triton cases (the CPU ones run in CI)
 GPU_TESTS = ["tests/ops/test_selective_scan.py", "tests/ops/test_ssd.py", "tests/ops/test_state_update.py",
-             "tests/test_nonfinite.py", "tests/test_triton.py", "tests/test_gpu_training.py"]
+             "tests/test_nonfinite.py", "tests/test_properties.py", "tests/test_triton.py",
+             "tests/test_gpu_training.py", "tests/test_transformers.py"]
 SELECTION = "(cuda or triton or gpu) and not interpreter_suite and not without_spilling"
 
 
@@ -61,7 +63,8 @@ def ensure_library() -> str:
 
 
 def run_tests(args, log: Path, junit: Path) -> int:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", "-m", "slow or not slow",
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", "--tb=short", "--durations=25",
+           "-m", "slow or not slow",
            "-k", SELECTION, f"--junitxml={junit}", *GPU_TESTS]
     if importlib.util.find_spec("xdist") is not None and args.workers > 1:
         cmd += ["-n", str(args.workers)]

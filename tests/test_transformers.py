@@ -1,7 +1,8 @@
 """transformers' own Mamba-family models with ssmops' mixers (ssmops.enable_transformers): the same
 logits and greedy tokens as transformers' path, a compiled training step, an exported forward.
 
-Tiny random configurations built in code (nothing is downloaded), float32 on CPU."""
+Tiny random configurations built in code (nothing is downloaded), float32, on CPU (ssmops' native
+kernels) and, where a GPU is present, on CUDA (its Triton kernels, against transformers' torch path there)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 import ssmops  # noqa: E402
 from ssmops.integrations import transformers as integration  # noqa: E402
 
-from conftest import REPO  # noqa: E402
+from conftest import GRID_DEVICES, REPO  # noqa: E402
 
 VOCAB = 64
 _SLOW = pytest.mark.slow  # the module stays near a minute on 2 cores without these
@@ -84,20 +85,23 @@ def _pair(family: str, **overrides):
 
 
 @functools.cache
-def _inference_pair(family: str):
-    """`_pair(family)` built once for the tests that only run it without gradients (building the pair
-    costs more than such a test of a tiny model)."""
+def _inference_pair(family: str, device: str = "cpu"):
+    """`_pair(family)` on device, built once for the tests that only run it without gradients (building
+    the pair costs more than such a test of a tiny model)."""
+    if device != "cpu":
+        return tuple(copy.deepcopy(m).to(device) for m in _inference_pair(family))
     return _pair(family)
 
 
-def _prompt(batch: int = 2, length: int = 11) -> torch.Tensor:
-    return torch.randint(2, VOCAB - 1, (batch, length), generator=torch.Generator().manual_seed(1))
+def _prompt(batch: int = 2, length: int = 11, device: str = "cpu") -> torch.Tensor:
+    return torch.randint(2, VOCAB - 1, (batch, length), generator=torch.Generator().manual_seed(1)).to(device)
 
 
+@pytest.mark.parametrize("device", GRID_DEVICES)
 @pytest.mark.parametrize("family", list(_MODELS))
-def test_logits_match_transformers(family):
-    reference, model = _inference_pair(family)
-    ids = _prompt()
+def test_logits_match_transformers(family, device):
+    reference, model = _inference_pair(family, device)
+    ids = _prompt(device=device)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # left padding in the second row
     with torch.no_grad():
@@ -106,10 +110,11 @@ def test_logits_match_transformers(family):
             torch.testing.assert_close(model(ids, use_cache=False, **kwargs).logits, expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("device", GRID_DEVICES)
 @pytest.mark.parametrize("family", list(_MODELS))
-def test_greedy_generate_matches(family):
-    reference, model = _inference_pair(family)
-    ids = _prompt()
+def test_greedy_generate_matches(family, device):
+    reference, model = _inference_pair(family, device)
+    ids = _prompt(device=device)
     settings = {"max_new_tokens": 8, "do_sample": False, "attention_mask": torch.ones_like(ids)}
     expected = reference.generate(ids, **settings)
     cached = model.generate(ids, **settings)
@@ -118,12 +123,13 @@ def test_greedy_generate_matches(family):
     assert torch.equal(uncached, expected)
 
 
+@pytest.mark.parametrize("device", GRID_DEVICES)
 @pytest.mark.parametrize("family", list(_MODELS))
-def test_decoding_step_logits_match(family):
+def test_decoding_step_logits_match(family, device):
     """The logits of single-token steps after a cached prompt (the decoding step: Mamba-1's fused
     `mamba_step` on CPU, the state update elsewhere), not only the argmax that generate compares."""
-    reference, model = _inference_pair(family)
-    ids = _prompt(length=9)
+    reference, model = _inference_pair(family, device)
+    ids = _prompt(length=9, device=device)
     with torch.no_grad():
         caches = [m(ids[:, :7], use_cache=True) for m in (reference, model)]
         caches = [out.cache_params if hasattr(out, "cache_params") else out.cache for out in caches]
@@ -177,19 +183,21 @@ def test_prefill_in_chunks_continues_the_state(family):
     torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), whole, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("device", GRID_DEVICES)
 @pytest.mark.parametrize("family", list(_SSM_ONLY))
-def test_packed_sequences_stay_apart(family):
+def test_packed_sequences_stay_apart(family, device):
     """A `seq_idx` keyword restarts the conv and the scan (transformers' own path ignores it without
     mamba_ssm). The CausalLM classes do not all pass their extra keywords on; the base models do."""
     _, model = _pair(family, **_SSM_ONLY[family])
-    a, b = _prompt(1, 5), _prompt(1, 9)[:, 2:]
-    seq_idx = torch.tensor([[0] * 5 + [1] * 7], dtype=torch.int32)
+    model.to(device)
+    a, b = _prompt(1, 5, device), _prompt(1, 9, device)[:, 2:]
+    seq_idx = torch.tensor([[0] * 5 + [1] * 7], dtype=torch.int32, device=device)
     with torch.no_grad():
         packed = model.base_model(torch.cat([a, b], 1), seq_idx=seq_idx, use_cache=False).last_hidden_state
         apart = [model.base_model(part, use_cache=False).last_hidden_state for part in (a, b)]
         torch.testing.assert_close(packed, torch.cat(apart, 1), rtol=1e-4, atol=1e-5)
         if family == "nemotron_h":  # DataCollatorWithFlattening(return_flash_attn_kwargs=True)'s form
-            cu_seqlens = torch.tensor([0, 5, 12])
+            cu_seqlens = torch.tensor([0, 5, 12], device=device)
             by_lengths = model.base_model(torch.cat([a, b], 1), cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
                                           max_length_q=7, max_length_k=7, use_cache=False).last_hidden_state
             torch.testing.assert_close(by_lengths, packed, rtol=1e-4, atol=1e-5)
@@ -241,13 +249,15 @@ def test_training_step_compiles_fullgraph(family):
 
 
 @_SLOW
+@pytest.mark.parametrize("device", GRID_DEVICES)
 @pytest.mark.parametrize("family", ["mamba", "mamba2"])
-def test_training_step_compiles_fullgraph_inductor(family):
-    """The same step with torch.compile's default backend (inductor; ~1.5 min a family on 2 cores)."""
-    reference, model = _pair(family)
+def test_training_step_compiles_fullgraph_inductor(family, device):
+    """The same step with torch.compile's default backend (inductor; ~1.5 min a family on 2 cores; on
+    CUDA, ssmops' Triton kernels inside inductor's graph)."""
+    reference, model = (m.to(device) for m in _pair(family))
     reference.train()
     model.train()
-    ids = _prompt()
+    ids = _prompt(device=device)
     loss = torch.compile(model, fullgraph=True)(ids, labels=ids).loss
     loss.backward()
     expected = reference(ids, labels=ids).loss
@@ -258,17 +268,18 @@ def test_training_step_compiles_fullgraph_inductor(family):
     torch.testing.assert_close(mixer.A_log.grad, reference_mixer.A_log.grad, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("device", GRID_DEVICES)
 @pytest.mark.parametrize("family", _COMPILED)
-def test_export_forward(family):
+def test_export_forward(family, device):
     """The forward exported with a dynamic sequence length, then run at another length."""
-    reference, model = _pair(family)
+    reference, model = (m.to(device) for m in _pair(family))
     seqlen = torch.export.Dim("seqlen", min=2, max=64)
     model.config.use_cache = False  # not as a keyword: Granite's forward takes it in **kwargs, which export refuses
-    program = torch.export.export(model, (_prompt(),), dynamic_shapes={"input_ids": {1: seqlen}})
+    program = torch.export.export(model, (_prompt(device=device),), dynamic_shapes={"input_ids": {1: seqlen}})
     scans = [n for n in program.graph.nodes if n.op == "call_function" and str(n.target).startswith("ssmops.")]
     mixers = [m for m in model.modules() if type(m) in integration._mixer_classes.values()]
     assert len(scans) == len(mixers) > 0, "one ssmops scan per Mamba layer in the exported graph"
-    ids = _prompt(2, 23)
+    ids = _prompt(2, 23, device)
     with torch.no_grad():
         torch.testing.assert_close(program.module()(ids).logits, reference(ids, use_cache=False).logits,
                                    rtol=1e-4, atol=1e-5)
