@@ -22,6 +22,11 @@ from ssmops.integrations import transformers as integration  # noqa: E402
 
 from conftest import GRID_DEVICES, REPO  # noqa: E402
 
+try:
+    integration._transformers()
+except integration.UnsupportedTransformersError as error:  # e.g. an older transformers on a GPU machine
+    pytest.skip(str(error), allow_module_level=True)
+
 VOCAB = 64
 _SLOW = pytest.mark.slow  # the module stays near a minute on 2 cores without these
 
