@@ -13,23 +13,28 @@ XDIST := -n $(TEST_WORKERS) --maxschedchunk 2
 
 .PHONY: install install-test demo test test-quick test-triton-interpreter bench-deps bench bench-cpu bench-ssd sanitize gpu-check clean
 
-# What the package needs to build and run (all `make demo` installs): torch, numpy, and setuptools and
-# wheel for the C++ library's build.
-$(VENV)/.installed: pyproject.toml setup.py $(shell find ssmops/csrc -type f)
+# A venv with torch, numpy, and setuptools and wheel for the C++ library's build.
+$(VENV)/.base:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q "setuptools>=70" wheel numpy
+	touch $@
+
+# The package with its C++ library (all `make demo` installs).
+$(VENV)/.installed: pyproject.toml setup.py $(shell find ssmops/csrc -type f) | $(VENV)/.base
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
 # What the tests need besides (pyproject's `test` extra).
-$(VENV)/.test-installed: $(VENV)/.installed
+$(VENV)/.test-installed: | $(VENV)/.base
 	$(PY) -m pip install -q pytest pytest-xdist hypothesis transformers "triton; platform_system == 'Linux'" onnx onnxscript onnxruntime
 	touch $@
 
 install: $(VENV)/.installed
 
-install-test: $(VENV)/.test-installed
+# The test packages install while the C++ library compiles (a minute each from a fresh clone).
+install-test: $(VENV)/.base
+	$(MAKE) --no-print-directory -j2 $(VENV)/.installed $(VENV)/.test-installed
 
 demo: install
 	$(PY) examples/demo.py

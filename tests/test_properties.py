@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import ssmops
@@ -185,12 +185,21 @@ def _ssd_results(fn, kw, leaves=None):
     return torch.autograd.grad((out.float() * weights).sum() + final.sum(), list(leaves.values()))
 
 
+def _assume_interpretable(backend, kw) -> None:
+    """Under Triton's interpreter every program costs milliseconds an operation: drawn SSD problems of a
+    few chunks a row only (a chunk of 1 at 40 tokens took 140 s for its gradients)."""
+    if backend == "triton" and backend.device == "cpu":
+        batch, seqlen = kw["x"].shape[:2]
+        assume(batch * -(-seqlen // kw["chunk_size"]) <= 8)
+
+
 @pytest.mark.parametrize("backend", backend_params(names=("default", "cpu", "triton"), devices=GRID_DEVICES))
 @interpreter_examples(5)
 @given(kw=ssd_problems())
 def test_ssd_backend_matches_reference_on_drawn_problems(backend, kw):
     from ssmops.ops.ssd.reference import ssd_scan_ref
 
+    _assume_interpretable(backend, kw)
     kw = on_device(kw, backend.device)
     ref_kw = {k: v for k, v in kw.items() if k != "chunk_size"}
     out_ref, final_ref = _ssd_results(ssd_scan_ref, ref_kw)
@@ -207,6 +216,7 @@ def test_ssd_backend_matches_reference_on_drawn_problems(backend, kw):
 def test_ssd_backend_gradients_match_reference_on_drawn_problems(backend, kw):
     from ssmops.ops.ssd.reference import ssd_scan_ref
 
+    _assume_interpretable(backend, kw)
     kw = {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
           for k, v in on_device(kw, backend.device).items()}
     names = [k for k in ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states") if kw[k] is not None]
