@@ -254,11 +254,12 @@ def test_training_step_compiles_fullgraph(family):
 
 
 @_SLOW
-@pytest.mark.parametrize("device", GRID_DEVICES)
-@pytest.mark.parametrize("family", ["mamba", "mamba2"])
+@pytest.mark.parametrize("family, device", [("mamba2", device) for device in GRID_DEVICES] +
+                         [("mamba", device) for device in GRID_DEVICES if device != "cpu"])
 def test_training_step_compiles_fullgraph_inductor(family, device):
-    """The same step with torch.compile's default backend (inductor; ~1.5 min a family on 2 cores; on
-    CUDA, ssmops' Triton kernels inside inductor's graph)."""
+    """The same step with torch.compile's default backend (inductor, ~40 s a family on 2 cores; on CUDA,
+    ssmops' Triton kernels inside inductor's graph). Mamba-1's operators under inductor on CPU are
+    tests/test_models.py's compiled LM and tests/test_compile_export.py's."""
     reference, model = (m.to(device) for m in _pair(family))
     reference.train()
     model.train()
