@@ -6,6 +6,7 @@ kernels) and, where a GPU is present, on CUDA (its Triton kernels, against trans
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import pickle
@@ -142,6 +143,33 @@ def test_decoding_step_logits_match(family, device):
             expected = reference(ids[:, t:t + 1], cache=caches[0], use_cache=True).logits
             torch.testing.assert_close(model(ids[:, t:t + 1], cache=caches[1], use_cache=True).logits, expected,
                                        rtol=1e-4, atol=1e-5)
+
+
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """How many times each operator ran under it (by name: "ssmops.mamba_step", "aten.mm", ...)."""
+
+    def __enter__(self):
+        self.counts = collections.Counter()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[f"{func.namespace}.{func._opname}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_mamba_decoding_token_is_one_fused_call_a_layer():
+    """On CPU a Mamba decoding token runs each layer's mixer as one `ssmops::mamba_step` and the output
+    head on `weight_only_linear`; a prompt runs the scan."""
+    _, model = _inference_pair("mamba")
+    ids = _prompt(length=8)
+    with torch.no_grad():
+        with _CountOps() as prompt_ops:
+            cache = model(ids[:, :7], use_cache=True).cache
+        with _CountOps() as token_ops:
+            model(ids[:, 7:], cache=cache, use_cache=True)
+    assert token_ops.counts["ssmops.mamba_step"] == model.config.num_hidden_layers
+    assert token_ops.counts["ssmops.weight_only_linear"] == 1
+    assert prompt_ops.counts["ssmops.mamba_step"] == 0 and prompt_ops.counts["ssmops.selective_scan_fwd"] > 0
 
 
 @pytest.mark.parametrize("family", ["mamba", "mamba2"])

@@ -171,30 +171,39 @@ class DecodingHead(nn.Linear):
         return super().forward(x)
 
 
-def _fused_step_serves(mixer: nn.Module, hidden_states: Tensor, cache, conv_state: Tensor | None,
-                       ssm_state: Tensor | None, attention_mask: Tensor | None) -> bool:
-    """Whether a decoding token of a plain Mamba-1 mixer runs as one `ssmops::mamba_step` call (what
-    `ssmops.modules.Mamba.step` does): eager on CPU, float32 activations, states and small parameters,
-    up to FUSED_STEP_MAX_BATCH rows, no autograd, no padding mask (transformers passes none to a
-    decoding token), no norms on dt, B, C and no quantized projection. A token is ~7 operator calls
-    and matrix-vector products a layer otherwise, each a dispatch and a wake-up of the threads; as one
-    call the projections stream their weights once (1.5x at mamba-130m's shape on 1 core)."""
+def _fused_step_args(mixer: nn.Module, hidden_states: Tensor, cache, conv_state: Tensor | None,
+                     ssm_state: Tensor | None, attention_mask: Tensor | None) -> tuple | None:
+    """`ssmops::mamba_step`'s arguments after the token where a decoding token of a plain Mamba-1 mixer
+    runs as that one call (what `ssmops.modules.Mamba.step` does), else None: eager on CPU, float32
+    activations, states and small parameters, up to FUSED_STEP_MAX_BATCH rows, no autograd, no padding
+    mask (transformers passes none to a decoding token), no norms on dt, B, C and no quantized
+    projection. A token is ~7 operator calls and matrix-vector products a layer otherwise, each a
+    dispatch and a wake-up of the threads; as one call the projections stream their weights once (1.5x
+    at mamba-130m's shape on 1 core). The submodules and parameters are read from the modules' own
+    dicts: through nn.Module.__getattr__ these checks cost ~6 ms of a 43 ms token at mamba-130m."""
     if torch.compiler.is_compiling() or torch.compiler.is_exporting():  # graphs get the operators it fuses
-        return False
+        return None
     if (conv_state is None or ssm_state is None or hidden_states.shape[1] != 1 or attention_mask is not None
             or hidden_states.device.type != "cpu" or hidden_states.shape[0] > FUSED_STEP_MAX_BATCH):
-        return False
-    if hasattr(mixer, "b_layernorm") or hasattr(mixer.config, "_is_quantized"):
-        return False
-    if not all(_plain_linear(layer) for layer in (mixer.in_proj, mixer.x_proj, mixer.dt_proj, mixer.out_proj)):
-        return False  # PEFT's LoRA, a quantized or hooked projection: called as modules below
+        return None
+    modules, params = mixer._modules, mixer._parameters
+    if "b_layernorm" in modules or hasattr(mixer.config, "_is_quantized"):
+        return None
+    in_proj, conv, x_proj, dt_proj, out_proj = (modules[name] for name in ("in_proj", "conv1d", "x_proj", "dt_proj",
+                                                                             "out_proj"))
+    if not all(_plain_linear(layer) for layer in (in_proj, x_proj, dt_proj, out_proj)):
+        return None  # PEFT's LoRA, a quantized or hooked projection: called as modules
     if cache.is_recording_past(mixer.layer_idx):
-        return False
+        return None
     if torch.is_grad_enabled() and any(p.requires_grad for p in mixer.parameters()):
-        return False
-    small = (hidden_states, conv_state, ssm_state, mixer.conv1d.weight, mixer.conv1d.bias, mixer.in_proj.bias,
-             mixer.dt_proj.bias, mixer.out_proj.bias, mixer.D, mixer.A_log)
-    return all(t is None or t.dtype == torch.float32 for t in small)
+        return None
+    in_proj, conv, x_proj, dt_proj, out_proj = (m._parameters for m in (in_proj, conv, x_proj, dt_proj, out_proj))
+    args = (conv_state, ssm_state, in_proj["weight"], None, in_proj.get("bias"), conv["weight"].squeeze(1),
+            conv.get("bias"), x_proj["weight"], None, dt_proj["weight"], None, dt_proj.get("bias"), params["A_log"],
+            params["D"], out_proj["weight"], None, out_proj.get("bias"))
+    if hidden_states.dtype != torch.float32 or any(t is not None and t.dtype != torch.float32 for t in args):
+        return None
+    return args
 
 
 def _mamba_forward(self, hidden_states: Tensor, cache=None, attention_mask: Tensor | None = None, **kwargs) -> Tensor:
@@ -203,12 +212,9 @@ def _mamba_forward(self, hidden_states: Tensor, cache=None, attention_mask: Tens
     _refuse_packing(self, kwargs)
     dtype = hidden_states.dtype
     conv_state, ssm_state = _states(self, cache)
-    if _fused_step_serves(self, hidden_states, cache, conv_state, ssm_state, attention_mask):
-        out = torch.ops.ssmops.mamba_step(
-            hidden_states[:, 0], conv_state, ssm_state, self.in_proj.weight, None, self.in_proj.bias,
-            self.conv1d.weight.squeeze(1), self.conv1d.bias, self.x_proj.weight, None, self.dt_proj.weight, None,
-            self.dt_proj.bias, self.A_log, self.D, self.out_proj.weight, None, self.out_proj.bias)
-        return out.unsqueeze(1)
+    fused = _fused_step_args(self, hidden_states, cache, conv_state, ssm_state, attention_mask)
+    if fused is not None:
+        return torch.ops.ssmops.mamba_step(hidden_states[:, 0], *fused).unsqueeze(1)
 
     hidden_states = _apply_mask(hidden_states, attention_mask)
     x, gate = _linear(self.in_proj, hidden_states).transpose(1, 2).chunk(2, dim=1)  # (batch, d_inner, seqlen) each
