@@ -247,17 +247,22 @@ def scan_problems(draw, tiny: bool = False):
     def randn(*shape):
         return torch.randn(*shape, generator=g)
 
+    # a variable B and C share their groups: (batch, dstate, seqlen) is one group
+    variable = (batch, dstate, seqlen) if groups == 1 and draw(st.booleans()) else (batch, groups, dstate, seqlen)
+
     def bc():
-        return draw(st.sampled_from([randn(dim, dstate), randn(batch, dstate, seqlen),
-                                     randn(batch, groups, dstate, seqlen)]))
+        return draw(st.sampled_from([randn(dim, dstate), randn(*variable)]))
 
     softplus = draw(st.booleans())
     delta = torch.rand(batch, dim, seqlen, generator=g) * draw(st.sampled_from([0.01, 1.0, 20.0])) + 1e-4
+    delta_bias = randn(dim) * 0.1 if draw(st.booleans()) else None
+    if delta_bias is not None and not softplus:  # dt = delta + bias > 0, as in a model: dt < 0 grows the state
+        delta_bias = delta_bias.abs()
     return dict(
         u=randn(batch, dim, seqlen), delta=_inverse_softplus(delta) if softplus else delta,
         A=-torch.exp(torch.empty(dim, dstate).uniform_(-4.0, 2.5, generator=g)), B=bc(), C=bc(),
         D=randn(dim) if draw(st.booleans()) else None, z=randn(batch, dim, seqlen) if draw(st.booleans()) else None,
-        delta_bias=randn(dim) * 0.1 if draw(st.booleans()) else None, delta_softplus=softplus,
+        delta_bias=delta_bias, delta_softplus=softplus,
     )
 
 
