@@ -39,12 +39,10 @@ install-test: $(VENV)/.base
 demo: install
 	$(PY) examples/demo.py
 
-# The second run repeats the operator-level and deployment checks with the native
-# library unloaded, so that `default` is what the dispatcher registers for CPU (AOTInductor
-# packages with every optional argument: the first run packages both kinds).
+# (tests/test_registry.py repeats the operator-level and deployment checks in a process of its own with
+# the native library unloaded, so that `default` is what the dispatcher registers for CPU.)
 test: install-test
 	$(PYTEST) $(XDIST) --durations=15 tests
-	SSMOPS_BACKEND=default $(PYTEST) $(XDIST) tests/ops tests/test_compile_export.py -k "(opcheck or compile or export or aoti) and not (aoti and no-optionals)"
 
 # Every Triton case under the interpreter, the slow ones included (make test runs those not marked
 # slow there; on a GPU, make gpu-check runs them all natively).

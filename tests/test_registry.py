@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -129,3 +131,20 @@ def test_every_module_imports_alone_in_a_fresh_interpreter():
     out = run_python(_IMPORT_EACH_ALONE, args=modules)
     assert out.returncode == 0, out.stderr
     assert "FAILED []" in out.stdout, out.stdout
+
+
+@pytest.mark.slow  # a minute of compiles and AOTInductor packages: not in `make test-quick`
+@pytest.mark.skipif(os.environ.get("SSMOPS_BACKEND") == "default", reason="this process runs on `default` already")
+def test_operator_and_deployment_checks_with_default_registered_for_cpu():
+    """tests/ops' opcheck, compile, export and AOTInductor checks and tests/test_compile_export.py again
+    with SSMOPS_BACKEND=default (read at import: the native library is not loaded, and `default` is what
+    the dispatcher registers for CPU), in a process of its own; AOTInductor packages with every optional
+    argument only (this run packages both kinds)."""
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "slow or not slow",
+            "-k", "(opcheck or compile or export or aoti) and not (aoti and no-optionals)",
+            "tests/ops", "tests/test_compile_export.py"]
+    proc = subprocess.run(args, cwd=REPO, env={**os.environ, "SSMOPS_BACKEND": "default"}, capture_output=True,
+                          text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout.splitlines()[-1]
+
