@@ -324,7 +324,10 @@ def run_python(code: str, env: dict | None = None, timeout: float = 600, cwd=REP
 try:  # hypothesis profiles: a short one for CI, `HYPOTHESIS_PROFILE=long` for local soaking
     from hypothesis import HealthCheck, settings
 
-    # CI draws the same examples every run (a red CI is then a real regression); `long` draws anew
+    # CI draws the same examples every run (a red CI is then a real regression); `long` draws anew.
+    # Same only for the same modules imported before the test: Hypothesis mixes constants from the
+    # project's own modules loaded so far into a few draws, so a worker's earlier tests change its
+    # examples, and every test must hold for every valid draw.
     settings.register_profile("ci", max_examples=30, deadline=None, derandomize=True,
                               suppress_health_check=[HealthCheck.too_slow])
     settings.register_profile("long", max_examples=2000, deadline=None, suppress_health_check=list(HealthCheck))

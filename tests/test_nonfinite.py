@@ -128,10 +128,11 @@ def _assert_gradients_match(kw: dict, backend: str, device: str) -> None:
             assert rel_err(got[name], e) <= 1e-3, f"d{name}"
     # dA sums per head terms of about x_t . dx_t that cancel (the decay of a token to itself is 1 for
     # any A), each rounded to float32: where strong decays leave dA tiny, that rounding is all of it
-    # (a few % of dA on every backend), so the error is measured against that scale too
+    # (a few % of dA on every backend), so the error is measured against that scale too (a drawn
+    # problem at chunk 64 without softplus gave 1.08e-2 on the native backend; a wrong formula is O(1))
     floor = 1e-4 * (kw["x"].double() * expected["x"]).sum(-1).abs().sum((0, 1)).max()
     err = (got["A"].double() - expected["A"]).abs().max() / torch.maximum(expected["A"].abs().max(), floor)
-    assert err <= 1e-2, f"dA: relative error {err:.3g}"
+    assert err <= 2e-2, f"dA: relative error {err:.3g}"
 
 
 @pytest.mark.parametrize("backend, device", _targets())
