@@ -321,6 +321,15 @@ def run_python(code: str, env: dict | None = None, timeout: float = 600, cwd=REP
     )
 
 
+def run_pytest(args: list[str], env: dict) -> None:
+    """pytest over `args` in a process of its own with `env` added to this one's (an import-time setting
+    such as TRITON_INTERPRET or SSMOPS_BACKEND), asserting that its tests ran and passed."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=REPO,
+                          env={**os.environ, **env}, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout.splitlines()[-1]
+
+
 try:  # hypothesis profiles: a short one for CI, `HYPOTHESIS_PROFILE=long` for local soaking
     from hypothesis import HealthCheck, settings
 

@@ -6,14 +6,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import ssmops
-from conftest import REPO, Case, make_inputs, run_python
+from conftest import REPO, Case, make_inputs, run_pytest, run_python
 
 _SCRIPT = """
 import warnings
@@ -140,11 +138,6 @@ def test_operator_and_deployment_checks_with_default_registered_for_cpu():
     with SSMOPS_BACKEND=default (read at import: the native library is not loaded, and `default` is what
     the dispatcher registers for CPU), in a process of its own; AOTInductor packages with every optional
     argument only (this run packages both kinds)."""
-    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "slow or not slow",
-            "-k", "(opcheck or compile or export or aoti) and not (aoti and no-optionals)",
-            "tests/ops", "tests/test_compile_export.py"]
-    proc = subprocess.run(args, cwd=REPO, env={**os.environ, "SSMOPS_BACKEND": "default"}, capture_output=True,
-                          text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "failed" not in proc.stdout.splitlines()[-1]
-
+    selection = "(opcheck or compile or export or aoti) and not (aoti and no-optionals)"
+    run_pytest(["-m", "slow or not slow", "-k", selection, "tests/ops", "tests/test_compile_export.py"],
+               {"SSMOPS_BACKEND": "default"})

@@ -24,8 +24,8 @@ from ssmops.ops.selective_scan.checks import CHUNK_LEN
 from ssmops._registry import interpreting
 
 from conftest import (
-    REPO, STATE_UPDATE_CASES, TOLERANCES, Case, assert_close, make_inputs, rel_err, run_python, run_scan_with_grads,
-    state_update_case_id, state_update_inputs,
+    REPO, STATE_UPDATE_CASES, TOLERANCES, Case, assert_close, make_inputs, rel_err, run_pytest, run_python,
+    run_scan_with_grads, state_update_case_id, state_update_inputs,
 )
 
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
@@ -57,15 +57,10 @@ def test_triton_interpreter_suite(path, request):
     """The sweeps of tests/ops (the scans, the decoding steps), the drawn problems of test_properties.py and
     test_nonfinite.py and this file's interpreter tests, with TRITON_INTERPRET=1 (those not marked slow unless
     `-m` says otherwise), a file a process (so that pytest-xdist's workers share them)."""
-    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "triton", path]
     # The interpreter runs a kernel about 1e4 times slower than a GPU: the cases marked slow run here
     # only when asked for (`-m slow`, or `make test-triton-interpreter`), and natively in `make gpu-check`.
-    args += ["-m", request.config.getoption("markexpr") or "not slow"]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env.pop("SSMOPS_BACKEND", None)
-    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "failed" not in proc.stdout.splitlines()[-1]
+    markers = request.config.getoption("markexpr") or "not slow"
+    run_pytest(["-k", "triton", "-m", markers, path], {"TRITON_INTERPRET": "1", "SSMOPS_BACKEND": ""})
 
 
 # --- under the interpreter -------------------------------------------------------------

@@ -173,34 +173,34 @@ class DecodingHead(nn.Linear):
 
 def _fused_step_args(mixer: nn.Module, hidden_states: Tensor, cache, conv_state: Tensor | None,
                      ssm_state: Tensor | None, attention_mask: Tensor | None) -> tuple | None:
-    """`ssmops::mamba_step`'s arguments after the token where a decoding token of a plain Mamba-1 mixer
-    runs as that one call (what `ssmops.modules.Mamba.step` does), else None: eager on CPU, float32
-    activations, states and small parameters, up to FUSED_STEP_MAX_BATCH rows, no autograd, no padding
-    mask (transformers passes none to a decoding token), no norms on dt, B, C and no quantized
-    projection. A token is ~7 operator calls and matrix-vector products a layer otherwise, each a
-    dispatch and a wake-up of the threads; as one call the projections stream their weights once (1.5x
-    at mamba-130m's shape on 1 core). The submodules and parameters are read from the modules' own
-    dicts: through nn.Module.__getattr__ these checks cost ~6 ms of a 43 ms token at mamba-130m."""
+    """The arguments after the token of the one `ssmops::mamba_step` call a decoding token of a plain
+    Mamba-1 mixer runs as (what `ssmops.modules.Mamba.step` does), or None where that call does not
+    serve. It serves eager on CPU, float32 activations, states and parameters, up to
+    FUSED_STEP_MAX_BATCH rows, no autograd, no padding mask (transformers passes none to a decoding
+    token), no norms on dt, B, C and no quantized or wrapped projection. A token is ~7 operator calls and
+    matrix-vector products a layer otherwise, each a dispatch and a wake-up of the threads; as one call
+    the projections stream their weights once (1.5x at mamba-130m's shape on 1 core). Submodules and
+    parameters are read from the modules' own dicts: through nn.Module.__getattr__ these checks cost
+    ~6 ms of a 43 ms token at mamba-130m."""
     if torch.compiler.is_compiling() or torch.compiler.is_exporting():  # graphs get the operators it fuses
         return None
     if (conv_state is None or ssm_state is None or hidden_states.shape[1] != 1 or attention_mask is not None
             or hidden_states.device.type != "cpu" or hidden_states.shape[0] > FUSED_STEP_MAX_BATCH):
         return None
-    modules, params = mixer._modules, mixer._parameters
+    modules = mixer._modules
     if "b_layernorm" in modules or hasattr(mixer.config, "_is_quantized"):
         return None
-    in_proj, conv, x_proj, dt_proj, out_proj = (modules[name] for name in ("in_proj", "conv1d", "x_proj", "dt_proj",
-                                                                             "out_proj"))
-    if not all(_plain_linear(layer) for layer in (in_proj, x_proj, dt_proj, out_proj)):
+    projections = [modules[name] for name in ("in_proj", "x_proj", "dt_proj", "out_proj")]
+    if not all(_plain_linear(layer) for layer in projections):
         return None  # PEFT's LoRA, a quantized or hooked projection: called as modules
-    if cache.is_recording_past(mixer.layer_idx):
+    if cache.is_recording_past(mixer.layer_idx) or (
+            torch.is_grad_enabled() and any(p.requires_grad for p in mixer.parameters())):
         return None
-    if torch.is_grad_enabled() and any(p.requires_grad for p in mixer.parameters()):
-        return None
-    in_proj, conv, x_proj, dt_proj, out_proj = (m._parameters for m in (in_proj, conv, x_proj, dt_proj, out_proj))
+    in_proj, x_proj, dt_proj, out_proj = (layer._parameters for layer in projections)
+    conv, own = modules["conv1d"]._parameters, mixer._parameters
     args = (conv_state, ssm_state, in_proj["weight"], None, in_proj.get("bias"), conv["weight"].squeeze(1),
-            conv.get("bias"), x_proj["weight"], None, dt_proj["weight"], None, dt_proj.get("bias"), params["A_log"],
-            params["D"], out_proj["weight"], None, out_proj.get("bias"))
+            conv.get("bias"), x_proj["weight"], None, dt_proj["weight"], None, dt_proj.get("bias"), own["A_log"],
+            own["D"], out_proj["weight"], None, out_proj.get("bias"))
     if hidden_states.dtype != torch.float32 or any(t is not None and t.dtype != torch.float32 for t in args):
         return None
     return args
