@@ -4,6 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # Torch is installed only when the venv has none; override e.g. TORCH_SPEC='torch>=2.10'.
 TORCH_SPEC ?= torch==2.13.0
+# pip without byte-compiling every module it installs (torch's alone takes 20 s of a 30-s install on
+# 2 cores): Python compiles the modules that are imported, once, when they are first imported.
+PIP_INSTALL := $(PY) -m pip install -q --no-compile
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 # pytest-xdist's workers for make test and test-quick: the 2 cores of CI's machine, both used; tests
 # handed out two at a time, the slow ones first (tests/conftest.py orders them), so both finish together;
@@ -16,18 +19,18 @@ XDIST := -n $(TEST_WORKERS) --maxschedchunk 2
 # A venv with torch, numpy, and setuptools and wheel for the C++ library's build.
 $(VENV)/.base:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q "setuptools>=70" wheel numpy
+	$(PY) -c "import torch" 2>/dev/null || $(PIP_INSTALL) "$(TORCH_SPEC)"
+	$(PIP_INSTALL) "setuptools>=70" wheel numpy
 	touch $@
 
 # The package with its C++ library (all `make demo` installs).
 $(VENV)/.installed: pyproject.toml setup.py $(shell find ssmops/csrc -type f) | $(VENV)/.base
-	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	$(PIP_INSTALL) --no-build-isolation --no-deps -e .
 	touch $@
 
 # What the tests need besides (pyproject's `test` extra).
 $(VENV)/.test-installed: | $(VENV)/.base
-	$(PY) -m pip install -q pytest pytest-xdist hypothesis transformers "triton; platform_system == 'Linux'" onnx onnxscript onnxruntime
+	$(PIP_INSTALL) pytest pytest-xdist hypothesis transformers "triton; platform_system == 'Linux'" onnx onnxscript onnxruntime
 	touch $@
 
 install: $(VENV)/.installed
@@ -57,7 +60,7 @@ test-quick: install-test
 # (benchmarks/peers.py): mamba_ssm's sdist, whose code needs einops (installed here for that and
 # nothing else), and mambapy, installed there with --no-deps (it needs only torch).
 bench-deps: install-test
-	$(PY) -m pip install -q einops
+	$(PIP_INSTALL) einops
 	$(PY) -c "import sys; sys.path.insert(0, 'benchmarks'); import peers; peers.mamba_ssm_source()"
 
 # The scan's `default` and native `cpu` backends against mamba_ssm's selective_scan_ref and mambapy's pscan.

@@ -49,6 +49,15 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("slow") is None or shares_a_fixture(item))
 
 
+# tests/test_deploy.py runs the scans' AOTInductor packages in the C++ runner and loads them in Python:
+# where it can (the native library and CMake present), the Python-only package checks of tests/ops leave
+# the same compile to it; they run where it cannot, and in the process where `default` is registered.
+PACKAGES_CHECKED_IN_TEST_DEPLOY = pytest.mark.skipif(
+    ssmops.available_backends()["cpu"] == "available" and shutil.which("cmake") is not None,
+    reason="tests/test_deploy.py packages this model and runs it in Python and in C++",
+)
+
+
 @pytest.fixture(scope="session")
 def cpp_runner() -> Path:
     """examples/cpp built with the demo's CMake commands into its folder (so that the demo's own build

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_close
+from conftest import PACKAGES_CHECKED_IN_TEST_DEPLOY, assert_close
 from models import TinyScanModel
 
 SEQLENS = (37, 2048 + 11)
@@ -65,9 +65,9 @@ def test_export_dynamic_seqlen_save_load(full, tmp_path):
 
 
 @pytest.mark.slow
+@PACKAGES_CHECKED_IN_TEST_DEPLOY
 def test_aoti_package_on_cpu(tmp_path):
-    """Every optional argument (tests/test_deploy.py packages this model with none as well, and runs
-    both packages in C++)."""
+    """Every optional argument (tests/test_deploy.py packages this model with none as well)."""
     model = _model(True)
     ep = _export(model)
     path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "model.pt2"))

@@ -54,14 +54,18 @@ def test_aoti_package_runs_in_cpp_like_eager(full, cpp_runner, tmp_path):
 
 def _check_package_in_cpp(model, seq_dim: int, shapes: list, runner, tmp_path) -> None:
     """The model exported (seqlen dynamic) from shapes[0] and packaged with AOTInductor gives, in the
-    C++ runner, what it gives in eager mode for every shape (other batches and seqlens than traced)."""
+    C++ runner and loaded in Python, what it gives in eager mode for every shape (other batches and
+    seqlens than traced)."""
     ep = sx.export_program(model, (torch.randn(shapes[0]),), seq_dim=seq_dim)
     package = sx.aoti_package(ep, tmp_path / "model.pt2")
+    loaded = torch._inductor.aoti_load_package(str(package))
     for shape in shapes:
         x = torch.randn(shape)
         (out,) = _run_cpp(runner, "--package", package, [x], tmp_path)
         with torch.no_grad():
-            torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+            expected = model(x)
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(loaded(x), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -220,11 +224,12 @@ def test_multihead_decode_step_package_runs_in_cpp(cpp_runner, tmp_path):
 
 
 @pytest.mark.slow
-def test_ssd_model_package_runs_in_cpp_like_eager(cpp_runner, tmp_path):
+@pytest.mark.parametrize("full", [True, False], ids=["all-optionals", "no-optionals"])
+def test_ssd_model_package_runs_in_cpp_like_eager(full, cpp_runner, tmp_path):
     from models import TinySsdModel
 
     torch.manual_seed(0)
-    _check_package_in_cpp(TinySsdModel(full=True).eval(), seq_dim=1, shapes=[(2, 37, 8), (3, 70, 8)],
+    _check_package_in_cpp(TinySsdModel(full=full).eval(), seq_dim=1, shapes=[(2, 37, 8), (3, 130, 8)],
                           runner=cpp_runner, tmp_path=tmp_path)
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ssmops
-from conftest import GRID_DEVICES, backend_params, on_device
+from conftest import GRID_DEVICES, PACKAGES_CHECKED_IN_TEST_DEPLOY, backend_params, on_device
 from ssmops.ops.ssd import default, reference
 
 INF = float("inf")
@@ -628,6 +628,7 @@ def test_export_dynamic_seqlen_save_load(full, tmp_path):
 
 
 @pytest.mark.slow
+@PACKAGES_CHECKED_IN_TEST_DEPLOY
 @pytest.mark.parametrize("full", [True, False], ids=["all-optionals", "no-optionals"])
 def test_aoti_package_on_cpu(full, tmp_path):
     model = _ssd_model(full)
