@@ -2,8 +2,8 @@
 gives eager's results at sequence lengths other than the exported one.
 
 Exports are slow (torch.export, then torch.onnx's own decomposition and translation): each test
-exports one module that calls a whole grid of an operator family, and the model-sized ones are
-marked slow."""
+exports one module that calls a whole grid of an operator family (one export, not one per case), and
+the model-sized ones are marked slow."""
 
 from __future__ import annotations
 
@@ -65,13 +65,11 @@ def _assert_matches(session, module, inputs):
 
 class Mamba1Ops(nn.Module):
     """u (batch, dim, seqlen) -> the selective scan with every option (variable B/C, D, z, delta_bias,
-    softplus, initial and last state) and with a constant B against a grouped C, the causal conv and
-    the gated RMSNorm; with `everything`, also constant B and C, grouped B and C, and mamba_inner_fn
-    (each scan is a few seconds more of export)."""
+    softplus, initial and last state), with a constant B against a grouped C, with constant B and C and
+    no option, and with grouped B and C; mamba_inner_fn, the causal conv and the gated RMSNorm."""
 
-    def __init__(self, dim=8, dstate=4, groups=2, d_conv=4, everything=False):
+    def __init__(self, dim=8, dstate=4, groups=2, d_conv=4):
         super().__init__()
-        self.everything = everything
         g = torch.Generator().manual_seed(0)
         self.dim, self.dstate, self.groups = dim, dstate, groups
         self.A = nn.Parameter(-torch.rand(dim, dstate, generator=g) - 0.1)
@@ -100,23 +98,20 @@ class Mamba1Ops(nn.Module):
             *ssmops.selective_scan_fn(u, delta, self.A, B3, C3, self.D, z, self.bias, True, return_last_state=True,
                                       initial_state=self.h0[:batch]),
             ssmops.selective_scan_fn(u, delta, self.A, self.B_const, C4, None, z, None, True),
+            ssmops.selective_scan_fn(u, delta.sigmoid(), self.A, self.B_const, self.C_const),
+            *ssmops.selective_scan_fn(u, delta, self.A, B4, C4, self.D, None, self.bias, True, return_last_state=True),
         ]
-        if self.everything:
-            outs.append(ssmops.selective_scan_fn(u, delta.sigmoid(), self.A, self.B_const, self.C_const))
-            outs += ssmops.selective_scan_fn(u, delta, self.A, B4, C4, self.D, None, self.bias, True,
-                                             return_last_state=True)
-            xz = self.in_proj(u.transpose(1, 2)).transpose(1, 2)
-            outs.append(ssmops.mamba_inner_fn(xz, self.conv_w, self.conv_b, self.x_proj, self.dt_proj, self.out_proj,
-                                              None, self.A, D=self.D, delta_bias=self.bias))
+        xz = self.in_proj(u.transpose(1, 2)).transpose(1, 2)
+        outs.append(ssmops.mamba_inner_fn(xz, self.conv_w, self.conv_b, self.x_proj, self.dt_proj, self.out_proj,
+                                          None, self.A, D=self.D, delta_bias=self.bias))
         outs.append(ssmops.mamba_inner.causal_conv1d(u, self.conv_w, self.conv_b, "silu"))
         outs.append(ssmops.layernorm_gated.rmsnorm_fn(u.transpose(1, 2), self.norm_w, z=z.transpose(1, 2),
                                                       group_size=dim // 2))
         return tuple(outs)
 
 
-@pytest.mark.parametrize("everything", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["core", "all"])
-def test_mamba1_ops_export_and_match_eager(everything, tmp_path):
-    module = Mamba1Ops(everything=everything).eval()
+def test_mamba1_ops_export_and_match_eager(tmp_path):
+    module = Mamba1Ops().eval()
     seqlen = torch.export.Dim("seqlen", min=2, max=4096)
     program = so.export(module, (torch.randn(2, 8, 21),), dynamic_shapes=({2: seqlen},), optimize=False)
     session, model = _session(program, tmp_path / "mamba1.onnx")
@@ -130,12 +125,10 @@ def test_mamba1_ops_export_and_match_eager(everything, tmp_path):
 
 class SsdOps(nn.Module):
     """(x, seq_idx) -> the SSD scan with every option (D per channel, z, dt_bias, softplus, dt_limit,
-    initial and final states) and with packed sequences (seq_idx, D per head); with `everything`, also
-    with no option."""
+    initial and final states), with packed sequences (seq_idx, D per head) and with no option."""
 
-    def __init__(self, nheads=4, headdim=4, ngroups=2, dstate=4, chunk_size=8, everything=False):
+    def __init__(self, nheads=4, headdim=4, ngroups=2, dstate=4, chunk_size=8):
         super().__init__()
-        self.everything = everything
         g = torch.Generator().manual_seed(1)
         self.shape = (nheads, headdim, ngroups, dstate)
         self.chunk_size = chunk_size
@@ -161,8 +154,6 @@ class SsdOps(nn.Module):
         packed, packed_final = ssmops.mamba_chunk_scan_combined(
             xs, dt, self.A, B, C, cs, D=self.D_head, dt_bias=self.dt_bias, dt_softplus=True, seq_idx=seq_idx,
             initial_states=self.h0.expand(batch, -1, -1, -1), return_final_states=True)
-        if not self.everything:
-            return full, final, packed, packed_final
         plain = ssmops.mamba_chunk_scan_combined(xs, dt.sigmoid(), self.A, B, C, cs, D=self.D_head)
         return full, final, packed, packed_final, plain
 
@@ -173,9 +164,8 @@ def _seq_idx(length: int) -> torch.Tensor:
     return (torch.arange(length)[:, None] >= cuts).sum(1, dtype=torch.int32)[None]
 
 
-@pytest.mark.parametrize("everything", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["core", "all"])
-def test_ssd_export_and_matches_eager(everything, tmp_path):
-    module = SsdOps(everything=everything).eval()
+def test_ssd_export_and_matches_eager(tmp_path):
+    module = SsdOps().eval()
     seqlen = torch.export.Dim("seqlen", min=2, max=4096)
     program = so.export(module, (torch.randn(1, 19, 16), _seq_idx(19)), dynamic_shapes=({1: seqlen}, {1: seqlen}),
                         optimize=False)

@@ -45,22 +45,26 @@ needs_interpreter = pytest.mark.skipif(
 gpu = pytest.mark.skipif(not (HAS_CUDA and TRITON_AVAILABLE), reason="needs a CUDA device and Triton")
 
 
-INTERPRETED_TEST_FILES = ["tests/ops/test_selective_scan.py", "tests/ops/test_ssd.py", "tests/ops/test_state_update.py",
-                          "tests/test_properties.py", "tests/test_nonfinite.py", "tests/test_triton.py"]
+# Two processes, each a few files: a process's start (torch, Triton, the test modules' collection) is ~5 s
+# of the interpreter suite's ~3 minutes of CPU, and two keep both of make test's workers busy.
+INTERPRETED_TEST_FILES = {
+    "ops": ["tests/ops/test_selective_scan.py", "tests/ops/test_ssd.py", "tests/ops/test_state_update.py"],
+    "properties-and-triton": ["tests/test_properties.py", "tests/test_nonfinite.py", "tests/test_triton.py"],
+}
 
 
 @pytest.mark.slow  # minutes of interpreted kernels: not in `make test-quick`
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
 @pytest.mark.skipif(interpreting(), reason="already under the interpreter: the tests run in this process")
-@pytest.mark.parametrize("path", INTERPRETED_TEST_FILES, ids=lambda path: path.split("/")[-1][:-3])
-def test_triton_interpreter_suite(path, request):
+@pytest.mark.parametrize("files", INTERPRETED_TEST_FILES.values(), ids=INTERPRETED_TEST_FILES.keys())
+def test_triton_interpreter_suite(files, request):
     """The sweeps of tests/ops (the scans, the decoding steps), the drawn problems of test_properties.py and
     test_nonfinite.py and this file's interpreter tests, with TRITON_INTERPRET=1 (those not marked slow unless
-    `-m` says otherwise), a file a process (so that pytest-xdist's workers share them)."""
+    `-m` says otherwise), in two processes (so that pytest-xdist's workers share them)."""
     # The interpreter runs a kernel about 1e4 times slower than a GPU: the cases marked slow run here
     # only when asked for (`-m slow`, or `make test-triton-interpreter`), and natively in `make gpu-check`.
     markers = request.config.getoption("markexpr") or "not slow"
-    run_pytest(["-k", "triton", "-m", markers, path], {"TRITON_INTERPRET": "1", "SSMOPS_BACKEND": ""})
+    run_pytest(["-k", "triton", "-m", markers, *files], {"TRITON_INTERPRET": "1", "SSMOPS_BACKEND": ""})
 
 
 # --- under the interpreter -------------------------------------------------------------
