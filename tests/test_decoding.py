@@ -108,15 +108,13 @@ def test_a_converted_state_dict_is_refused_by_name(tmp_path):
         MambaLMHeadModel.from_pretrained(tmp_path)
 
 
-@pytest.mark.parametrize("name", ["mamba1", pytest.param("hybrid", marks=pytest.mark.slow)])
-def test_compiled_step_generates_the_eager_tokens(name, monkeypatch):
+@pytest.mark.slow  # (a Mamba-1 LM's compiled steps: the test below)
+def test_compiled_step_generates_the_eager_tokens(monkeypatch):
     """cg=True: every token after the prompt from one compiled graph, caches advanced in place (on
-    CPU, its kernels and operators called from inductor's C++ wrapper). A Mamba-1 LM on CPU decodes
-    through its own step instead (the test below): here it compiles as any other model would. The
-    hybrid's Mamba-2 layers are a Mamba-2 LM's (a compile of each costs ~25 s on 2 cores)."""
+    CPU, its kernels and operators called from inductor's C++ wrapper), for the hybrid LM, whose
+    Mamba-2 layers are a Mamba-2 LM's (a compile of each costs ~25 s on 2 cores)."""
     monkeypatch.setattr(MambaLMHeadModel, "decoding_step", lambda *args: None)
-    torch.manual_seed(0)
-    model = MambaLMHeadModel(tiny_config()).eval() if name == "mamba1" else tiny_mamba2_model(name)
+    model = tiny_mamba2_model("hybrid")
     prompt = torch.randint(0, 61, (2, 5), generator=torch.Generator().manual_seed(1))
     eager = model.generate(prompt, max_length=14, return_dict_in_generate=True, output_scores=True)
     compiled = model.generate(prompt, max_length=14, cg=True, return_dict_in_generate=True, output_scores=True)
@@ -125,8 +123,9 @@ def test_compiled_step_generates_the_eager_tokens(name, monkeypatch):
 
 
 def test_compiled_steps_of_models_and_batch_sizes_taking_turns_keep_their_own_tokens(monkeypatch):
-    """cg=True evaluates the compiled step's guards on each generation's first token only; models and
-    batch sizes that take turns still each decode their own eager tokens."""
+    """cg=True for Mamba-1 LMs, compiled as any other model would be (on CPU they decode through their own
+    step otherwise): the compiled step's guards are evaluated on each generation's first token only, and
+    models and batch sizes that take turns still each decode their own eager tokens."""
     monkeypatch.setattr(MambaLMHeadModel, "decoding_step", lambda *args: None)
     models = []
     for seed in (0, 1):
