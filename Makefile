@@ -5,8 +5,11 @@ PY := $(VENV)/bin/python
 # Torch is installed only when the venv has none; override e.g. TORCH_SPEC='torch>=2.10'.
 TORCH_SPEC ?= torch==2.13.0
 # pip without byte-compiling every module it installs (torch's alone takes 20 s of a 30-s install on
-# 2 cores): Python compiles the modules that are imported, once, when they are first imported.
+# 2 cores): Python compiles the modules that are imported, once, when they are first imported, and
+# keeps them; so a PYTHONDONTWRITEBYTECODE=1 from the environment (as Docker images set it) is not passed
+# on, else every process of the tests and the demo would compile torch's modules again (~5 s each).
 PIP_INSTALL := $(PY) -m pip install -q --no-compile
+unexport PYTHONDONTWRITEBYTECODE
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 # pytest-xdist's workers for make test and test-quick: the 2 cores of CI's machine, both used; tests
 # handed out two at a time, the slow ones first (tests/conftest.py orders them), so both finish together;

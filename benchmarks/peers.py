@@ -158,8 +158,8 @@ def _installed(name: str, folder: str, pip_args: tuple[str, ...], announce: str 
     if not (target / name.split(".")[0]).exists():
         if announce:
             print(f"{announce}: {target}", flush=True)
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), *pip_args],
-                       check=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-compile", "--no-deps", "--target",
+                        str(target), *pip_args], check=True)
     if str(target) not in sys.path:
         sys.path.insert(0, str(target))
     return importlib.import_module(name)
