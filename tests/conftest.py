@@ -54,12 +54,14 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("slow") is None or shares_a_fixture(item))
 
 
+# Where packages run in the C++ runner (examples/cpp): it loads the native library and CMake builds it.
+CPP_RUNNER_USABLE = ssmops.available_backends()["cpu"] == "available" and shutil.which("cmake") is not None
+
 # tests/test_deploy.py runs the scans' AOTInductor packages in the C++ runner and loads them in Python:
-# where it can (the native library and CMake present), the Python-only package checks of tests/ops leave
-# the same compile to it; they run where it cannot, and in the process where `default` is registered.
+# where it can, the Python-only package checks of tests/ops and tests/test_compile_export.py leave the
+# same compile to it; they run where it cannot, and in the process where `default` is registered.
 PACKAGES_CHECKED_IN_TEST_DEPLOY = pytest.mark.skipif(
-    ssmops.available_backends()["cpu"] == "available" and shutil.which("cmake") is not None,
-    reason="tests/test_deploy.py packages this model and runs it in Python and in C++",
+    CPP_RUNNER_USABLE, reason="tests/test_deploy.py packages this model and runs it in Python and in C++"
 )
 
 

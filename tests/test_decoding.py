@@ -108,7 +108,7 @@ def test_a_converted_state_dict_is_refused_by_name(tmp_path):
         MambaLMHeadModel.from_pretrained(tmp_path)
 
 
-@pytest.mark.slow  # (a Mamba-1 LM's compiled steps: the test below)
+@pytest.mark.slow  # a hybrid's compile (a Mamba-1 LM's compiled steps: the next test, not slow)
 def test_compiled_step_generates_the_eager_tokens(monkeypatch):
     """cg=True: every token after the prompt from one compiled graph, caches advanced in place (on
     CPU, its kernels and operators called from inductor's C++ wrapper), for the hybrid LM, whose

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import warnings
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 import ssmops
-from conftest import REPO
+from conftest import CPP_RUNNER_USABLE, REPO
 from ssmops.__main__ import main
 from ssmops.export import quiet_torch_deprecations
 from ssmops.models import MambaConfig, MambaLMHeadModel
@@ -50,7 +49,7 @@ def test_demo_runs(tmp_path, request):
     C++, the backend table; the checkpoint it leaves is generated from.
     Where CMake is, the C++ runner is built first by the `cpp_runner` fixture, in the folder where the
     demo builds it (the demo's build then has nothing to do), once for this test and test_deploy's."""
-    if shutil.which("cmake") is not None and ssmops.available_backends()["cpu"] == "available":
+    if CPP_RUNNER_USABLE:
         request.getfixturevalue("cpp_runner")
     args = ["--steps", "3", "--batch", "2", "--new-tokens", "4", "--eager", "--out", str(tmp_path)]
     env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": "2"}  # 3 steps leave the runner's build nothing to overlap

@@ -48,11 +48,11 @@ def _model(full):
 @pytest.mark.slow
 @pytest.mark.parametrize("full", [True, False], ids=["all-optionals", "no-optionals"])
 def test_aoti_package_runs_in_cpp_like_eager(full, cpp_runner, tmp_path):
-    _check_package_in_cpp(_model(full), seq_dim=2, shapes=[(2, 8, 37), (3, 8, 2100)], runner=cpp_runner,
+    _check_package_like_eager(_model(full), seq_dim=2, shapes=[(2, 8, 37), (3, 8, 2100)], runner=cpp_runner,
                           tmp_path=tmp_path)
 
 
-def _check_package_in_cpp(model, seq_dim: int, shapes: list, runner, tmp_path) -> None:
+def _check_package_like_eager(model, seq_dim: int, shapes: list, runner, tmp_path) -> None:
     """The model exported (seqlen dynamic) from shapes[0] and packaged with AOTInductor gives, in the
     C++ runner and loaded in Python, what it gives in eager mode for every shape (other batches and
     seqlens than traced)."""
@@ -229,7 +229,7 @@ def test_ssd_model_package_runs_in_cpp_like_eager(full, cpp_runner, tmp_path):
     from models import TinySsdModel
 
     torch.manual_seed(0)
-    _check_package_in_cpp(TinySsdModel(full=full).eval(), seq_dim=1, shapes=[(2, 37, 8), (3, 130, 8)],
+    _check_package_like_eager(TinySsdModel(full=full).eval(), seq_dim=1, shapes=[(2, 37, 8), (3, 130, 8)],
                           runner=cpp_runner, tmp_path=tmp_path)
 
 
