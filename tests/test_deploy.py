@@ -19,7 +19,7 @@ from torch import nn
 import ssmops
 import ssmops.export as sx
 from conftest import REPO
-from models import TinyScanModel
+from models import TinyScanModel, TinySsdModel
 
 pytestmark = pytest.mark.skipif(
     ssmops.available_backends()["cpu"] != "available", reason="needs the native operator library"
@@ -45,27 +45,40 @@ def _model(full):
     return TinyScanModel(full=full).eval()
 
 
+class _ScanModels(nn.Module):
+    """Mamba-1's and Mamba-2's test models, each with every optional argument and with none, side by side
+    on one input (batch, seqlen, 8): one package holds the four calls (a package's wrapper is most of its
+    compile, and the four need one)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.scans = nn.ModuleList([TinyScanModel(full=full) for full in (True, False)])
+        self.ssds = nn.ModuleList([TinySsdModel(full=full) for full in (True, False)])
+
+    def forward(self, x):
+        channels_first = x.transpose(1, 2).contiguous()  # TinyScanModel's layout, (batch, 8, seqlen)
+        return tuple(m(channels_first) for m in self.scans) + tuple(m(x) for m in self.ssds)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("full", [True, False], ids=["all-optionals", "no-optionals"])
-def test_aoti_package_runs_in_cpp_like_eager(full, cpp_runner, tmp_path):
-    _check_package_like_eager(_model(full), seq_dim=2, shapes=[(2, 8, 37), (3, 8, 2100)], runner=cpp_runner,
-                          tmp_path=tmp_path)
-
-
-def _check_package_like_eager(model, seq_dim: int, shapes: list, runner, tmp_path) -> None:
-    """The model exported (seqlen dynamic) from shapes[0] and packaged with AOTInductor gives, in the
-    C++ runner and loaded in Python, what it gives in eager mode for every shape (other batches and
-    seqlens than traced)."""
-    ep = sx.export_program(model, (torch.randn(shapes[0]),), seq_dim=seq_dim)
+def test_scan_and_ssd_model_packages_run_in_cpp_like_eager(cpp_runner, tmp_path):
+    """The models exported (batch and seqlen dynamic) at 37 tokens and packaged with AOTInductor give, in
+    the C++ runner and loaded in Python, what they give in eager mode at other batches and lengths: past
+    the Mamba-1 kernels' 2048-token chunk, and over many of SSD's 16-token chunks."""
+    model = _ScanModels().eval()
+    ep = sx.export_program(model, (torch.randn(2, 37, 8),), seq_dim=1)
     package = sx.aoti_package(ep, tmp_path / "model.pt2")
     loaded = torch._inductor.aoti_load_package(str(package))
-    for shape in shapes:
+    for shape in [(2, 37, 8), (3, 2100, 8)]:
         x = torch.randn(shape)
-        (out,) = _run_cpp(runner, "--package", package, [x], tmp_path)
+        outputs = _run_cpp(cpp_runner, "--package", package, [x], tmp_path)
         with torch.no_grad():
             expected = model(x)
-            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(loaded(x), expected, rtol=1e-5, atol=1e-5)
+            for what, got in (("C++", outputs), ("Python", loaded(x))):
+                for name, out, want in zip(("scan", "minimal scan", "SSD", "minimal SSD"), got, expected,
+                                           strict=True):
+                    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}, {name}: {m}")
 
 
 @pytest.mark.slow
@@ -175,19 +188,6 @@ class _DecodeStep(nn.Module):
         return y, state
 
 
-@pytest.mark.slow
-def test_decode_step_package_runs_in_cpp(cpp_runner, tmp_path):
-    torch.manual_seed(0)
-    step = _DecodeStep().eval()
-    inputs = (torch.randn(2, 8, 4), torch.randn(2, 8), torch.randn(2, 8), torch.randn(2, 4), torch.randn(2, 4))
-    package = sx.aoti_package(torch.export.export(step, inputs), tmp_path / "step.pt2")
-    y, state = _run_cpp(cpp_runner, "--package", package, inputs, tmp_path)
-    with torch.no_grad():
-        y_ref, state_ref = step(*inputs)
-    torch.testing.assert_close(y, y_ref)
-    torch.testing.assert_close(state, state_ref)
-
-
 class _MultiheadDecodeStep(nn.Module):
     """Mamba-2's decoding step on a bfloat16 cache, dt/A/dt_bias tied per head as Mamba2 passes
     them, one batch row pointing at a cache row and one padding."""
@@ -208,29 +208,34 @@ class _MultiheadDecodeStep(nn.Module):
         return y, cache
 
 
+class _DecodeSteps(nn.Module):
+    """Mamba-1's decoding step and the multi-head one side by side: one package for both."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.mamba1, self.multihead = _DecodeStep(), _MultiheadDecodeStep()
+
+    def forward(self, state, x, dt, B, C, cache, mh_x, mh_dt, mh_B, mh_C, indices):
+        return self.mamba1(state, x, dt, B, C) + self.multihead(cache, mh_x, mh_dt, mh_B, mh_C, indices)
+
+
 @pytest.mark.slow
-def test_multihead_decode_step_package_runs_in_cpp(cpp_runner, tmp_path):
-    torch.manual_seed(0)
-    step = _MultiheadDecodeStep().eval()
-    inputs = (torch.randn(3, 4, 3, 5).to(torch.bfloat16), torch.randn(2, 4, 3), torch.randn(2, 4),
+def test_decode_step_packages_run_in_cpp(cpp_runner, tmp_path):
+    """The steps' outputs and updated states in C++ are eager's; the multi-head step updates the cache
+    row its index names and leaves the padding's (-1) alone."""
+    steps = _DecodeSteps().eval()
+    inputs = (torch.randn(2, 8, 4), torch.randn(2, 8), torch.randn(2, 8), torch.randn(2, 4), torch.randn(2, 4),
+              torch.randn(3, 4, 3, 5).to(torch.bfloat16), torch.randn(2, 4, 3), torch.randn(2, 4),
               torch.randn(2, 2, 5), torch.randn(2, 2, 5), torch.tensor([2, -1]))
-    package = sx.aoti_package(torch.export.export(step, inputs), tmp_path / "step.pt2")
-    y, cache = _run_cpp(cpp_runner, "--package", package, inputs, tmp_path)
+    package = sx.aoti_package(torch.export.export(steps, inputs), tmp_path / "steps.pt2")
+    outputs = _run_cpp(cpp_runner, "--package", package, inputs, tmp_path)
     with torch.no_grad():
-        y_ref, cache_ref = step(*inputs)
-    torch.testing.assert_close(y, y_ref)
-    torch.testing.assert_close(cache, cache_ref)
-    assert not torch.equal(cache[2], inputs[0][2]) and torch.equal(cache[:2], inputs[0][:2])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("full", [True, False], ids=["all-optionals", "no-optionals"])
-def test_ssd_model_package_runs_in_cpp_like_eager(full, cpp_runner, tmp_path):
-    from models import TinySsdModel
-
-    torch.manual_seed(0)
-    _check_package_like_eager(TinySsdModel(full=full).eval(), seq_dim=1, shapes=[(2, 37, 8), (3, 130, 8)],
-                          runner=cpp_runner, tmp_path=tmp_path)
+        expected = steps(*inputs)
+    for name, got, want in zip(("y", "state", "multi-head y", "cache"), outputs, expected, strict=True):
+        torch.testing.assert_close(got, want, msg=lambda m: f"{name}: {m}")
+    cache, cache_in = outputs[3], inputs[5]
+    assert not torch.equal(cache[2], cache_in[2]) and torch.equal(cache[:2], cache_in[:2])
 
 
 @pytest.mark.slow

@@ -76,6 +76,11 @@ def _fwd_args(case: Case, device="cpu"):
             kw["initial_state"], kw["delta_softplus"])
 
 
+# The backward operators (no autograd of their own) without opcheck's AOTAutograd run, which runs their
+# kernel twice more (~a third of the interpreted file's opcheck time): their fake results are checked
+# against the real ones here, and their tracing into kernel launches by the *_trace_into_kernel_launches tests.
+BACKWARD_OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
+
 OPCHECK_CASES = [
     Case(B="g2", C="g2", initial_state=True),
     Case(B="const", C="var", D=False, z=False, delta_bias=False, softplus=False),
@@ -94,7 +99,7 @@ def test_triton_opcheck(case):
     if case == OPCHECK_CASES[0]:  # with its autograd registration, whichever optionals are present
         fwd_args = tuple(a.clone().requires_grad_() if isinstance(a, torch.Tensor) else a for a in fwd_args)
     torch.library.opcheck(fwd, fwd_args)
-    torch.library.opcheck(bwd, bwd_args)
+    torch.library.opcheck(bwd, bwd_args, test_utils=BACKWARD_OPCHECKS)
 
 
 @needs_interpreter
@@ -210,7 +215,8 @@ def _ssd_bwd_args(fwd_args: tuple, fwd=None) -> tuple:
 def test_triton_ssd_opcheck():
     fwd_args = _ssd_args(batch=1, seqlen=20, nheads=2, headdim=4, ngroups=1, dstate=4, varlen=True)
     torch.library.opcheck(torch.ops.ssmops.ssd_scan_fwd_triton.default, fwd_args)
-    torch.library.opcheck(torch.ops.ssmops.ssd_scan_bwd_triton.default, _ssd_bwd_args(fwd_args))
+    torch.library.opcheck(torch.ops.ssmops.ssd_scan_bwd_triton.default, _ssd_bwd_args(fwd_args),
+                          test_utils=BACKWARD_OPCHECKS)
 
 
 @needs_interpreter
