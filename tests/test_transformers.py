@@ -236,6 +236,24 @@ def test_packed_sequences_stay_apart(family, device):
             torch.testing.assert_close(by_lengths, packed, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("overrides", [{}, {"mamba_rms_norm": True, "mamba_norm_before_gate": True}],
+                         ids=["gate-in-scan", "gated-norm"])
+def test_falcon_h1_packed_sequences_stay_apart_in_its_mixer(overrides):
+    """Falcon-H1's layers run attention beside the mixer on the same input (no SSM-only layout: packed rows
+    meet in attention under sdpa), and pass their keywords on to the mixer: there, a `seq_idx` restarts
+    the conv and the scan, with Falcon-H1's multipliers and either way of gating."""
+    _, model = _pair("falcon_h1", **overrides)
+    mixer = model.base_model.layers[0].mamba
+    hidden = torch.randn(1, 12, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    seq_idx = torch.tensor([[0] * 5 + [1] * 7], dtype=torch.int32)
+    with torch.no_grad():
+        packed = mixer(hidden, seq_idx=seq_idx)
+        apart = torch.cat([mixer(hidden[:, :5]), mixer(hidden[:, 5:])], 1)
+        whole = mixer(hidden)
+    torch.testing.assert_close(packed, apart, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(packed[:, 5:], whole[:, 5:], rtol=1e-4, atol=1e-5)  # the second sequence did restart
+
+
 def test_bad_packing_is_named():
     """A seq_idx of the wrong shape, or cu_seq_lens_q with several rows: a ValueError naming it."""
     _, model = _inference_pair("nemotron_h")
