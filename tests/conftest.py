@@ -60,9 +60,9 @@ def pytest_collection_modifyitems(config, items):
 # Where packages run in the C++ runner (examples/cpp): it loads the native library and CMake builds it.
 CPP_RUNNER_USABLE = ssmops.available_backends()["cpu"] == "available" and shutil.which("cmake") is not None
 
-# tests/test_deploy.py runs the scans' AOTInductor packages in the C++ runner and loads them in Python:
-# where it can, the Python-only package checks of tests/ops and tests/test_compile_export.py leave the
-# same compile to it; they run where it cannot, and in the process where `default` is registered.
+# tests/test_deploy.py runs the scans' AOTInductor package in the C++ runner and loads it in Python:
+# where it can, the Python-only check of the same package (tests/test_compile_export.py) leaves the
+# compile to it; it runs where test_deploy cannot, and in the process where `default` is registered.
 PACKAGES_CHECKED_IN_TEST_DEPLOY = pytest.mark.skipif(
     CPP_RUNNER_USABLE, reason="tests/test_deploy.py packages this model and runs it in Python and in C++"
 )

@@ -1,4 +1,4 @@
-"""A small model calling ssmops, shaped like a Mamba mixer, for compile/export tests."""
+"""Small models calling ssmops, shaped like Mamba mixers, for compile/export tests."""
 
 from __future__ import annotations
 
@@ -75,3 +75,19 @@ class TinySsdModel(nn.Module):
             return_final_states=True,
         )
         return self.out_proj(y.reshape(batch, seqlen, d_inner)) + final.sum((1, 2, 3))[:, None, None]
+
+
+class ScanAndSsdModels(nn.Module):
+    """Mamba-1's and Mamba-2's test models, each with every optional argument and with none, side by side
+    on one input (batch, seqlen, 8): one package holds the four calls (a package's wrapper is most of its
+    compile, and the four need one)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.scans = nn.ModuleList([TinyScanModel(full=full) for full in (True, False)])
+        self.ssds = nn.ModuleList([TinySsdModel(full=full) for full in (True, False)])
+
+    def forward(self, x):
+        channels_first = x.transpose(1, 2).contiguous()  # TinyScanModel's layout, (batch, 8, seqlen)
+        return tuple(m(channels_first) for m in self.scans) + tuple(m(x) for m in self.ssds)

@@ -19,7 +19,7 @@ from torch import nn
 import ssmops
 import ssmops.export as sx
 from conftest import REPO
-from models import TinyScanModel, TinySsdModel
+from models import ScanAndSsdModels, TinyScanModel
 
 pytestmark = pytest.mark.skipif(
     ssmops.available_backends()["cpu"] != "available", reason="needs the native operator library"
@@ -45,28 +45,12 @@ def _model(full):
     return TinyScanModel(full=full).eval()
 
 
-class _ScanModels(nn.Module):
-    """Mamba-1's and Mamba-2's test models, each with every optional argument and with none, side by side
-    on one input (batch, seqlen, 8): one package holds the four calls (a package's wrapper is most of its
-    compile, and the four need one)."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.scans = nn.ModuleList([TinyScanModel(full=full) for full in (True, False)])
-        self.ssds = nn.ModuleList([TinySsdModel(full=full) for full in (True, False)])
-
-    def forward(self, x):
-        channels_first = x.transpose(1, 2).contiguous()  # TinyScanModel's layout, (batch, 8, seqlen)
-        return tuple(m(channels_first) for m in self.scans) + tuple(m(x) for m in self.ssds)
-
-
 @pytest.mark.slow
 def test_scan_and_ssd_model_packages_run_in_cpp_like_eager(cpp_runner, tmp_path):
     """The models exported (batch and seqlen dynamic) at 37 tokens and packaged with AOTInductor give, in
     the C++ runner and loaded in Python, what they give in eager mode at other batches and lengths: past
     the Mamba-1 kernels' 2048-token chunk, and over many of SSD's 16-token chunks."""
-    model = _ScanModels().eval()
+    model = ScanAndSsdModels().eval()
     ep = sx.export_program(model, (torch.randn(2, 37, 8),), seq_dim=1)
     package = sx.aoti_package(ep, tmp_path / "model.pt2")
     loaded = torch._inductor.aoti_load_package(str(package))

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ssmops
-from conftest import GRID_DEVICES, PACKAGES_CHECKED_IN_TEST_DEPLOY, backend_params, on_device
+from conftest import GRID_DEVICES, backend_params, on_device
 from ssmops.ops.ssd import default, reference
 
 INF = float("inf")
@@ -625,16 +625,3 @@ def test_export_dynamic_seqlen_save_load(full, tmp_path):
         x = torch.randn(2, seqlen, 8)
         with torch.no_grad():
             assert rel_err(loaded(x), model(x)) < 1e-6
-
-
-@pytest.mark.slow
-@PACKAGES_CHECKED_IN_TEST_DEPLOY
-@pytest.mark.parametrize("full", [True, False], ids=["all-optionals", "no-optionals"])
-def test_aoti_package_on_cpu(full, tmp_path):
-    model = _ssd_model(full)
-    path = torch._inductor.aoti_compile_and_package(_export(model), package_path=str(tmp_path / "model.pt2"))
-    loaded = torch._inductor.aoti_load_package(path)
-    for seqlen in (37, 130):
-        x = torch.randn(2, seqlen, 8)
-        with torch.no_grad():
-            assert rel_err(loaded(x), model(x)) < 1e-5
