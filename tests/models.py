@@ -82,6 +82,8 @@ class ScanAndSsdModels(nn.Module):
     on one input (batch, seqlen, 8): one package holds the four calls (a package's wrapper is most of its
     compile, and the four need one)."""
 
+    OUTPUTS = ("scan", "minimal scan", "SSD", "minimal SSD")
+
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import ssmops.export as sx
 from conftest import PACKAGES_CHECKED_IN_TEST_DEPLOY, assert_close
 from models import ScanAndSsdModels, TinyScanModel
 
@@ -70,12 +71,10 @@ def test_aoti_package_on_cpu(tmp_path):
     """Mamba-1's and SSD's test models, with every optional argument and with none, in one package
     (seqlen dynamic) loaded in Python: what each gives in eager mode, past the Mamba-1 kernels' chunk."""
     model = ScanAndSsdModels().eval()
-    seqlen = torch.export.Dim("seqlen", min=2, max=1 << 20)
-    ep = torch.export.export(model, (torch.randn(2, 37, 8),), dynamic_shapes={"x": {1: seqlen}})
-    path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "model.pt2"))
-    runner = torch._inductor.aoti_load_package(path)
+    ep = sx.export_program(model, (torch.randn(2, 37, 8),), seq_dim=1)  # as tests/test_deploy.py exports it
+    runner = torch._inductor.aoti_load_package(str(sx.aoti_package(ep, tmp_path / "model.pt2")))
     with torch.no_grad():
         for seqlen in SEQLENS:
-            x = _input(seqlen).transpose(1, 2).contiguous()  # (batch, seqlen, 8), laid out as traced
-            for got, want in zip(runner(x), model(x), strict=True):
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            x = torch.randn(2, seqlen, 8, generator=torch.Generator().manual_seed(seqlen))
+            for name, got, want in zip(model.OUTPUTS, runner(x), model(x), strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")

@@ -60,8 +60,7 @@ def test_scan_and_ssd_model_packages_run_in_cpp_like_eager(cpp_runner, tmp_path)
         with torch.no_grad():
             expected = model(x)
             for what, got in (("C++", outputs), ("Python", loaded(x))):
-                for name, out, want in zip(("scan", "minimal scan", "SSD", "minimal SSD"), got, expected,
-                                           strict=True):
+                for name, out, want in zip(model.OUTPUTS, got, expected, strict=True):
                     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}, {name}: {m}")
 
 
