@@ -9,7 +9,8 @@ On a machine with a CUDA (or ROCm) torch, Triton, pytest, pytest-xdist and hypot
    training and export tests of tests/test_gpu_training.py, and transformers' models on ssmops;
 3. runs benchmarks/gpu.py (ssmops against mamba_ssm's Triton kernels, timed as published from the
    sdist in build/peers, which `make bench-deps` fetches on a machine with the package index);
-4. writes report.md beside the pytest log and the benchmark's output: the machine, pass/fail/skip
+4. writes report.md beside the pytest log, results.jsonl (each outcome as it happened: gpu_check_results.py)
+   and the benchmark's output: the machine, pass/fail/skip
    counts, each failure's first lines, the skip reasons, and the benchmark table.
 Exits non-zero when a test failed or the suite did not finish. Sized to finish in under 8 minutes on
 a 16-core H100 machine (--test-seconds and --bench-seconds bound each part).
@@ -20,11 +21,11 @@ from __future__ import annotations
 import argparse
 import collections
 import importlib.util
+import json
 import os
 import platform
 import subprocess
 import sys
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,13 +63,14 @@ def ensure_library() -> str:
     return "built"
 
 
-def run_tests(args, log: Path, junit: Path) -> int:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", "--tb=short", "--durations=25",
-           "-m", "slow or not slow",
-           "-k", SELECTION, f"--junitxml={junit}", *GPU_TESTS]
+def run_tests(args, log: Path, results: Path) -> int:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "gpu_check_results", "-rfEs",
+           "--tb=short", "--durations=25", "-m", "slow or not slow", "-k", SELECTION, *GPU_TESTS]
     if importlib.util.find_spec("xdist") is not None and args.workers > 1:
         cmd += ["-n", str(args.workers)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    results.unlink(missing_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GPU_CHECK_RESULTS": str(results),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "benchmarks"), os.environ.get("PYTHONPATH")]))}
     env.pop("TRITON_INTERPRET", None)
     with log.open("w") as out:
         try:
@@ -79,23 +81,20 @@ def run_tests(args, log: Path, junit: Path) -> int:
             return 124
 
 
-def summarize(junit: Path) -> tuple[collections.Counter, list[str], collections.Counter]:
-    """Counts by outcome, each failure's name and first lines, and the skip reasons with their counts."""
+def summarize(results: Path) -> tuple[collections.Counter, list[str], collections.Counter]:
+    """Counts by outcome, each failure's name and last lines, and the skip reasons with their counts, from
+    what gpu_check_results.py wrote as the tests ended (so a suite stopped at its limit still reports)."""
     counts, failures, skips = collections.Counter(), [], collections.Counter()
-    if not junit.exists():
+    if not results.exists():
         return counts, failures, skips
-    for case in ET.parse(junit).iter("testcase"):
-        name = f"{case.get('classname')}::{case.get('name')}"
-        outcome = next((child for child in case if child.tag in ("failure", "error", "skipped")), None)
-        if outcome is None:
-            counts["passed"] += 1
-        elif outcome.tag == "skipped":
-            counts["skipped"] += 1
-            skips[(outcome.get("message") or "").split("\n")[0][:160]] += 1
-        else:
-            counts["failed" if outcome.tag == "failure" else "errors"] += 1
-            lines = (outcome.get("message") or outcome.text or "").strip().splitlines()[:4]
-            failures.append(f"{name}: " + " | ".join(line.strip() for line in lines)[:600])
+    for line in results.read_text().splitlines():
+        result = json.loads(line)
+        counts[result["outcome"]] += 1
+        if result["outcome"] in ("failed", "errors"):
+            lines = [text.strip() for text in result["text"].strip().splitlines() if text.strip()][-6:]
+            failures.append(f"{result['test']} ({result['seconds']} s): " + " | ".join(lines)[-900:])
+        elif result["outcome"] == "skipped":
+            skips[result["text"].split("\n")[0][:160]] += 1
     return counts, failures, skips
 
 
@@ -121,12 +120,13 @@ def main(argv=None) -> int:
         return 2
     args.report_dir.mkdir(parents=True, exist_ok=True)
     library = ensure_library()
-    tests_log, junit, bench_log = (args.report_dir / name for name in ("pytest.log", "junit.xml", "benchmark.log"))
-    tests_rc = run_tests(args, tests_log, junit)
-    counts, failures, skips = summarize(junit)
+    tests_log, results, bench_log = (args.report_dir / name for name in ("pytest.log", "results.jsonl",
+                                                                         "benchmark.log"))
+    tests_rc = run_tests(args, tests_log, results)
+    counts, failures, skips = summarize(results)
     report = [f"# make gpu-check\n\nMachine: {machine()}. C++ library: {library}.\n",
               f"## Tests ({' '.join(GPU_TESTS)}, -k '{SELECTION}', {args.workers} workers)\n",
-              ", ".join(f"{counts[k]} {k}" for k in ("passed", "failed", "errors", "skipped")) +
+              ", ".join(f"{counts[k]} {k}" for k in ("passed", "failed", "errors", "skipped", "xfailed")) +
               ("" if tests_rc != 124 else f"; the suite did not finish in {args.test_seconds} s") + "\n"]
     report += ["### Failures\n", *(f"- {line}" for line in failures), ""] if failures else []
     report += ["### Skip reasons\n", *(f"- {n} x {reason}" for reason, n in skips.most_common()), ""]
