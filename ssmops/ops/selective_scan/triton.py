@@ -89,6 +89,8 @@ def selective_scan_fwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     dims = check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
     _check_real_A(A)
+    u, delta, A, B, C, D, z, delta_bias, initial_state = _triton.contiguous_when_traced(
+        u, delta, A, B, C, D, z, delta_bias, initial_state)
     batch, dim, seqlen, dstate, _ = dims
     cfg = _config(seqlen, dstate, backward=False)
     n_chunks = num_chunks(seqlen)
@@ -123,6 +125,9 @@ def selective_scan_bwd(
     dims = check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
     check_scan_grad_inputs(dims, u, A, dout, scan_intermediates, dlast_state)
     _check_real_A(A)
+    u, delta, A, B, C, D, z, delta_bias, initial_state, dout, scan_intermediates, dlast_state = \
+        _triton.contiguous_when_traced(u, delta, A, B, C, D, z, delta_bias, initial_state, dout,
+                                       scan_intermediates, dlast_state)
     batch, dim, seqlen, dstate, groups = dims
     cfg = _config(seqlen, dstate, backward=True)
     # variable dB/dC: each channel's added atomically (fast, order not fixed), or, to be deterministic,

@@ -121,6 +121,8 @@ def ssd_fwd(
     dt_bias: Optional[Tensor], initial_states: Optional[Tensor], seq_idx: Optional[Tensor],
     cu_seqlens: Optional[Tensor], chunk_size: int, dt_softplus: bool, dt_limit: list[float],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx = _triton.contiguous_when_traced(
+        x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx)
     run = _Launch(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_softplus,
                   dt_limit)
     f32 = dict(dtype=torch.float32, device=x.device)
@@ -154,6 +156,8 @@ def ssd_bwd(
     cu_seqlens: Optional[Tensor], chunk_size: int, dt_softplus: bool, dt_limit: list[float], dout: Tensor,
     chunk_states: Tensor, dfinal_states: Optional[Tensor], dvarlen_states: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, dout = _triton.contiguous_when_traced(
+        x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, dout)
     run = _Launch(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_softplus,
                   dt_limit)
     dims = (run.batch, run.seqlen, run.nheads, run.headdim, run.ngroups, run.dstate, run.nseq)
