@@ -17,7 +17,7 @@ PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --maxschedchunk 2
 
-.PHONY: install install-test demo test test-quick test-triton-interpreter bench-deps bench bench-cpu bench-ssd sanitize gpu-check clean
+.PHONY: install install-test demo test test-quick test-triton-interpreter bench-deps bench bench-cpu bench-ssd sanitize gpu-check gpu-wheels clean
 
 # A venv with torch, numpy, and setuptools and wheel for the C++ library's build.
 $(VENV)/.base:
@@ -83,6 +83,20 @@ bench-ssd: bench-deps
 # build/gpu-check/report.md (benchmarks/gpu_check.py; docs/deployment.md says how to carry what it needs).
 gpu-check:
 	$(PYTHON) benchmarks/gpu_check.py
+
+# transformers and what it imports, as wheels for the GPU machine's Python (GPU_PYTHON), into
+# build/gpu-wheels: gpu-check installs them for its tests where that machine's transformers is older
+# than the integration's. The versions this venv runs the same tests with; numpy and torch are the
+# GPU machine's own.
+GPU_PYTHON ?= 3.12
+GPU_WHEELS := transformers==5.24.0 huggingface_hub==2.4.0 tokenizers==0.23.3 safetensors==0.8.0 \
+	regex==2026.11.19 tqdm==4.70.1 filelock==4.3.1 fsspec==2026.9.0 hf-xet==1.8.0 httpx2==2.16.2 \
+	httpcore2==2.16.2 h11==0.16.0 anyio==4.16.0 idna==3.20 typing_extensions==4.16.0 packaging==26.4 \
+	pyyaml==6.0.4 typer==0.29.2 click==8.5.1 shellingham==1.5.4 annotated-doc==0.0.7 truststore==0.10.5
+gpu-wheels: install
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --implementation cp --python-version $(GPU_PYTHON) \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d build/gpu-wheels $(GPU_WHEELS)
 
 clean:
 	rm -rf build ssmops/_C*.so *.egg-info $(VENV)

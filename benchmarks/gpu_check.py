@@ -63,14 +63,28 @@ def ensure_library() -> str:
     return "built"
 
 
-def run_tests(args, log: Path, results: Path) -> int:
+def install_wheels(report_dir: Path) -> str | None:
+    """The wheels `make gpu-wheels` put in build/gpu-wheels (transformers and what it imports, for this
+    machine's Python), installed into the report folder for the tests (first on their path), so that
+    tests/test_transformers.py runs where this machine's transformers is older; None where there are none
+    or they do not install here (wheels for another Python: the tests then use the machine's own)."""
+    wheels = sorted(str(w) for w in (REPO / "build" / "gpu-wheels").glob("*.whl"))
+    if not wheels:
+        return None
+    target = report_dir / "site-packages"
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--upgrade",
+                           "--target", str(target), *wheels])
+    return str(target) if done.returncode == 0 else None
+
+
+def run_tests(args, log: Path, results: Path, site: str | None) -> int:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "gpu_check_results", "-rfEs",
            "--tb=short", "--durations=25", "-m", "slow or not slow", "-k", SELECTION, *GPU_TESTS]
     if importlib.util.find_spec("xdist") is not None and args.workers > 1:
         cmd += ["-n", str(args.workers)]
     results.unlink(missing_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "GPU_CHECK_RESULTS": str(results),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "benchmarks"), os.environ.get("PYTHONPATH")]))}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "benchmarks"), site, os.environ.get("PYTHONPATH")]))}
     env.pop("TRITON_INTERPRET", None)
     with log.open("w") as out:
         try:
@@ -122,9 +136,11 @@ def main(argv=None) -> int:
     library = ensure_library()
     tests_log, results, bench_log = (args.report_dir / name for name in ("pytest.log", "results.jsonl",
                                                                          "benchmark.log"))
-    tests_rc = run_tests(args, tests_log, results)
+    site = install_wheels(args.report_dir)
+    tests_rc = run_tests(args, tests_log, results, site)
     counts, failures, skips = summarize(results)
-    report = [f"# make gpu-check\n\nMachine: {machine()}. C++ library: {library}.\n",
+    wheels = f"build/gpu-wheels, installed in {site}" if site else "this machine's own"
+    report = [f"# make gpu-check\n\nMachine: {machine()}. C++ library: {library}. transformers: {wheels}.\n",
               f"## Tests ({' '.join(GPU_TESTS)}, -k '{SELECTION}', {args.workers} workers)\n",
               ", ".join(f"{counts[k]} {k}" for k in ("passed", "failed", "errors", "skipped", "xfailed")) +
               ("" if tests_rc != 124 else f"; the suite did not finish in {args.test_seconds} s") + "\n"]
