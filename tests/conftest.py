@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -61,11 +62,36 @@ def pytest_collection_modifyitems(config, items):
 CPP_RUNNER_USABLE = ssmops.available_backends()["cpu"] == "available" and shutil.which("cmake") is not None
 
 # tests/test_deploy.py runs the scans' AOTInductor package in the C++ runner and loads it in Python:
-# where it can, the Python-only check of the same package (tests/test_compile_export.py) leaves the
-# compile to it; it runs where test_deploy cannot, and in the process where `default` is registered.
+# where it can, the Python-only check of the same package (tests/test_compile_export.py) leaves that to
+# it; it runs where test_deploy cannot, and in the process where `default` is registered (both load the
+# package `scan_and_ssd_package` compiles once per run).
 PACKAGES_CHECKED_IN_TEST_DEPLOY = pytest.mark.skipif(
     CPP_RUNNER_USABLE, reason="tests/test_deploy.py packages this model and runs it in Python and in C++"
 )
+
+
+@pytest.fixture(scope="session")
+def scan_and_ssd_package(tmp_path_factory) -> tuple:
+    """tests/models.ScanAndSsdModels and its AOTInductor package (exported at (2, 37, 8), batch and seqlen
+    dynamic), compiled once per test run: pytest-xdist's workers and the processes they start (the
+    `default` rerun) share it, under a file lock, in a folder named after the run
+    (PYTEST_XDIST_TESTRUNUID, which those processes inherit). The package is the same whichever backend
+    the compiling process registered for CPU: its calls name the operators, and the process that runs it
+    picks the kernels."""
+    import ssmops.export as sx
+    from models import ScanAndSsdModels
+
+    model = ScanAndSsdModels().eval()
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    folder = Path(tempfile.gettempdir()) / f"ssmops-tests-{run}" if run else tmp_path_factory.mktemp("package")
+    folder.mkdir(exist_ok=True)
+    package = folder / "scan_and_ssd.pt2"
+    with open(folder / "package.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not package.exists():
+            ep = sx.export_program(model, (torch.randn(2, 37, 8),), seq_dim=1)
+            sx.aoti_package(ep, folder / "scan_and_ssd.partial.pt2").rename(package)
+    return model, package
 
 
 @pytest.fixture(scope="session")

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import ssmops.export as sx
 from conftest import PACKAGES_CHECKED_IN_TEST_DEPLOY, assert_close
-from models import ScanAndSsdModels, TinyScanModel
+from models import TinyScanModel
 
 SEQLENS = (37, 2048 + 11)
 
@@ -67,12 +66,11 @@ def test_export_dynamic_seqlen_save_load(full, tmp_path):
 
 @pytest.mark.slow
 @PACKAGES_CHECKED_IN_TEST_DEPLOY
-def test_aoti_package_on_cpu(tmp_path):
+def test_aoti_package_on_cpu(scan_and_ssd_package):
     """Mamba-1's and SSD's test models, with every optional argument and with none, in one package
     (seqlen dynamic) loaded in Python: what each gives in eager mode, past the Mamba-1 kernels' chunk."""
-    model = ScanAndSsdModels().eval()
-    ep = sx.export_program(model, (torch.randn(2, 37, 8),), seq_dim=1)  # as tests/test_deploy.py exports it
-    runner = torch._inductor.aoti_load_package(str(sx.aoti_package(ep, tmp_path / "model.pt2")))
+    model, package = scan_and_ssd_package
+    runner = torch._inductor.aoti_load_package(str(package))
     with torch.no_grad():
         for seqlen in SEQLENS:
             x = torch.randn(2, seqlen, 8, generator=torch.Generator().manual_seed(seqlen))

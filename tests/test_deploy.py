@@ -19,7 +19,7 @@ from torch import nn
 import ssmops
 import ssmops.export as sx
 from conftest import REPO
-from models import ScanAndSsdModels, TinyScanModel
+from models import TinyScanModel
 
 pytestmark = pytest.mark.skipif(
     ssmops.available_backends()["cpu"] != "available", reason="needs the native operator library"
@@ -46,13 +46,11 @@ def _model(full):
 
 
 @pytest.mark.slow
-def test_scan_and_ssd_model_packages_run_in_cpp_like_eager(cpp_runner, tmp_path):
+def test_scan_and_ssd_model_packages_run_in_cpp_like_eager(cpp_runner, scan_and_ssd_package, tmp_path):
     """The models exported (batch and seqlen dynamic) at 37 tokens and packaged with AOTInductor give, in
     the C++ runner and loaded in Python, what they give in eager mode at other batches and lengths: past
     the Mamba-1 kernels' 2048-token chunk, and over many of SSD's 16-token chunks."""
-    model = ScanAndSsdModels().eval()
-    ep = sx.export_program(model, (torch.randn(2, 37, 8),), seq_dim=1)
-    package = sx.aoti_package(ep, tmp_path / "model.pt2")
+    model, package = scan_and_ssd_package
     loaded = torch._inductor.aoti_load_package(str(package))
     for shape in [(2, 37, 8), (3, 2100, 8)]:
         x = torch.randn(shape)
