@@ -96,17 +96,19 @@ def run_tests(args, log: Path, results: Path, site: str | None) -> int:
 
 
 def summarize(results: Path) -> tuple[collections.Counter, list[str], collections.Counter]:
-    """Counts by outcome, each failure's name and last lines, and the skip reasons with their counts, from
-    what gpu_check_results.py wrote as the tests ended (so a suite stopped at its limit still reports)."""
+    """Counts by outcome, each failure's (and expected failure's) name and last lines, and the skip reasons
+    with their counts, from what gpu_check_results.py wrote as the tests ended (so a suite stopped at its
+    limit still reports)."""
     counts, failures, skips = collections.Counter(), [], collections.Counter()
     if not results.exists():
         return counts, failures, skips
     for line in results.read_text().splitlines():
         result = json.loads(line)
         counts[result["outcome"]] += 1
-        if result["outcome"] in ("failed", "errors"):
+        if result["outcome"] in ("failed", "errors", "xfailed"):
             lines = [text.strip() for text in result["text"].strip().splitlines() if text.strip()][-6:]
-            failures.append(f"{result['test']} ({result['seconds']} s): " + " | ".join(lines)[-900:])
+            expected = "(expected to fail) " if result["outcome"] == "xfailed" else ""
+            failures.append(f"{expected}{result['test']} ({result['seconds']} s): " + " | ".join(lines)[-900:])
         elif result["outcome"] == "skipped":
             skips[result["text"].split("\n")[0][:160]] += 1
     return counts, failures, skips

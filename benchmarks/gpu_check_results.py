@@ -29,8 +29,8 @@ def pytest_runtest_logreport(report) -> None:
         text = report.longreprtext[-3000:]
     elif report.skipped and isinstance(report.longrepr, tuple):
         text = report.longrepr[2]
-    elif hasattr(report, "wasxfail"):
-        text = report.wasxfail
+    elif hasattr(report, "wasxfail"):  # the reason, and what the test raised (the next run's lead)
+        text = f"{report.wasxfail}\n{report.longreprtext[-3000:]}"
     with open(_path, "a") as out:
         out.write(json.dumps({"test": report.nodeid, "outcome": outcome, "seconds": round(report.duration, 2),
                               "text": text}) + "\n")
