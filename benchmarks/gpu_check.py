@@ -42,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
     p.add_argument("--test-seconds", type=int, default=300)
     p.add_argument("--bench-seconds", type=int, default=150, help="(three SSD shapes, mamba_ssm autotuning at each)")
+    p.add_argument("--select", default=SELECTION, help="pytest's -k over the GPU tests, e.g. to rerun what failed")
+    p.add_argument("--no-bench", action="store_true", help="the tests only")
     return p.parse_args(argv)
 
 
@@ -72,14 +74,15 @@ def install_wheels(report_dir: Path) -> str | None:
     if not wheels:
         return None
     target = report_dir / "site-packages"
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--upgrade",
-                           "--target", str(target), *wheels])
+    with (report_dir / "pip.log").open("w") as log:
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--upgrade",
+                               "--target", str(target), *wheels], stdout=log, stderr=subprocess.STDOUT)
     return str(target) if done.returncode == 0 else None
 
 
 def run_tests(args, log: Path, results: Path, site: str | None) -> int:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "gpu_check_results", "-rfEs",
-           "--tb=short", "--durations=25", "-m", "slow or not slow", "-k", SELECTION, *GPU_TESTS]
+           "--tb=short", "--durations=25", "-m", "slow or not slow", "-k", args.select, *GPU_TESTS]
     if importlib.util.find_spec("xdist") is not None and args.workers > 1:
         cmd += ["-n", str(args.workers)]
     results.unlink(missing_ok=True)
@@ -141,18 +144,19 @@ def main(argv=None) -> int:
     site = install_wheels(args.report_dir)
     tests_rc = run_tests(args, tests_log, results, site)
     counts, failures, skips = summarize(results)
-    wheels = f"build/gpu-wheels, installed in {site}" if site else "this machine's own"
+    wheels = f"build/gpu-wheels, installed in {site}" if site else "this machine's own (pip.log says why)"
     report = [f"# make gpu-check\n\nMachine: {machine()}. C++ library: {library}. transformers: {wheels}.\n",
-              f"## Tests ({' '.join(GPU_TESTS)}, -k '{SELECTION}', {args.workers} workers)\n",
+              f"## Tests ({' '.join(GPU_TESTS)}, -k '{args.select}', {args.workers} workers)\n",
               ", ".join(f"{counts[k]} {k}" for k in ("passed", "failed", "errors", "skipped", "xfailed")) +
               ("" if tests_rc != 124 else f"; the suite did not finish in {args.test_seconds} s") + "\n"]
     report += ["### Failures\n", *(f"- {line}" for line in failures), ""] if failures else []
     report += ["### Skip reasons\n", *(f"- {n} x {reason}" for reason, n in skips.most_common()), ""]
     (args.report_dir / "report.md").write_text("\n".join(report) + "\n")  # written before the benchmark runs
-    bench_rc = run_benchmark(args, bench_log)
-    report += [f"## benchmarks/gpu.py --skip-baselines (exit {bench_rc})\n", "```",
-               bench_log.read_text().strip(), "```"]
-    (args.report_dir / "report.md").write_text("\n".join(report) + "\n")
+    if not args.no_bench:
+        bench_rc = run_benchmark(args, bench_log)
+        report += [f"## benchmarks/gpu.py --skip-baselines (exit {bench_rc})\n", "```",
+                   bench_log.read_text().strip(), "```"]
+        (args.report_dir / "report.md").write_text("\n".join(report) + "\n")
     print("\n".join(report))
     return 0 if tests_rc == 0 and counts["failed"] == counts["errors"] == 0 else 1
 
