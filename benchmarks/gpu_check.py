@@ -9,9 +9,9 @@ On a machine with a CUDA (or ROCm) torch, Triton, pytest, pytest-xdist and hypot
    training and export tests of tests/test_gpu_training.py, and transformers' models on ssmops;
 3. runs benchmarks/gpu.py (ssmops against mamba_ssm's Triton kernels, timed as published from the
    sdist in build/peers, which `make bench-deps` fetches on a machine with the package index);
-4. writes report.md beside the pytest log, results.jsonl (each outcome as it happened: gpu_check_results.py)
-   and the benchmark's output: the machine, pass/fail/skip
-   counts, each failure's first lines, the skip reasons, and the benchmark table.
+4. writes report.md (the machine, pass/fail/skip counts, each failure's last lines, the skip reasons,
+   the benchmark table) beside the pytest log, results.jsonl (each outcome as it happened:
+   gpu_check_results.py) and the benchmark's output.
 Exits non-zero when a test failed or the suite did not finish. Sized to finish in under 8 minutes on
 a 16-core H100 machine (--test-seconds and --bench-seconds bound each part).
 """

@@ -43,14 +43,11 @@ def launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
 
 
 def contiguous_when_traced(*tensors: Tensor | None) -> tuple:
-    """The tensors a kernel reads, as a traced launch must pass them. A launch passes the strides it
-    sees as numbers; under a tracer those are the fake tensors' strides, and Inductor keeps the stride
-    order of a user kernel's input but not always its exact strides (torch 2.11 on CUDA: in a Mamba-1
-    LM's compiled training step the scan read some input in another layout than the traced numbers
-    said, and logits and gradients were wrong; with contiguous inputs they matched eager on an H100).
-    So under a tracer a non-contiguous input is copied first (in the compiled graph, where Inductor
-    can fuse the copy into its producer); an eager launch reads the real strides and copies nothing.
-    (`clone` rather than `contiguous`, whose C++ path refuses fake CUDA tensors in a CPU-only torch.)"""
+    """The tensors a kernel reads, as a traced launch must pass them. A launch passes the strides it sees
+    as numbers; under a tracer those are the fake tensors', and Inductor keeps an input's stride order but
+    not always its exact strides (a Mamba-1 LM compiled on an H100 read a view in another layout:
+    docs/limits.md). So under a tracer a non-contiguous input is copied first; eager launches read the
+    real strides and copy nothing. (`clone`, as `contiguous` refuses fake CUDA tensors in CPU-only torch.)"""
     return tuple(t.clone(memory_format=torch.contiguous_format)
                  if t is not None and is_fake(t) and not t.is_contiguous() else t for t in tensors)
 
