@@ -77,19 +77,43 @@ class TinySsdModel(nn.Module):
         return self.out_proj(y.reshape(batch, seqlen, d_inner)) + final.sum((1, 2, 3))[:, None, None]
 
 
-class ScanAndSsdModels(nn.Module):
-    """Mamba-1's and Mamba-2's test models, each with every optional argument and with none, side by side
-    on one input (batch, seqlen, 8): one package holds the four calls (a package's wrapper is most of its
-    compile, and the four need one)."""
+class TinyComplexScanModel(nn.Module):
+    """x (batch, seqlen, dim) -> (batch, seqlen, dim) through mamba_ssm's complex mode of the scan: complex
+    A and constant C (built from real parameters), a variable real B with (re, im) pairs along time."""
 
-    OUTPUTS = ("scan", "minimal scan", "SSD", "minimal SSD")
+    def __init__(self, dim: int = 8, dstate: int = 4):
+        super().__init__()
+        self.dstate = dstate
+        self.delta_proj = nn.Linear(dim, dim)
+        self.b_proj = nn.Linear(dim, 2 * dstate)
+        self.A_re = nn.Parameter(-0.5 * torch.arange(1, dstate + 1).float().repeat(dim, 1))
+        self.A_im = nn.Parameter(torch.pi * torch.arange(dstate).float().repeat(dim, 1))  # S4D-Lin-like
+        self.C_re = nn.Parameter(torch.randn(dim, dstate))
+        self.C_im = nn.Parameter(torch.randn(dim, dstate))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seqlen, _ = x.shape
+        delta = self.delta_proj(x).transpose(1, 2)
+        B = self.b_proj(x).reshape(batch, seqlen, self.dstate, 2).permute(0, 2, 1, 3).reshape(batch, self.dstate, -1)
+        A, C = torch.complex(self.A_re, self.A_im), torch.complex(self.C_re, self.C_im)
+        return ssmops.selective_scan_fn(x.transpose(1, 2), delta, A, B, C, delta_softplus=True).transpose(1, 2)
+
+
+class ScanAndSsdModels(nn.Module):
+    """Mamba-1's and Mamba-2's test models, each with every optional argument and with none, and Mamba-1's
+    complex mode, side by side on one input (batch, seqlen, 8): one package holds the five calls (a
+    package's wrapper is most of its compile, and the five need one)."""
+
+    OUTPUTS = ("scan", "minimal scan", "SSD", "minimal SSD", "complex-A scan")
 
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
         self.scans = nn.ModuleList([TinyScanModel(full=full) for full in (True, False)])
         self.ssds = nn.ModuleList([TinySsdModel(full=full) for full in (True, False)])
+        self.complex_scan = TinyComplexScanModel()
 
     def forward(self, x):
         channels_first = x.transpose(1, 2).contiguous()  # TinyScanModel's layout, (batch, 8, seqlen)
-        return tuple(m(channels_first) for m in self.scans) + tuple(m(x) for m in self.ssds)
+        return (tuple(m(channels_first) for m in self.scans) + tuple(m(x) for m in self.ssds)
+                + (self.complex_scan(x),))

@@ -83,14 +83,14 @@ def _compare(backend, kw, tol_scale=1.0):
 
 
 @pytest.mark.parametrize("backend", backend_params(devices=GRID_DEVICES))
-@interpreter_examples(12)
+@interpreter_examples(6)
 @given(kw=scan_problems())
 def test_backend_matches_reference_on_drawn_problems(backend, kw):
     _compare(backend, kw)
 
 
 @pytest.mark.parametrize("backend", backend_params(devices=GRID_DEVICES))
-@interpreter_examples(5)
+@interpreter_examples(3)
 @given(kw=scan_problems(), data=st.data())
 def test_backend_gradients_match_reference_on_drawn_problems(backend, kw, data):
     kw = {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in on_device(kw, backend.device).items()}
@@ -194,7 +194,7 @@ def _assume_interpretable(backend, kw) -> None:
 
 
 @pytest.mark.parametrize("backend", backend_params(names=("default", "cpu", "triton"), devices=GRID_DEVICES))
-@interpreter_examples(5)
+@interpreter_examples(3)
 @given(kw=ssd_problems())
 def test_ssd_backend_matches_reference_on_drawn_problems(backend, kw):
     from ssmops.ops.ssd.reference import ssd_scan_ref

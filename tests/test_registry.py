@@ -137,10 +137,7 @@ def test_operator_and_deployment_checks_with_default_registered_for_cpu():
     """tests/ops' opcheck, compile, export and AOTInductor checks and tests/test_compile_export.py again
     with SSMOPS_BACKEND=default (read at import: the native library is not loaded, and `default` is what
     the dispatcher registers for CPU), in a process of its own; compiles with every optional argument only
-    (this run compiles both kinds; eager tests run `default` without them), and not the complex-A package
-    (a second package's ~20 s, for the same calls from a package into the dispatcher that the scan and SSD
-    models' package makes; `default`'s complex-A kernel is checked by the eager tests)."""
-    selection = ("(opcheck or compile or export or aoti) and not (fullgraph and no-optionals)"
-                 " and not complex_A_aoti")
+    (this run compiles both kinds; eager tests run `default` without them)."""
+    selection = "(opcheck or compile or export or aoti) and not (fullgraph and no-optionals)"
     run_pytest(["-m", "slow or not slow", "-k", selection, "tests/ops", "tests/test_compile_export.py"],
                {"SSMOPS_BACKEND": "default"})

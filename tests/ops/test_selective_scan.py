@@ -425,9 +425,3 @@ def test_complex_A_exports_with_dynamic_seqlen(tmp_path):
     path = tmp_path / "complex_scan.pt2"
     torch.export.save(_export_complex_scan(), path)
     _check_runs_like_eager(torch.export.load(path).module())
-
-
-@pytest.mark.slow
-def test_complex_A_aoti_package_on_cpu(tmp_path):
-    path = torch._inductor.aoti_compile_and_package(_export_complex_scan(), package_path=str(tmp_path / "scan.pt2"))
-    _check_runs_like_eager(torch._inductor.aoti_load_package(path))
