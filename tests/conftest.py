@@ -23,7 +23,7 @@ os.environ.setdefault("AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL", "O0")
 # Inductor's CPU kernels (the aten ops it fuses around ssmops' operators) without SIMD code: a tiny model's
 # compiled training step then generates and compiles in less than half the time (70 s -> 30 s on 2 cores),
 # and what the tests check, ssmops' operators inside compiled graphs and packages, is the same. The
-# tests marked `inductor_as_shipped` compile with Inductor's own default (vectorized where the CPU can);
+# tests decorated with `inductor_as_shipped` compile with Inductor's own default (vectorized where the CPU can);
 # TORCHINDUCTOR_VEC_ISA_OK=1 in the environment runs them all so.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
