@@ -34,7 +34,7 @@ from ssmops.modules.linear import quantize_int8  # noqa: E402
 
 # mamba-130m's projections: (name, out_features, in_features)
 SHAPES = [("in_proj", 3072, 768), ("x_proj", 80, 1536), ("out_proj", 768, 1536), ("lm_head", 50280, 768)]
-QUICK_SHAPES = [("in_proj", 1024, 256), ("out_proj", 256, 512)]
+QUICK_SHAPES = [("in_proj", 1024, 256)]  # one shape: a smoke test (each shape compiles torchao's layer anew)
 
 
 def contenders(weight: torch.Tensor, torchao) -> dict:
