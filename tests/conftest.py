@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import importlib.util
 import math
 import os
 import shutil
@@ -31,6 +32,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import ssmops
+from ssmops._registry import interpreting
 from ssmops.ops.selective_scan.checks import CHUNK_LEN
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,6 +67,47 @@ def pytest_collection_modifyitems(config, items):
         return fixtures is not None and any(defs[-1].scope == "module" for defs in fixtures.name2fixturedefs.values())
 
     items.sort(key=lambda item: item.get_closest_marker("slow") is None or shares_a_fixture(item))
+
+
+def _interpreter_patches_the_language_once_a_launch() -> None:
+    """Triton's interpreter patches triton.language's modules (every member, looked up by inspect) when a
+    launch starts and again on every call of a @triton.jit function inside it, ~0.3 ms a call: a third of
+    the interpreted suites' time, for modules the launch has patched already. Within a launch this lets
+    a call through only for a module not yet patched in it (triton.language.core, for the standard
+    library's functions), as Triton would patch it; outside the interpreter, or where Triton's
+    interpreter has other names, nothing changes."""
+    import types
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patch_lang, launch = getattr(interpreter, "_patch_lang", None), getattr(interpreter, "GridExecutor", None)
+    if patch_lang is None or launch is None or not hasattr(interpreter, "_LangPatchScope"):
+        return
+    patched_in_launch: list = [None]  # the ids of the language modules patched in the running launch
+
+    def patch_lang_once(fn):
+        if patched_in_launch[0] is not None:
+            modules = {id(v) for v in fn.__globals__.values()
+                       if isinstance(v, types.ModuleType) and (v is tl or v is tl.core)}
+            if modules <= patched_in_launch[0]:
+                return interpreter._LangPatchScope()
+            patched_in_launch[0] |= modules
+        return patch_lang(fn)
+
+    def run_launch(self, *args, run=launch.__call__, **kwargs):
+        patched_in_launch[0] = set()
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            patched_in_launch[0] = None
+
+    interpreter._patch_lang = patch_lang_once
+    launch.__call__ = run_launch
+
+
+if interpreting() and importlib.util.find_spec("triton") is not None:
+    _interpreter_patches_the_language_once_a_launch()
 
 
 # Where packages run in the C++ runner (examples/cpp): it loads the native library and CMake builds it.
@@ -288,8 +331,6 @@ def backend_params(cases=None, names=None, devices=("cpu",)):
     GRID_DEVICES), each a `Backend`, skipped with its reason where it cannot run here. The CPU's
     Triton cases run only under the interpreter (tests/test_triton.py runs them so), where its
     multi-chunk cases are slow; on a GPU, `triton` and `default` run on CUDA tensors natively."""
-    from ssmops._registry import interpreting
-
     params = []
     for device in devices:
         for case in cases or [None]:
@@ -356,8 +397,6 @@ def interpreter_examples(n: int):
     SSD problem takes seconds, its gradients ten to thirty, and a scan's gradients several: n drawn problems
     there (derandomized, as everywhere in CI; natively on a GPU the profile's count)."""
     from hypothesis import settings
-
-    from ssmops._registry import interpreting
 
     return settings(max_examples=n) if interpreting() else (lambda test: test)
 
