@@ -87,10 +87,10 @@ def _interpreter_patches_the_language_once_a_launch() -> None:
     patched_in_launch: list = [None]  # the ids of the language modules patched in the running launch
 
     def patch_lang_once(fn):
-        if patched_in_launch[0] is not None:
+        if patched_in_launch[0] is not None:  # (the launch's own call finds the set empty and patches)
             modules = {id(v) for v in fn.__globals__.values()
                        if isinstance(v, types.ModuleType) and (v is tl or v is tl.core)}
-            if modules <= patched_in_launch[0]:
+            if patched_in_launch[0] and modules <= patched_in_launch[0]:
                 return interpreter._LangPatchScope()
             patched_in_launch[0] |= modules
         return patch_lang(fn)
