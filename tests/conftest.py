@@ -84,23 +84,24 @@ def _interpreter_patches_the_language_once_a_launch() -> None:
     patch_lang, launch = getattr(interpreter, "_patch_lang", None), getattr(interpreter, "GridExecutor", None)
     if patch_lang is None or launch is None or not hasattr(interpreter, "_LangPatchScope"):
         return
-    patched_in_launch: list = [None]  # the ids of the language modules patched in the running launch
+    patched_in_launch: set | None = None  # the ids of the language modules patched in the running launch
 
     def patch_lang_once(fn):
-        if patched_in_launch[0] is not None:  # (the launch's own call finds the set empty and patches)
+        if patched_in_launch is not None:  # (the launch's own call finds the set empty and patches)
             modules = {id(v) for v in fn.__globals__.values()
                        if isinstance(v, types.ModuleType) and (v is tl or v is tl.core)}
-            if patched_in_launch[0] and modules <= patched_in_launch[0]:
+            if patched_in_launch and modules <= patched_in_launch:
                 return interpreter._LangPatchScope()
-            patched_in_launch[0] |= modules
+            patched_in_launch.update(modules)
         return patch_lang(fn)
 
     def run_launch(self, *args, run=launch.__call__, **kwargs):
-        patched_in_launch[0] = set()
+        nonlocal patched_in_launch
+        patched_in_launch = set()
         try:
             return run(self, *args, **kwargs)
         finally:
-            patched_in_launch[0] = None
+            patched_in_launch = None
 
     interpreter._patch_lang = patch_lang_once
     launch.__call__ = run_launch

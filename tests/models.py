@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 import ssmops
+from ssmops.mamba_inner import _scan_layout
 
 
 class TinyScanModel(nn.Module):
@@ -92,10 +93,9 @@ class TinyComplexScanModel(nn.Module):
         self.C_im = nn.Parameter(torch.randn(dim, dstate))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seqlen, _ = x.shape
         delta = self.delta_proj(x).transpose(1, 2)
-        B = self.b_proj(x).reshape(batch, seqlen, self.dstate, 2).permute(0, 2, 1, 3).reshape(batch, self.dstate, -1)
         A, C = torch.complex(self.A_re, self.A_im), torch.complex(self.C_re, self.C_im)
+        B = _scan_layout(self.b_proj(x), A)  # as mamba_inner_fn lays out x_proj's columns for a complex A
         return ssmops.selective_scan_fn(x.transpose(1, 2), delta, A, B, C, delta_softplus=True).transpose(1, 2)
 
 

@@ -68,8 +68,9 @@ def test_export_dynamic_seqlen_save_load(full, tmp_path):
 @pytest.mark.slow
 @PACKAGES_CHECKED_IN_TEST_DEPLOY
 def test_aoti_package_on_cpu(scan_and_ssd_package):
-    """Mamba-1's and SSD's test models, with every optional argument and with none, in one package
-    (seqlen dynamic) loaded in Python: what each gives in eager mode, past the Mamba-1 kernels' chunk."""
+    """Mamba-1's and SSD's test models, with every optional argument and with none, and Mamba-1's complex
+    mode, in one package (seqlen dynamic) loaded in Python: what each gives in eager mode, past the
+    Mamba-1 kernels' chunk."""
     model, package = scan_and_ssd_package
     runner = torch._inductor.aoti_load_package(str(package))
     with torch.no_grad():
