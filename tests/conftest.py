@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import functools
 import importlib.util
 import math
 import os
@@ -30,6 +31,7 @@ os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from torch._inductor.cpu_vec_isa import valid_vec_isa_list  # noqa: E402
 
 import ssmops
 from ssmops._registry import interpreting
@@ -37,8 +39,25 @@ from ssmops.ops.selective_scan.checks import CHUNK_LEN
 
 REPO = Path(__file__).resolve().parents[1]
 
-# A decorator for the checks that compile as users do: Inductor's CPU kernels vectorized where the CPU can.
-inductor_as_shipped = torch._inductor.config.patch({"cpp.vec_isa_ok": None})
+
+def inductor_as_shipped(test):
+    """A decorator for the checks that compile as users do: Inductor's CPU kernels vectorized where the CPU can.
+
+    Inductor caches the CPU's usable vector ISAs per process under the setting in force at the first
+    compile (`valid_vec_isa_list`), so the setting alone would leave a worker that compiled scalar
+    kernels before scalar, and a vectorized graph from Inductor's on-disk cache would then be
+    compiled without its ISA flags (a C++ error). The list is recomputed on the way in and out."""
+
+    @functools.wraps(test)
+    def run_as_shipped(*args, **kwargs):
+        with torch._inductor.config.patch({"cpp.vec_isa_ok": None}):
+            valid_vec_isa_list.cache_clear()
+            try:
+                return test(*args, **kwargs)
+            finally:
+                valid_vec_isa_list.cache_clear()
+
+    return run_as_shipped
 
 
 def pytest_configure(config):
