@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import run_python
 from ssmops.models import MambaLMHeadModel
 from ssmops.modules.linear import Linear
 from test_models import tiny_config, train
@@ -143,29 +142,23 @@ def test_compiled_steps_of_models_and_batch_sizes_taking_turns_keep_their_own_to
                                        atol=1e-5)
 
 
-_PYTHON_WRAPPER_CHECK = """
-import torch
-from ssmops.models import MambaLMHeadModel
-from test_models import tiny_config
-MambaLMHeadModel.decoding_step = lambda *args: None  # the compiled step, not the model's own
-torch.manual_seed(0)
-model = MambaLMHeadModel(tiny_config()).eval()
-prompt = torch.randint(0, 61, (2, 5), generator=torch.Generator().manual_seed(1))
-eager = model.generate(prompt, max_length=10, return_dict_in_generate=True, output_scores=True)
-compiled = model.generate(prompt, max_length=10, cg=True, return_dict_in_generate=True, output_scores=True)
-assert not torch._inductor.config.cpp_wrapper
-assert torch.equal(compiled.sequences, eager.sequences)
-torch.testing.assert_close(torch.stack(compiled.scores), torch.stack(eager.scores), rtol=1e-5, atol=1e-5)
-print("OK")
-"""
-
-
 @pytest.mark.slow
-def test_compiled_step_under_inductors_python_wrapper():
+def test_compiled_step_under_inductors_python_wrapper(monkeypatch):
     """On CPU, cg=True compiles the step with inductor's cpp_wrapper (the test above);
     TORCHINDUCTOR_CPP_WRAPPER=0 keeps its Python wrapper, which gives the eager tokens too."""
-    res = run_python(_PYTHON_WRAPPER_CHECK, env={"TORCHINDUCTOR_CPP_WRAPPER": "0", "PYTHONPATH": "tests"})
-    assert res.returncode == 0 and "OK" in res.stdout, res.stdout + res.stderr
+    from ssmops.models import generation
+
+    monkeypatch.setattr(MambaLMHeadModel, "decoding_step", lambda *args: None)
+    monkeypatch.setenv("TORCHINDUCTOR_CPP_WRAPPER", "0")
+    monkeypatch.setattr(torch._inductor.config, "cpp_wrapper", False)  # what the variable sets at import
+    torch.manual_seed(0)
+    model = MambaLMHeadModel(tiny_config()).eval()
+    prompt = torch.randint(0, 61, (2, 5), generator=torch.Generator().manual_seed(1))
+    eager = model.generate(prompt, max_length=10, return_dict_in_generate=True, output_scores=True)
+    compiled = model.generate(prompt, max_length=10, cg=True, return_dict_in_generate=True, output_scores=True)
+    assert generation.compiled_step_logits("cpu") is generation._compiled_step_logits[False]
+    assert torch.equal(compiled.sequences, eager.sequences)
+    torch.testing.assert_close(torch.stack(compiled.scores), torch.stack(eager.scores), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("weights", ["fp32", "int8"])

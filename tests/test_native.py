@@ -117,13 +117,13 @@ def test_backward_check_error_names_the_argument():
 def test_invalid_isa_override_is_an_error():
     code = (
         "import torch, ssmops\n"
-        "from conftest import Case, make_inputs, run_scan_with_grads\n"
+        "u, delta, B, C = torch.randn(4, 1, 2, 3).unbind()\n"
         "try:\n"
-        "    ssmops.selective_scan_fn(**make_inputs(Case()))\n"
+        "    ssmops.selective_scan_fn(u, delta, -torch.rand(2, 2), B, C)\n"
         "except RuntimeError as e:\n"
         "    print('ERR', e)\n"
     )
-    res = run_python(code, env={"SSMOPS_CPU_ISA": "sse9", "PYTHONPATH": "tests"})
+    res = run_python(code, env={"SSMOPS_CPU_ISA": "sse9"})
     assert "SSMOPS_CPU_ISA must be auto, avx512, avx2 or generic" in res.stdout, res.stdout + res.stderr
 
 

@@ -528,8 +528,9 @@ def test_triton_counts_match_the_launchers():
         assert all(row["load"] > 0 and row["sectors"] >= row["load"] for row in counts[family]["launches"])
 
 
-# a fresh interpreter that traces FwdBwd (defined between the two) on fake CUDA tensors and prints its launches
-_TRACE_SETUP = """
+# a fresh interpreter (it registers the Triton launchers for CUDA) that traces each family's forward and
+# backward on fake CUDA tensors and prints, under the family's name, the launches and copies in the graph
+_TRACE_ON_FAKE_CUDA = """
 import torch
 import ssmops._registry as registry
 from torch._functorch.aot_autograd import aot_export_module
@@ -538,73 +539,51 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 registry._gpu_present = lambda: True  # fake CUDA tensors stand in for a GPU
 assert registry.load_triton() is None
-"""
-_TRACE_LAUNCHES = """
-for node in graph.graph.nodes:
-    if node.op == "call_function":
-        assert not str(node.target).startswith("ssmops"), node.target
-        if "triton_kernel_wrapper" in str(node.target):
-            kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
-            print("launch", kernel.fn.__name__, [c.num_warps for c in kernel.configs], node.kwargs["grid"])
-        elif node.target is torch.ops.aten.clone.default:
-            print("copy", tuple(node.args[0].meta["val"].stride()), "->", tuple(node.meta["val"].stride()))
-"""
-_TRACE_ON_FAKE_CUDA = _TRACE_SETUP + """
+ops = torch.ops.ssmops
 
-class FwdBwd(torch.nn.Module):
+
+class ScanFwdBwd(torch.nn.Module):
     def forward(self, u, delta, A, B, C, D, zt, dout):
         z = zt.transpose(1, 2)  # as mamba_inner_fn slices z: strides a compiler may not keep
-        ops = torch.ops.ssmops
         out, x, out_z, last = ops.selective_scan_fwd_triton(u, delta, A, B, C, D, z, None, None, True)
         grads = ops.selective_scan_bwd_triton(u, delta, A, B, C, D, z, None, None, dout, x, None, True)
         return (out_z, *grads)
 
 
-b, d, l, n = 2, 64, 100, 16
-with FakeTensorMode():
-    args = [torch.empty(*shape, device="cuda") for shape in
-            [(b, d, l), (b, d, l), (d, n), (b, n, l), (b, n, l), (d,), (b, l, d), (b, d, l)]]
-    graph, _ = aot_export_module(FwdBwd(), args, trace_joint=False)
-""" + _TRACE_LAUNCHES
-
-
-_SSD_TRACE_ON_FAKE_CUDA = _TRACE_SETUP + """
-
-class FwdBwd(torch.nn.Module):
+class SsdFwdBwd(torch.nn.Module):
     def forward(self, x, dt, A, B, C, D, z, bias, init, dout, dfinal):
-        ops = torch.ops.ssmops
         args = (x, dt, A, B, C, D, z, bias, init, None, None, 64, True, [])
         out, final, states, _ = ops.ssd_scan_fwd_triton(*args)
         grads = ops.ssd_scan_bwd_triton(*args, dout, states, dfinal, None)
         return (out, final, *grads)
 
 
-b, l, h, p, g, n = 2, 200, 8, 32, 2, 16
+def print_launches(family, module, args):
+    print("family", family)
+    graph, _ = aot_export_module(module, args, trace_joint=False)
+    for node in graph.graph.nodes:
+        if node.op == "call_function":
+            assert not str(node.target).startswith("ssmops"), node.target
+            if "triton_kernel_wrapper" in str(node.target):
+                kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+                print("launch", kernel.fn.__name__, [c.num_warps for c in kernel.configs], node.kwargs["grid"])
+            elif node.target is torch.ops.aten.clone.default:
+                print("copy", tuple(node.args[0].meta["val"].stride()), "->", tuple(node.meta["val"].stride()))
+
+
 with FakeTensorMode():
+    b, d, l, n = 2, 64, 100, 16
+    print_launches("scan", ScanFwdBwd(), [torch.empty(*shape, device="cuda") for shape in
+                                          [(b, d, l), (b, d, l), (d, n), (b, n, l), (b, n, l), (d,), (b, l, d),
+                                           (b, d, l)]])
+    b, l, h, p, g, n = 2, 200, 8, 32, 2, 16
     cuda = dict(device="cuda", dtype=torch.bfloat16)
-    args = [torch.empty(b, l, h, p, **cuda), torch.empty(b, l, h, **cuda), torch.empty(h, device="cuda"),
-            torch.empty(b, l, g, n, **cuda), torch.empty(b, l, g, n, **cuda), torch.empty(h, device="cuda"),
-            torch.empty(b, l, h, p, **cuda), torch.empty(h, device="cuda"), torch.empty(b, h, p, n, device="cuda"),
-            torch.empty(b, l, h, p, **cuda), torch.empty(b, h, p, n, device="cuda")]
-    graph, _ = aot_export_module(FwdBwd(), args, trace_joint=False)
-""" + _TRACE_LAUNCHES
-
-
-@pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
-@pytest.mark.skipif(interpreting(), reason="traces the JIT kernels, which the interpreter replaces")
-def test_triton_ssd_ops_trace_into_kernel_launches_on_cuda_tensors():
-    """The SSD operators on fake CUDA tensors, as torch.compile and AOTInductor see them: the launches of
-    the forward's and the backward's kernels (grids from the sizes: one (headdim, dstate) state tile, 4
-    chunks of 64, batch x nheads = 16, 2 blocks of 32 tokens a chunk in the backward) and no ssmops operator."""
-    proc = run_python(_SSD_TRACE_ON_FAKE_CUDA, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    launches = [line for line in proc.stdout.splitlines() if line.startswith("launch ")]
-    assert launches == [
-        "launch ssd_states_fwd_kernel [8] [(1, 16, 1)]", "launch ssd_chunk_scan_kernel [8] [(4, 16, 1)]",
-        "launch ssd_chunk_scan_kernel [8] [(4, 16, 1)]", "launch ssd_state_grads_kernel [8] [(1, 16, 1)]",
-        "launch ssd_bwd_block_kernel [8] [(8, 16, 1)]", "launch ssd_bwd_block_kernel [8] [(8, 16, 1)]",
-        "launch ssd_bwd_block_kernel [8] [(8, 16, 1)]", "launch ssd_bwd_ddt_kernel [4] [(4, 16, 1)]",
-    ], proc.stdout
+    print_launches("ssd", SsdFwdBwd(), [
+        torch.empty(b, l, h, p, **cuda), torch.empty(b, l, h, **cuda), torch.empty(h, device="cuda"),
+        torch.empty(b, l, g, n, **cuda), torch.empty(b, l, g, n, **cuda), torch.empty(h, device="cuda"),
+        torch.empty(b, l, h, p, **cuda), torch.empty(h, device="cuda"), torch.empty(b, h, p, n, device="cuda"),
+        torch.empty(b, l, h, p, **cuda), torch.empty(b, h, p, n, device="cuda")])
+"""
 
 
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
@@ -612,16 +591,30 @@ def test_triton_ssd_ops_trace_into_kernel_launches_on_cuda_tensors():
 def test_triton_ops_trace_into_kernel_launches_on_cuda_tensors():
     """What torch.compile and AOTInductor see on a GPU, traced on fake CUDA tensors: AOTAutograd's
     functionalization turns the Triton operators into launches of the kernels themselves (with
-    their tile sizes and warps), and no ssmops operator is left in the graph. A non-contiguous input
-    (z, transposed) reaches each launch as a contiguous copy: the launch's stride numbers are the
-    traced ones, which Inductor does not always keep for a view (_triton.contiguous_when_traced)."""
+    their tile sizes and warps), and no ssmops operator is left in the graph.
+
+    The selective scan: a non-contiguous input (z, transposed) reaches each launch as a contiguous copy:
+    the launch's stride numbers are the traced ones, which Inductor does not always keep for a view
+    (_triton.contiguous_when_traced). The SSD: grids from the sizes (one (headdim, dstate) state tile, 4
+    chunks of 64, batch x nheads = 16, 2 blocks of 32 tokens a chunk in the backward)."""
     proc = run_python(_TRACE_ON_FAKE_CUDA, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(("launch ", "copy "))]
+    lines = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("family "):
+            family = lines.setdefault(line.split()[1], [])
+        elif line.startswith(("launch ", "copy ")):
+            family.append(line)
     dim, seqlen = 64, 100  # z: (batch, dim, seqlen), the transpose of a contiguous (batch, seqlen, dim)
     z_copy = f"copy {(seqlen * dim, 1, dim)} -> {(dim * seqlen, seqlen, 1)}"
-    assert lines == [z_copy, "launch selective_scan_fwd_kernel [1] [(64, 2, 1)]",
-                     z_copy, "launch selective_scan_bwd_kernel [1] [(64, 2, 1)]"], proc.stdout
+    assert lines["scan"] == [z_copy, "launch selective_scan_fwd_kernel [1] [(64, 2, 1)]",
+                             z_copy, "launch selective_scan_bwd_kernel [1] [(64, 2, 1)]"], proc.stdout
+    assert lines["ssd"] == [
+        "launch ssd_states_fwd_kernel [8] [(1, 16, 1)]", "launch ssd_chunk_scan_kernel [8] [(4, 16, 1)]",
+        "launch ssd_chunk_scan_kernel [8] [(4, 16, 1)]", "launch ssd_state_grads_kernel [8] [(1, 16, 1)]",
+        "launch ssd_bwd_block_kernel [8] [(8, 16, 1)]", "launch ssd_bwd_block_kernel [8] [(8, 16, 1)]",
+        "launch ssd_bwd_block_kernel [8] [(8, 16, 1)]", "launch ssd_bwd_ddt_kernel [4] [(4, 16, 1)]",
+    ], proc.stdout
 
 
 # --- on a GPU ----------------------------------------------------------------------------
