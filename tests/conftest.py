@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
-import functools
 import importlib.util
 import math
 import os
@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 # Inductor's C++ (CPU kernels, AOTInductor's wrappers) without the line tables it adds by default for
@@ -25,7 +26,7 @@ os.environ.setdefault("AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL", "O0")
 # Inductor's CPU kernels (the aten ops it fuses around ssmops' operators) without SIMD code: a tiny model's
 # compiled training step then generates and compiles in less than half the time (70 s -> 30 s on 2 cores),
 # and what the tests check, ssmops' operators inside compiled graphs and packages, is the same. The
-# tests decorated with `inductor_as_shipped` compile with Inductor's own default (vectorized where the CPU can);
+# blocks under `inductor_as_shipped` compile with Inductor's own default (vectorized where the CPU can);
 # TORCHINDUCTOR_VEC_ISA_OK=1 in the environment runs them all so.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
@@ -40,24 +41,20 @@ from ssmops.ops.selective_scan.checks import CHUNK_LEN
 REPO = Path(__file__).resolve().parents[1]
 
 
-def inductor_as_shipped(test):
-    """A decorator for the checks that compile as users do: Inductor's CPU kernels vectorized where the CPU can.
+@contextlib.contextmanager
+def inductor_as_shipped() -> Iterator[None]:
+    """Compiles inside the block as users do: Inductor's CPU kernels vectorized where the CPU can.
 
     Inductor caches the CPU's usable vector ISAs per process under the setting in force at the first
     compile (`valid_vec_isa_list`), so the setting alone would leave a worker that compiled scalar
     kernels before scalar, and a vectorized graph from Inductor's on-disk cache would then be
     compiled without its ISA flags (a C++ error). The list is recomputed on the way in and out."""
-
-    @functools.wraps(test)
-    def run_as_shipped(*args, **kwargs):
-        with torch._inductor.config.patch({"cpp.vec_isa_ok": None}):
+    with torch._inductor.config.patch({"cpp.vec_isa_ok": None}):
+        valid_vec_isa_list.cache_clear()
+        try:
+            yield
+        finally:
             valid_vec_isa_list.cache_clear()
-            try:
-                return test(*args, **kwargs)
-            finally:
-                valid_vec_isa_list.cache_clear()
-
-    return run_as_shipped
 
 
 def pytest_configure(config):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -21,8 +23,14 @@ def _input(seqlen: int, batch: int = 2) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("full", [True, False], ids=["all-optionals", "no-optionals"])
-@inductor_as_shipped  # the contract's compile check, with Inductor's kernels as users get them
 def test_compile_fullgraph_dynamic_seqlen_forward_and_backward(full):
+    """The contract's compile check. Without the optional arguments it compiles with Inductor's kernels as
+    users get them (vectorized: 13 s against 10 s scalar on 2 cores; with them, 41 s against 18 s)."""
+    with contextlib.nullcontext() if full else inductor_as_shipped():
+        _compile_fullgraph_dynamic_seqlen_forward_and_backward(full)
+
+
+def _compile_fullgraph_dynamic_seqlen_forward_and_backward(full: bool) -> None:
     torch._dynamo.reset()
     model = _model(full)
     compiled = torch.compile(model, fullgraph=True, dynamic=False)
