@@ -150,13 +150,13 @@ def test_compiled_step_under_inductors_python_wrapper(monkeypatch):
 
     monkeypatch.setattr(MambaLMHeadModel, "decoding_step", lambda *args: None)
     monkeypatch.setenv("TORCHINDUCTOR_CPP_WRAPPER", "0")
-    monkeypatch.setattr(torch._inductor.config, "cpp_wrapper", False)  # what the variable sets at import
     torch.manual_seed(0)
     model = MambaLMHeadModel(tiny_config()).eval()
     prompt = torch.randint(0, 61, (2, 5), generator=torch.Generator().manual_seed(1))
     eager = model.generate(prompt, max_length=10, return_dict_in_generate=True, output_scores=True)
     compiled = model.generate(prompt, max_length=10, cg=True, return_dict_in_generate=True, output_scores=True)
     assert generation.compiled_step_logits("cpu") is generation._compiled_step_logits[False]
+    assert not torch._inductor.config.cpp_wrapper
     assert torch.equal(compiled.sequences, eager.sequences)
     torch.testing.assert_close(torch.stack(compiled.scores), torch.stack(eager.scores), rtol=1e-5, atol=1e-5)
 
