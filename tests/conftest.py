@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import fcntl
 import importlib.util
@@ -13,7 +12,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 # Inductor's C++ (CPU kernels, AOTInductor's wrappers) without the line tables it adds by default for
@@ -25,36 +23,20 @@ os.environ.setdefault("AOT_INDUCTOR_ENABLE_LINE_TABLES", "0")
 os.environ.setdefault("AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL", "O0")
 # Inductor's CPU kernels (the aten ops it fuses around ssmops' operators) without SIMD code: a tiny model's
 # compiled training step then generates and compiles in less than half the time (70 s -> 30 s on 2 cores),
-# and what the tests check, ssmops' operators inside compiled graphs and packages, is the same. The
-# blocks under `inductor_as_shipped` compile with Inductor's own default (vectorized where the CPU can);
-# TORCHINDUCTOR_VEC_ISA_OK=1 in the environment runs them all so.
+# and what the tests check, ssmops' operators inside compiled graphs and packages, is the same (`make demo`
+# compiles as shipped; TORCHINDUCTOR_VEC_ISA_OK=1 in the environment runs the tests so). One setting for
+# the whole process: Inductor keeps the ISA list of its first compile (`valid_vec_isa_list`), and a
+# vectorized graph from its on-disk cache would then be compiled without the ISA's flags.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from torch._inductor.cpu_vec_isa import valid_vec_isa_list  # noqa: E402
 
 import ssmops
 from ssmops._registry import interpreting
 from ssmops.ops.selective_scan.checks import CHUNK_LEN
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@contextlib.contextmanager
-def inductor_as_shipped() -> Iterator[None]:
-    """Compiles inside the block as users do: Inductor's CPU kernels vectorized where the CPU can.
-
-    Inductor caches the CPU's usable vector ISAs per process under the setting in force at the first
-    compile (`valid_vec_isa_list`), so the setting alone would leave a worker that compiled scalar
-    kernels before scalar, and a vectorized graph from Inductor's on-disk cache would then be
-    compiled without its ISA flags (a C++ error). The list is recomputed on the way in and out."""
-    with torch._inductor.config.patch({"cpp.vec_isa_ok": None}):
-        valid_vec_isa_list.cache_clear()
-        try:
-            yield
-        finally:
-            valid_vec_isa_list.cache_clear()
 
 
 def pytest_configure(config):

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
-from conftest import PACKAGES_CHECKED_IN_TEST_DEPLOY, assert_close, inductor_as_shipped
+from conftest import PACKAGES_CHECKED_IN_TEST_DEPLOY, assert_close
 from models import TinyScanModel
 
 SEQLENS = (37, 2048 + 11)
@@ -24,13 +22,6 @@ def _input(seqlen: int, batch: int = 2) -> torch.Tensor:
 
 @pytest.mark.parametrize("full", [True, False], ids=["all-optionals", "no-optionals"])
 def test_compile_fullgraph_dynamic_seqlen_forward_and_backward(full):
-    """The contract's compile check. Without the optional arguments it compiles with Inductor's kernels as
-    users get them (vectorized: 13 s against 10 s scalar on 2 cores; with them, 41 s against 18 s)."""
-    with contextlib.nullcontext() if full else inductor_as_shipped():
-        _compile_fullgraph_dynamic_seqlen_forward_and_backward(full)
-
-
-def _compile_fullgraph_dynamic_seqlen_forward_and_backward(full: bool) -> None:
     torch._dynamo.reset()
     model = _model(full)
     compiled = torch.compile(model, fullgraph=True, dynamic=False)

@@ -376,9 +376,12 @@ def _complex_scan(u, delta, A, B, C, D, z, delta_bias, initial_state):
                                     initial_state=initial_state)
 
 
-def test_complex_A_compiles_fullgraph_forward_and_backward():
+@pytest.mark.parametrize("complex_A", [False, True], ids=["real-A", "complex-A"])
+def test_compiles_fullgraph_forward_and_backward(complex_A):
+    """A small scan with every optional argument, compiled (a few seconds; the contract's check with a
+    model around it, dynamic lengths and two chunks is tests/test_compile_export.py's)."""
     torch._dynamo.reset()
-    kw = _complex_kw(B="var", seqlen=11)
+    kw = _complex_kw(B="var", seqlen=11, complex_A=complex_A)
     args = [kw[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state")]
     compiled = torch.compile(_complex_scan, fullgraph=True)
     eager_args = [a.clone().requires_grad_() for a in args]
