@@ -371,7 +371,10 @@ def test_mamba_inner_fn_complex_A_matches_a_reference_composition(backend):
         assert_close(a, b, 2e-4, f"d{name}")
 
 
-def _complex_scan(u, delta, A, B, C, D, z, delta_bias, initial_state):
+_SCAN_ARGS = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state")
+
+
+def _scan_with_last_state(u, delta, A, B, C, D, z, delta_bias, initial_state):
     return ssmops.selective_scan_fn(u, delta, A, B, C, D, z, delta_bias, delta_softplus=True, return_last_state=True,
                                     initial_state=initial_state)
 
@@ -381,12 +384,12 @@ def test_compiles_fullgraph_forward_and_backward(complex_A):
     """A small scan with every optional argument, compiled (a few seconds; the contract's check with a
     model around it, dynamic lengths and two chunks is tests/test_compile_export.py's)."""
     torch._dynamo.reset()
-    kw = _complex_kw(B="var", seqlen=11, complex_A=complex_A)
-    args = [kw[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state")]
-    compiled = torch.compile(_complex_scan, fullgraph=True)
+    kw = make_inputs(Case(B="var", C="const", seqlen=11, initial_state=True, complex_A=complex_A))
+    args = [kw[k] for k in _SCAN_ARGS]
+    compiled = torch.compile(_scan_with_last_state, fullgraph=True)
     eager_args = [a.clone().requires_grad_() for a in args]
     comp_args = [a.clone().requires_grad_() for a in args]
-    y, last = _complex_scan(*eager_args)
+    y, last = _scan_with_last_state(*eager_args)
     y_c, last_c = compiled(*comp_args)
     torch.testing.assert_close(y_c, y)
     torch.testing.assert_close(last_c, last)
@@ -402,10 +405,7 @@ def test_compiles_fullgraph_forward_and_backward(complex_A):
 
 class _ComplexScan(torch.nn.Module):
     def forward(self, u, delta, A, B, C, D, z, delta_bias, initial_state):
-        return _complex_scan(u, delta, A, B, C, D, z, delta_bias, initial_state)
-
-
-_SCAN_ARGS = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state")
+        return _scan_with_last_state(u, delta, A, B, C, D, z, delta_bias, initial_state)
 
 
 def _export_complex_scan() -> torch.export.ExportedProgram:
