@@ -12,6 +12,7 @@ from torch import Tensor
 from ._registry import triton_op_for
 from .layernorm_gated import rmsnorm_fn
 from .mamba_inner import causal_conv1d
+from .ops._autograd import contiguous_when_compiling_backward
 from .ops.ssd.checks import check_sequence_values, check_ssd_inputs
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -75,6 +76,8 @@ def mamba_chunk_scan_combined(
         check_sequence_values(x.shape[1], seq_idx, cu_seqlens)
     # on GPUs the Triton operator itself, so that torch.compile and AOTInductor trace into its kernels
     scan = triton_op_for("ssd_scan_fwd", x) or torch.ops.ssmops.ssd_scan_fwd
+    x, dt, A, B, C, D, z, dt_bias, initial_states = contiguous_when_compiling_backward(
+        x, dt, A, B, C, D, z, dt_bias, initial_states)
     out, final_states, _, varlen_states = scan(
         x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_softplus, limit)
     returned = (out,) + ((final_states,) if return_final_states else ()) + \
