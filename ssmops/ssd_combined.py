@@ -13,18 +13,15 @@ from ._registry import triton_op_for
 from .layernorm_gated import rmsnorm_fn
 from .mamba_inner import causal_conv1d
 from .ops._autograd import contiguous_when_compiling_backward
-from .ops.ssd.checks import check_sequence_values, check_ssd_inputs
-
-_FLOAT32_MAX = torch.finfo(torch.float32).max
-
+from .ops.ssd.checks import FLOAT32_MAX, check_sequence_values, check_ssd_inputs
 
 def _limit_arg(dt_limit: tuple[float, float]) -> list[float]:
     """The operator's dt_limit: [] for no clamp (mamba_ssm's default (0, inf)), else finite bounds
-    (an infinite one becomes float32's largest value, which clamps no float32 dt)."""
+    (an infinite one becomes float32's largest value, which the operators take as no bound)."""
     low, high = (float(v) for v in dt_limit)
     if (low, high) == (0.0, math.inf):
         return []
-    return [max(min(low, _FLOAT32_MAX), -_FLOAT32_MAX), max(min(high, _FLOAT32_MAX), -_FLOAT32_MAX)]
+    return [max(min(low, FLOAT32_MAX), -FLOAT32_MAX), max(min(high, FLOAT32_MAX), -FLOAT32_MAX)]
 
 
 def mamba_chunk_scan_combined(

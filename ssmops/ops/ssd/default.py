@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .checks import check_sequence_values, check_ssd_grad_inputs, check_ssd_inputs
+from .checks import check_sequence_values, check_ssd_grad_inputs, check_ssd_inputs, limit_bounds
 
 # Rows of a chunk processed together in the quadratic form; the per-head decay mask is
 # built only for the (_ROW_BLOCK, _ROW_BLOCK) diagonal blocks.
@@ -63,7 +63,7 @@ def discretize_dt(
     if dt_softplus:
         dt = F.softplus(dt, threshold=20.0)
     if len(dt_limit) == 2 and tuple(dt_limit) != (0.0, math.inf):
-        dt = dt.clamp(dt_limit[0], dt_limit[1])
+        dt = dt.clamp(*limit_bounds(dt_limit))
     return dt
 
 

@@ -48,6 +48,8 @@ import triton.language as tl
 
 from .._triton import INTERPRETED, softplus
 
+FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)  # checks.FLOAT32_MAX (a JIT function reads constexpr globals)
+
 
 @triton.jit
 def _dot(a, b, DOT_F32: tl.constexpr):
@@ -86,9 +88,16 @@ def _dt_steps(dt_row, t, valid, s_dtt, bias, lo, hi, SOFTPLUS: tl.constexpr, HAS
     if SOFTPLUS:
         pre = softplus(raw)
     dt = pre
-    if HAS_LIMIT:
-        dt = tl.minimum(tl.maximum(dt, lo), hi)
+    if HAS_LIMIT:  # (a NaN stays NaN, as torch.clamp keeps it)
+        dt = tl.where(_unclamped(dt, lo, hi) | (dt != dt), dt, tl.where(dt < lo, lo, hi))
     return raw, pre, tl.where(valid, dt, 0.0)
+
+
+@triton.jit
+def _unclamped(v, lo, hi):
+    """Where dt_limit leaves v as it is. A bound of float32's largest magnitude is an infinite one (the
+    operators' convention, checks.FLOAT32_MAX): it binds no infinite v."""
+    return ((v >= lo) | (lo == -FLOAT32_MAX)) & ((v <= hi) | (hi == FLOAT32_MAX))
 
 
 @triton.jit
@@ -673,7 +682,7 @@ def ssd_bwd_ddt_kernel(
         dA_acc += tl.sum(dt * da, axis=0)
         ddt = tl.load(xdx_ptr + scratch_row + t, mask=valid, other=0.0) + A * da
         if HAS_LIMIT:
-            ddt = tl.where((pre >= lo) & (pre <= hi), ddt, 0.0)
+            ddt = tl.where(_unclamped(pre, lo, hi), ddt, 0.0)
         if SOFTPLUS:
             ddt = tl.where(raw <= 20.0, ddt * tl.sigmoid(raw), ddt)
         ddt = tl.where(valid, ddt, 0.0)
