@@ -50,7 +50,7 @@ gpu = pytest.mark.skipif(not (HAS_CUDA and TRITON_AVAILABLE), reason="needs a CU
 INTERPRETED_TEST_FILES = {
     "ops": ["tests/ops/test_selective_scan.py", "tests/ops/test_ssd.py", "tests/ops/test_state_update.py"],
     "properties-and-triton": ["tests/test_properties.py", "tests/test_nonfinite.py", "tests/test_triton.py",
-                              "tests/test_fake_strides.py"],
+                              "tests/test_fake_strides.py", "tests/test_compat.py"],
 }
 
 
