@@ -400,7 +400,8 @@ def _ssd_compile_params():
             yield pytest.param(target, name, marks=marks, id=f"{target}-{name}")
 
 
-SSD_KERNELS = ["ssd_states_fwd_kernel", "ssd_chunk_scan_kernel", "ssd_chunk_scan_kernel",  # (the second: dz)
+SSD_KERNELS = ["ssd_states_fwd_kernel", "ssd_cb_kernel", "ssd_chunk_scan_kernel", "ssd_cb_kernel",
+               "ssd_chunk_scan_kernel",  # (the second pair: dz)
                "ssd_state_grads_kernel", "ssd_bwd_block_kernel", "ssd_bwd_block_kernel", "ssd_bwd_block_kernel",
                "ssd_bwd_ddt_kernel"]
 
@@ -418,8 +419,7 @@ def test_triton_ssd_kernels_compile_for_gpus_without_spilling(target, name):
 
     args = _ssd_compile_args(name)
     launches = aot.record_ssd(args)
-    expected = SSD_KERNELS[:1] + ["ssd_chunk_scan_kernel"] + (["ssd_varlen_states_kernel"] if args[10] is not None
-                                                               else []) + SSD_KERNELS[2:]
+    expected = SSD_KERNELS[:3] + (["ssd_varlen_states_kernel"] if args[10] is not None else []) + SSD_KERNELS[3:]
     assert [k.__name__ for k, _, _ in launches] == expected
     x, dt, A, B = args[:4]
     with aot.recorded_launches() as step:  # the decoding step: tied dt/A/dt_bias (Mamba2's), a cache in x's dtype
@@ -484,7 +484,7 @@ def test_triton_kernels_write_only_flat_buffers_of_their_own():
                 continue
             assert t.dim() == 1 and t._base is None, (kernel.__name__, name, tuple(t.shape))
         seen.add(kernel.__name__)
-    assert len(seen) == 10, seen
+    assert len(seen) == 11, seen
 
 
 @pytest.mark.slow  # compiles every launch for sm_90
@@ -597,7 +597,8 @@ def test_triton_ops_trace_into_kernel_launches_on_cuda_tensors():
     The selective scan: a non-contiguous input (z, transposed) reaches each launch as a contiguous copy:
     the launch's stride numbers are the traced ones, which Inductor does not always keep for a view
     (_triton.contiguous_when_traced). The SSD: grids from the sizes (one (headdim, dstate) state tile, 4
-    chunks of 64, batch x nheads = 16, 2 blocks of 32 tokens a chunk in the backward)."""
+    chunks of 64, batch x nheads = 16, batch x ngroups = 4 for C . B^T, 2 blocks of 32 tokens a chunk in the
+    backward)."""
     proc = run_python(_TRACE_ON_FAKE_CUDA, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = {}
@@ -611,7 +612,8 @@ def test_triton_ops_trace_into_kernel_launches_on_cuda_tensors():
     assert lines["scan"] == [z_copy, "launch selective_scan_fwd_kernel [1] [(64, 2, 1)]",
                              z_copy, "launch selective_scan_bwd_kernel [1] [(64, 2, 1)]"], proc.stdout
     assert lines["ssd"] == [
-        "launch ssd_states_fwd_kernel [8] [(1, 16, 1)]", "launch ssd_chunk_scan_kernel [8] [(4, 16, 1)]",
+        "launch ssd_states_fwd_kernel [8] [(1, 16, 1)]", "launch ssd_cb_kernel [4] [(4, 4, 1)]",
+        "launch ssd_chunk_scan_kernel [8] [(4, 16, 1)]", "launch ssd_cb_kernel [4] [(4, 4, 1)]",
         "launch ssd_chunk_scan_kernel [8] [(4, 16, 1)]", "launch ssd_state_grads_kernel [8] [(1, 16, 1)]",
         "launch ssd_bwd_block_kernel [8] [(8, 16, 1)]", "launch ssd_bwd_block_kernel [8] [(8, 16, 1)]",
         "launch ssd_bwd_block_kernel [8] [(8, 16, 1)]", "launch ssd_bwd_ddt_kernel [4] [(4, 16, 1)]",
