@@ -1,0 +1,224 @@
+"""Context parallelism (ssmops.distributed) against one process: gloo groups of 2 and 4 CPU processes,
+each rank holding a shard of uneven length (not chunk multiples); outputs, the states at every shard's
+end and every gradient must equal the single-process run's. Each group runs all its checks (both
+backends, every case) in one start of its processes: starting them is the cost."""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import ssmops
+from ssmops import distributed as cp
+from ssmops.mamba_inner import causal_conv1d
+
+COLLECTIVE_TIMEOUT = timedelta(seconds=60)  # a hang becomes an error in every rank
+SHARDS = {2: [9, 14], 4: [5, 7, 3, 8]}  # 23 tokens; chunk size 4: no shard is a chunk multiple but one
+CHUNK = 4
+TOL = dict(rtol=2e-5, atol=2e-5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, check) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=COLLECTIVE_TIMEOUT)
+    try:
+        check(rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_group(world: int, check) -> None:
+    """Runs check(rank, world) in `world` processes of one gloo group; a failure in any rank fails the
+    test. Forked: the children inherit torch and ssmops imported (a spawned child imports them anew)."""
+    mp.start_processes(_worker, args=(world, _free_port(), check), nprocs=world, join=True, start_method="fork")
+
+
+def _bounds(world: int, rank: int) -> tuple[int, int]:
+    lengths = SHARDS[world]
+    start = sum(lengths[:rank])
+    return start, start + lengths[rank]
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone().requires_grad_(t.is_floating_point() or t.is_complex())
+
+
+def _summed_over_group(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    g = torch.zeros_like(like) if g is None else g.clone()
+    dist.all_reduce(g)
+    return g
+
+
+def check_against_one_process(rank, world, full_fn, cp_fn, inputs, cut, state_flag=None, **kwargs):
+    """full_fn on the whole sequence against cp_fn on this rank's shard. `cut(name, t, start, end)`
+    shards an input along time (None for a replicated one). The loss weighs the outputs and, with
+    `state_flag`, the state at the end of every shard (one process: the final state of the prefix)."""
+    gen = torch.Generator().manual_seed(1)
+    leaves = {k: _leaf(v) if v is not None else None for k, v in inputs.items()}
+    bounds = [_bounds(world, r) for r in range(world)]
+
+    def prefix(end):
+        return {k: (c if (c := cut(k, v, 0, end)) is not None else v) if v is not None else None
+                for k, v in leaves.items()}
+
+    returned = full_fn(**leaves, **kwargs, **({state_flag: True} if state_flag else {}))
+    out = returned[0] if state_flag else returned
+    out_weight = torch.randn(out.shape, generator=gen)
+    loss = (out * out_weight).sum()
+    states, state_weights = [], []
+    if state_flag:
+        for _, end in bounds:
+            state = full_fn(**prefix(end), **kwargs, **{state_flag: True})[1]
+            state_weights.append(torch.randn(state.shape, generator=gen, dtype=state.dtype))
+            states.append(state.detach())
+            loss = loss + (state * state_weights[-1]).real.sum()
+    tensors = [k for k, v in leaves.items() if v is not None and v.requires_grad]
+    grads = dict(zip(tensors, torch.autograd.grad(loss, [leaves[k] for k in tensors])))
+
+    start, end = bounds[rank]
+    shard = {k: None if v is None else _leaf(c if (c := cut(k, v, start, end)) is not None else v)
+             for k, v in leaves.items()}
+    returned = cp_fn(**shard, **kwargs, **({state_flag: True} if state_flag else {}), group=None)
+    out_shard = returned[0] if state_flag else returned
+    torch.testing.assert_close(out_shard, cut("out", out, start, end).detach(), **TOL)
+    local_loss = (out_shard * cut("out", out_weight, start, end)).sum()
+    if state_flag:
+        torch.testing.assert_close(returned[1], states[rank], **TOL)
+        local_loss = local_loss + (returned[1] * state_weights[rank]).real.sum()
+    local_grads = dict(zip(tensors, torch.autograd.grad(local_loss, [shard[k] for k in tensors],
+                                                         allow_unused=True)))
+    for k in tensors:
+        sharded = cut(k, grads[k], start, end)
+        if sharded is not None:
+            torch.testing.assert_close(local_grads[k], sharded, **TOL, msg=lambda m: f"grad of {k}: {m}")
+        else:  # replicated: each rank holds its tokens' part
+            torch.testing.assert_close(_summed_over_group(local_grads[k], grads[k]), grads[k], **TOL,
+                                       msg=lambda m: f"grad of {k} summed over the group: {m}")
+
+
+def _randn(gen, *shape):
+    return torch.randn(*shape, generator=gen)
+
+
+def _ssd_inputs(seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    b, L, h, p, g, n = 2, sum(SHARDS[2]), 4, 3, 2, 5
+    return dict(x=_randn(gen, b, L, h, p), dt=_randn(gen, b, L, h) * 0.5, A=-torch.rand(h, generator=gen) - 0.3,
+                B=_randn(gen, b, L, g, n), C=_randn(gen, b, L, g, n), D=_randn(gen, h, p), z=_randn(gen, b, L, h, p),
+                dt_bias=_randn(gen, h) * 0.3, initial_states=_randn(gen, b, h, p, n))
+
+
+def _seq_idx(starts: list[int], first_id: int = 0) -> torch.Tensor:
+    """(2, 23) ids, row 0 starting new sequences at `starts`, row 1 one sequence throughout."""
+    L = sum(SHARDS[2])
+    row = torch.zeros(L, dtype=torch.int32)
+    for s in starts:
+        row[s:] += 1
+    return torch.stack([row + first_id, torch.full((L,), first_id, dtype=torch.int32)])
+
+
+def _cut_ssd(name, t, start, end):
+    return None if name in ("A", "D", "dt_bias", "initial_states") else t[:, start:end]
+
+
+def _check_ssd(rank, world):
+    full = ssmops.mamba_chunk_scan_combined
+    cases = [
+        dict(keep=("D", "z", "dt_bias"), dt_softplus=True),
+        dict(keep=("initial_states",), dt_limit=(0.05, 0.9)),
+        # boundaries inside shards and on the 2- and 4-rank shard boundaries (9, 12)
+        dict(keep=("D", "dt_bias", "initial_states"), dt_softplus=True, seq_idx=_seq_idx([2, 9, 12, 17])),
+        dict(keep=("initial_states", "z"), seq_idx=_seq_idx([14], first_id=3)),  # no initial state reaches
+    ]
+    for backend in ("cpu", "default"):
+        with ssmops.use_backend(backend):
+            for i, case in enumerate(cases):
+                case = dict(case)
+                keep = case.pop("keep")
+                inputs = {k: v if k in ("x", "dt", "A", "B", "C") or k in keep else None
+                          for k, v in _ssd_inputs(i).items()}
+                if "seq_idx" in case:
+                    inputs["seq_idx"] = case.pop("seq_idx")
+                check_against_one_process(rank, world, full, cp.mamba_chunk_scan_combined, inputs, _cut_ssd,
+                                          "return_final_states", chunk_size=CHUNK, **case)
+
+
+def _selective_inputs(seed: int, complex_a: bool) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    b, d, n, L, groups = 2, 4, 6, sum(SHARDS[2]), 2
+    A = -torch.rand(d, n, generator=gen) - 0.2
+    if complex_a:
+        A = torch.complex(A, _randn(gen, d, n))
+    steps = 2 * L if complex_a else L  # complex mode: a variable B/C has (re, im) per step
+    return dict(u=_randn(gen, b, d, L), delta=_randn(gen, b, d, L) * 0.5, A=A,
+                B=_randn(gen, b, groups, n, steps), C=_randn(gen, b, groups, n, steps), D=_randn(gen, d),
+                z=_randn(gen, b, d, L), delta_bias=_randn(gen, d) * 0.3,
+                initial_state=_randn(gen, b, d, n).to(A.dtype) if not complex_a
+                else torch.complex(_randn(gen, b, d, n), _randn(gen, b, d, n)))
+
+
+def _cut_selective(name, t, start, end):
+    if name in ("A", "D", "delta_bias", "initial_state"):
+        return None
+    if name in ("B", "C") and t.shape[-1] == 2 * sum(SHARDS[2]):
+        return t[..., 2 * start:2 * end]
+    return t[..., start:end]
+
+
+def _check_selective(rank, world):
+    for backend in ("cpu", "default"):
+        with ssmops.use_backend(backend):
+            for complex_a in (False, True):
+                for with_initial in (False, True):
+                    inputs = _selective_inputs(int(complex_a), complex_a)
+                    if not with_initial:
+                        inputs["initial_state"] = None
+                    check_against_one_process(rank, world, ssmops.selective_scan_fn, cp.selective_scan_fn, inputs,
+                                              _cut_selective, "return_last_state", delta_softplus=True)
+
+
+def _check_conv(rank, world):
+    gen = torch.Generator().manual_seed(5)
+    b, d, L = 2, 6, sum(SHARDS[2])
+    for seq_idx in (None, _seq_idx([2, 9, 10, 12])):
+        inputs = dict(x=_randn(gen, b, d, L), weight=_randn(gen, d, 4), bias=_randn(gen, d), seq_idx=seq_idx)
+        check_against_one_process(
+            rank, world, causal_conv1d, cp.causal_conv1d, inputs,
+            lambda k, t, s, e: None if k in ("weight", "bias") else t[..., s:e], activation="silu")
+
+
+def _check_errors(rank, world):
+    """A bad group fails in every rank with a clear error, not a hang."""
+    gen = torch.Generator().manual_seed(0)
+    inputs = {k: v[:, :6] if v.dim() > 1 and k != "initial_states" else v for k, v in _ssd_inputs(0).items()}
+    if rank == 1:  # rank 1 disagrees on the number of heads
+        inputs.update(x=inputs["x"][:, :, :2], dt=inputs["dt"][:, :, :2], A=inputs["A"][:2])
+    with pytest.raises(ValueError, match=r"disagree on shapes.*rank 1 has x \(2, seqlen, 2, 3\)"):
+        cp.mamba_chunk_scan_combined(inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"], CHUNK)
+    x = _randn(gen, 2, 3, 2 if rank == world - 1 else 5)  # the last shard is shorter than the halo (3)
+    with pytest.raises(ValueError, match=rf"seqlen >= 3 \(the conv's halo.*rank {world - 1} of the group has seqlen 2"):
+        cp.causal_conv1d(x, _randn(gen, 3, 4))
+
+
+def _check_all(rank, world):
+    _check_errors(rank, world)
+    _check_conv(rank, world)
+    _check_selective(rank, world)
+    _check_ssd(rank, world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_equals_one_process(world):
+    run_group(world, _check_all)
