@@ -11,11 +11,14 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.tensor  # noqa: F401  (assert_close imports it under a group: once here, not per rank)
 import torch.multiprocessing as mp
 
 import ssmops
 from ssmops import distributed as cp
 from ssmops.mamba_inner import causal_conv1d
+from ssmops.models.config_mamba import MambaConfig
+from ssmops.models.mixer_seq_simple import MambaLMHeadModel
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)  # a hang becomes an error in every rank
 SHARDS = {2: [9, 14], 4: [5, 7, 3, 8]}  # 23 tokens; chunk size 4: no shard is a chunk multiple but one
@@ -210,6 +213,57 @@ def _check_errors(rank, world):
     x = _randn(gen, 2, 3, 2 if rank == world - 1 else 5)  # the last shard is shorter than the halo (3)
     with pytest.raises(ValueError, match=rf"seqlen >= 3 \(the conv's halo.*rank {world - 1} of the group has seqlen 2"):
         cp.causal_conv1d(x, _randn(gen, 3, 4))
+    config = MambaConfig(d_model=16, n_layer=2, vocab_size=32, ssm_cfg=dict(layer="Mamba2", headdim=8),
+                         attn_layer_idx=[1], attn_cfg=dict(num_heads=2))
+    with pytest.raises(ValueError, match="layer 1 is attention"):
+        MambaLMHeadModel(config, context_parallel_group=dist.group.WORLD)
+    block = ssmops.modules.Mamba2(16, headdim=8, context_parallel_group=dist.group.WORLD)
+    with pytest.raises(ValueError, match="context_parallel_group runs whole shards: inference_params"):
+        block(torch.zeros(1, 5, 16), inference_params=object())
+
+
+def _tiny_lm(layer: str, **kwargs) -> MambaLMHeadModel:
+    torch.manual_seed(0)
+    ssm_cfg = dict(layer=layer, d_state=4)
+    ssm_cfg.update(dict(headdim=8, chunk_size=CHUNK, ngroups=2) if layer == "Mamba2" else {})
+    config = MambaConfig(d_model=16, n_layer=2, vocab_size=32, ssm_cfg=ssm_cfg, d_intermediate=0 if layer == "Mamba2"
+                         else 24)
+    return MambaLMHeadModel(config, **kwargs)
+
+
+def _train(model, input_ids, labels, tokens_in_all: int, steps: int, before_step=lambda model: None):
+    """SGD steps on the sum of token losses over `tokens_in_all` (the whole sequence's count)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(steps):
+        logits = model(input_ids).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+        (loss / tokens_in_all).backward()
+        before_step(model)
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
+
+
+def _sum_gradients(model):
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+
+
+def _check_lm_training(rank, world):
+    """A Mamba-2 LM and a Mamba-1 LM (with an MLP) trained 3 steps with their layers context-parallel
+    reach the parameters one process reaches; gradients summed over the group, as DDP would."""
+    gen = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(0, 32, (2, sum(SHARDS[2]) + 1), generator=gen)
+    inputs, labels = input_ids[:, :-1], input_ids[:, 1:]
+    start, end = _bounds(world, rank)
+    for layer in ("Mamba2", "Mamba1"):
+        expected = _train(_tiny_lm(layer), inputs, labels, labels.numel(), steps=3)
+        trained = _train(_tiny_lm(layer, context_parallel_group=dist.group.WORLD), inputs[:, start:end],
+                         labels[:, start:end], labels.numel(), steps=3, before_step=_sum_gradients)
+        initial = _tiny_lm(layer)
+        for (name, p), q, p0 in zip(trained.named_parameters(), expected.parameters(), initial.parameters()):
+            torch.testing.assert_close(p, q, **TOL, msg=lambda m: f"{layer} LM's {name}: {m}")
+            assert not torch.equal(p, p0), f"{layer} LM's {name} did not train"
 
 
 def _check_all(rank, world):
@@ -217,6 +271,7 @@ def _check_all(rank, world):
     _check_conv(rank, world)
     _check_selective(rank, world)
     _check_ssd(rank, world)
+    _check_lm_training(rank, world)
 
 
 @pytest.mark.parametrize("world", [2, 4])
