@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.tensor  # noqa: F401  (assert_close imports it under a group: once here, not per rank)
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 import ssmops
 from ssmops import distributed as cp
@@ -266,12 +268,40 @@ def _check_lm_training(rank, world):
             assert not torch.equal(p, p0), f"{layer} LM's {name} did not train"
 
 
+def _check_fully_sharded_training(rank, world):
+    """The Mamba-2 LM under FSDP2 (fully_shard per layer and at the root, over every rank) trained
+    3 steps reaches one process's parameters: data parallel alone (a batch row per rank), and with
+    context parallelism (rows over a "dp" dimension, the sequence over a "cp" one of 2)."""
+    fsdp_mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "cp"))
+    gen = torch.Generator().manual_seed(4)
+    for rows, cp_size in ((world, 1), (world // 2, 2)):
+        input_ids = torch.randint(0, 32, (rows, sum(SHARDS[2]) + 1), generator=gen)
+        inputs, labels = input_ids[:, :-1], input_ids[:, 1:]
+        expected = _train(_tiny_lm("Mamba2"), inputs, labels, labels.numel(), steps=3)
+        row, start, end, group = rank, 0, inputs.shape[1], None
+        if cp_size > 1:
+            row, group = mesh.get_local_rank("dp"), mesh.get_group("cp")
+            start, end = _bounds(2, mesh.get_local_rank("cp"))
+        model = _tiny_lm("Mamba2", context_parallel_group=group)
+        for layer in model.backbone.layers:
+            fully_shard(layer, mesh=fsdp_mesh)
+        fully_shard(model, mesh=fsdp_mesh)
+        # FSDP averages the gradients over its ranks: each rank's loss is its part of the sum, times world
+        trained = _train(model, inputs[row:row + 1, start:end], labels[row:row + 1, start:end],
+                         labels.numel() / world, steps=3)
+        for (name, p), q in zip(trained.named_parameters(), expected.parameters()):
+            torch.testing.assert_close(p.full_tensor(), q, **TOL,
+                                       msg=lambda m: f"FSDP2 (dp {rows}, cp {cp_size}) LM's {name}: {m}")
+
+
 def _check_all(rank, world):
     _check_errors(rank, world)
     _check_conv(rank, world)
     _check_selective(rank, world)
     _check_ssd(rank, world)
     _check_lm_training(rank, world)
+    _check_fully_sharded_training(rank, world)
 
 
 @pytest.mark.parametrize("world", [2, 4])
