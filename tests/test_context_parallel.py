@@ -10,6 +10,7 @@ from datetime import timedelta
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401  (imported on first use of a backend override: once here, not per rank)
 import torch.distributed as dist
 import torch.distributed.tensor  # noqa: F401  (assert_close imports it under a group: once here, not per rank)
 import torch.multiprocessing as mp
