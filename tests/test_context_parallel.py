@@ -12,10 +12,11 @@ import pytest
 import torch
 import torch._dynamo  # noqa: F401  (imported on first use of a backend override: once here, not per rank)
 import torch.distributed as dist
-import torch.distributed.tensor  # noqa: F401  (assert_close imports it under a group: once here, not per rank)
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor  # (assert_close imports it under a group: here once, not per rank)
+from torch.nn.parallel import DistributedDataParallel
 
 import ssmops
 from ssmops import distributed as cp
@@ -269,13 +270,21 @@ def _check_lm_training(rank, world):
             assert not torch.equal(p, p0), f"{layer} LM's {name} did not train"
 
 
-def _check_fully_sharded_training(rank, world):
-    """The Mamba-2 LM under FSDP2 (fully_shard per layer and at the root, over every rank) trained
-    3 steps reaches one process's parameters: data parallel alone (a batch row per rank), and with
-    context parallelism (rows over a "dp" dimension, the sequence over a "cp" one of 2)."""
-    fsdp_mesh = init_device_mesh("cpu", (world,))
+def _fully_shard(model, mesh):
+    for layer in model.backbone.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _check_data_parallel_training(rank, world):
+    """The Mamba-2 LM under DDP and under FSDP2 (fully_shard per layer and at the root), both over
+    every rank, trained 3 steps reaches one process's parameters: data parallel alone (a batch row
+    per rank), and with context parallelism (rows over a "dp" mesh dimension, the sequence over a
+    "cp" one of 2)."""
+    every_rank = init_device_mesh("cpu", (world,))
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "cp"))
     gen = torch.Generator().manual_seed(4)
+    wrappers = {"DDP": lambda model: DistributedDataParallel(model), "FSDP2": lambda m: _fully_shard(m, every_rank)}
     for rows, cp_size in ((world, 1), (world // 2, 2)):
         input_ids = torch.randint(0, 32, (rows, sum(SHARDS[2]) + 1), generator=gen)
         inputs, labels = input_ids[:, :-1], input_ids[:, 1:]
@@ -284,16 +293,15 @@ def _check_fully_sharded_training(rank, world):
         if cp_size > 1:
             row, group = mesh.get_local_rank("dp"), mesh.get_group("cp")
             start, end = _bounds(2, mesh.get_local_rank("cp"))
-        model = _tiny_lm("Mamba2", context_parallel_group=group)
-        for layer in model.backbone.layers:
-            fully_shard(layer, mesh=fsdp_mesh)
-        fully_shard(model, mesh=fsdp_mesh)
-        # FSDP averages the gradients over its ranks: each rank's loss is its part of the sum, times world
-        trained = _train(model, inputs[row:row + 1, start:end], labels[row:row + 1, start:end],
-                         labels.numel() / world, steps=3)
-        for (name, p), q in zip(trained.named_parameters(), expected.parameters()):
-            torch.testing.assert_close(p.full_tensor(), q, **TOL,
-                                       msg=lambda m: f"FSDP2 (dp {rows}, cp {cp_size}) LM's {name}: {m}")
+        for name, wrap in wrappers.items():
+            model = wrap(_tiny_lm("Mamba2", context_parallel_group=group))
+            # both average the gradients over their ranks: each rank's loss is its part of the sum, times world
+            trained = _train(model, inputs[row:row + 1, start:end], labels[row:row + 1, start:end],
+                             labels.numel() / world, steps=3)
+            for (param, p), q in zip(trained.named_parameters(), expected.parameters()):
+                full = p.full_tensor() if isinstance(p, DTensor) else p
+                torch.testing.assert_close(full, q, **TOL, msg=lambda m: f"{name} (dp {rows}, cp {cp_size}) "
+                                                                         f"LM's {param}: {m}")
 
 
 def _check_all(rank, world):
@@ -302,7 +310,7 @@ def _check_all(rank, world):
     _check_selective(rank, world)
     _check_ssd(rank, world)
     _check_lm_training(rank, world)
-    _check_fully_sharded_training(rank, world)
+    _check_data_parallel_training(rank, world)
 
 
 @pytest.mark.parametrize("world", [2, 4])
