@@ -18,16 +18,22 @@ and the same in the backward; a rank keeps 1 / world of what it redistributes.
 Measured: `--world` gloo processes on this machine run the context-parallel conv + SSD scan at that
 layer shape (forward and backward) with two shard lengths, counting the bytes each all-gather
 delivers to rank 0; then the all-to-all scheme's exchanges of the same tensors
-(`all_to_all_single`). The state passing's bytes must not move with the shard length. (No times:
-on one machine's loopback they price memory copies and the ranks' skew, not a network.)
+(`all_to_all_single`). The state passing's bytes must not move with the shard length. (No times
+for the exchanges: on one machine's loopback they price memory copies and the ranks' skew.)
+
+Then the wall time per rank of that conv + scan (forward and backward, a smaller layer) at a fixed
+total sequence as the world grows, up to this machine's cores, after one process without CP.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import socket
+import statistics
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -38,9 +44,12 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ssmops import distributed as cp  # noqa: E402
+from ssmops import mamba_chunk_scan_combined  # noqa: E402
+from ssmops.mamba_inner import causal_conv1d  # noqa: E402
 
 LAYER = dict(nheads=80, headdim=64, dstate=128, ngroups=1, d_conv=4)  # mamba2-2.7b
 QUICK_LAYER = dict(nheads=8, headdim=16, dstate=16, ngroups=1, d_conv=4)
+SCALING_LAYER = dict(nheads=16, headdim=64, dstate=64, ngroups=1, d_conv=4)  # CPU ranks: a smaller layer
 ACTIVATION_BYTES = 2  # bf16 activations (what a GPU run moves); the states are fp32
 SHAPE_CHECK_BYTES = 64 * 8  # one shape check: 64 int64 per rank
 TOKENS = [8192 * 2**k for k in range(8)]  # 8k .. 1M
@@ -102,8 +111,10 @@ class _Counter:
         return self._all_gather(parts, tensor, group=group, async_op=async_op)
 
 
-def _context_parallel_layer(layer: dict, seqlen: int, seed: int) -> None:
-    """The conv + SSD scan of a Mamba-2 layer on this rank's shard, forward and backward."""
+def _context_parallel_layer(layer: dict, seqlen: int, seed: int, conv=cp.causal_conv1d,
+                            scan=cp.mamba_chunk_scan_combined) -> None:
+    """The conv + SSD scan of a Mamba-2 layer on this rank's shard, forward and backward (with
+    `conv` and `scan` of one process: the same on the whole sequence)."""
     g = torch.Generator().manual_seed(seed)
     h, groups, n = layer["nheads"], layer["ngroups"], layer["dstate"]
     w = widths(layer)
@@ -111,10 +122,10 @@ def _context_parallel_layer(layer: dict, seqlen: int, seed: int) -> None:
     def leaf(*shape, scale=1.0, dtype=torch.bfloat16):
         return (torch.randn(*shape, generator=g) * scale).to(dtype).requires_grad_()
 
-    xBC = cp.causal_conv1d(leaf(1, w["conv_dim"], seqlen), leaf(w["conv_dim"], layer["d_conv"], scale=0.3),
+    xBC = conv(leaf(1, w["conv_dim"], seqlen), leaf(w["conv_dim"], layer["d_conv"], scale=0.3),
                            activation="silu").transpose(1, 2)
     x, B, C = torch.split(xBC, [w["d_ssm"], groups * n, groups * n], dim=-1)
-    y = cp.mamba_chunk_scan_combined(
+    y = scan(
         x.unflatten(-1, (h, layer["headdim"])), leaf(1, seqlen, h), -torch.rand(h, generator=g) - 0.5,
         B.unflatten(-1, (groups, n)), C.unflatten(-1, (groups, n)), 256, D=leaf(h, dtype=torch.float32),
         dt_bias=leaf(h, scale=0.1, dtype=torch.float32), dt_softplus=True)
@@ -160,6 +171,53 @@ def _measure(rank: int, world: int, port: int, layer: dict, seqlens: list[int]) 
         dist.destroy_process_group()
 
 
+def _time_layers(rank: int, world: int, port: int, layer: dict, total: int, repeats: int) -> None:
+    """Seconds per forward + backward of the CP layer on each rank's shard of `total` tokens."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300))
+    try:
+        times = []
+        for _ in range(repeats + 1):  # the first warms up
+            dist.barrier()
+            start = time.perf_counter()
+            _context_parallel_layer(layer, total // world, seed=rank)
+            times.append(time.perf_counter() - start)
+        slowest = torch.tensor(statistics.median(times[1:]))
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            print(f"{world:>6} {total // world:>13} {slowest.item() * 1e3:>14.1f} ms")
+    finally:
+        dist.destroy_process_group()
+
+
+def print_scaling(layer: dict, total: int, repeats: int) -> None:
+    """Wall time per rank (the slowest rank's median) at a fixed total sequence as the world grows, one
+    thread per rank, worlds up to this machine's cores; first one process without CP (no exchange, one
+    scan), whose time the world-1 CP row exceeds by the second scan."""
+    print(f"\nwall time per rank, forward + backward of the conv + SSD scan, layer {layer}, "
+          f"{total} tokens in all, one thread per rank")
+    print(f"{'world':>6} {'shard tokens':>13} {'per rank':>17}")
+    torch.set_num_threads(1)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        _context_parallel_layer(layer, total, seed=0, conv=causal_conv1d, scan=mamba_chunk_scan_combined)
+        times.append(time.perf_counter() - start)
+    print(f"{'no CP':>6} {total:>13} {statistics.median(times[1:]) * 1e3:>14.1f} ms")
+    world = 1
+    while world <= (os.cpu_count() or 1):
+        mp.start_processes(_time_layers, args=(world, _free_port(), layer, total, repeats), nprocs=world,
+                           join=True, start_method="fork")
+        world *= 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, default=2, help="gloo processes for the measured part")
@@ -167,11 +225,9 @@ def main() -> None:
     args = parser.parse_args()
     print_computed(LAYER)
     layer, seqlens = (QUICK_LAYER, [64, 256]) if args.quick else (LAYER, [256, 1024])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_measure, args=(args.world, port, layer, seqlens), nprocs=args.world, join=True,
+    mp.start_processes(_measure, args=(args.world, _free_port(), layer, seqlens), nprocs=args.world, join=True,
                        start_method="fork")
+    print_scaling(QUICK_LAYER if args.quick else SCALING_LAYER, 512 if args.quick else 8192, 1 if args.quick else 3)
 
 
 if __name__ == "__main__":

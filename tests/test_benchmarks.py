@@ -191,8 +191,8 @@ def test_context_parallel_benchmark_counts_constant_state_passing_traffic():
     out = subprocess.run([sys.executable, "benchmarks/context_parallel.py", "--quick"], cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    measured = out.stdout.split("measured with gloo")[1].splitlines()
-    rows = [line.split() for line in measured if line.split() and line.split()[0].isdigit()]
-    computed = measured[-1].split(": ")[1]
+    measured, computed = out.stdout.split("measured with gloo")[1].split("computed state passing for world 2: ")
+    rows = [line.split() for line in measured.splitlines() if line.split() and line.split()[0].isdigit()]
+    computed = computed.splitlines()[0]
     assert len(rows) == 2 and {" ".join(r[1:3]) for r in rows} == {computed}, out.stdout
     assert float(rows[1][3]) > 2 * float(rows[0][3]), out.stdout
