@@ -122,7 +122,7 @@ def _context_parallel_layer(layer: dict, seqlen: int, seed: int, conv=cp.causal_
     def leaf(*shape, scale=1.0, dtype=torch.bfloat16):
         return (torch.randn(*shape, generator=g) * scale).to(dtype).requires_grad_()
 
-    xBC = conv(leaf(1, w["conv_dim"], seqlen), leaf(w["conv_dim"], layer["d_conv"], scale=0.3),
+    xBC = conv(leaf(1, seqlen, w["conv_dim"]).transpose(1, 2), leaf(w["conv_dim"], layer["d_conv"], scale=0.3),
                            activation="silu").transpose(1, 2)
     x, B, C = torch.split(xBC, [w["d_ssm"], groups * n, groups * n], dim=-1)
     y = scan(

@@ -27,7 +27,7 @@ from ssmops.models.mixer_seq_simple import MambaLMHeadModel
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)  # a hang becomes an error in every rank
 SHARDS = {2: [9, 14], 4: [5, 7, 3, 8]}  # 23 tokens; chunk size 4: no shard is a chunk multiple but one
 CHUNK = 4
-TOL = dict(rtol=2e-5, atol=2e-5)
+TOL = dict(rtol=5e-5, atol=5e-5)
 
 
 def _free_port() -> int:

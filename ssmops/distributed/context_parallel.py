@@ -3,10 +3,12 @@ ranks of a process group, rank r holding the r-th contiguous shard.
 
 A scan over one shard is affine in the shard's initial state h: final = a * h + F, with a the
 shard's decay and F its final state from a zero state. Each rank scans its shard from zero, the
-ranks all-gather (a, F) (a few kB, whatever the sequence length), each rank composes the
-previous ranks' maps into its true initial state and scans its shard again from that state, so
-its outputs, final state and gradients are exactly the single-process ones (the price: each
-shard is scanned twice). The conv needs the previous rank's last width - 1 inputs (the halo).
+ranks all-gather (a, F) (a few MB, whatever the sequence length) and each rank composes the
+previous ranks' maps into its true initial state. The outputs are affine in h too: the SSD scan
+adds h's contribution (per head a scalar decay times C_t @ h: one contraction); the selective
+scan, whose decay differs per channel and state, scans its shard again from h. Either way the
+outputs, final states and gradients are the single-process ones. The conv needs the previous
+rank's last width - 1 inputs (the halo).
 
 Arguments replicated on every rank (A, D, dt_bias, the weights) get on each rank the gradient of
 that rank's tokens only: sum them over the group (as DDP and FSDP do for parameters).
@@ -64,7 +66,9 @@ def mamba_chunk_scan_combined(
         "D": _shape(D, 0), "z": _shape(z, 1), "dt_bias": _shape(dt_bias, 0), "seq_idx": _shape(seq_idx, 1)})
     local_seq_idx = continues = None
     initial = initial_states if rank == 0 else None
-    decay = torch.exp(A.float() * _discretize_dt(dt.float(), dt_bias, dt_softplus, dt_limit).sum(1))  # (b, h)
+    # (b, l, h): how much of the shard's initial state is left at each token, and after the shard
+    reach = torch.exp(A.float() * _discretize_dt(dt.float(), dt_bias, dt_softplus, dt_limit).cumsum(1))
+    decay = reach[:, -1]
     if seq_idx is not None:
         ends = all_gather_stacked(torch.stack([seq_idx[:, 0], seq_idx[:, -1]], -1).to(torch.int64), group)
         # rank r continues rank r - 1's last sequence where its first id is that sequence's id
@@ -72,15 +76,24 @@ def mamba_chunk_scan_combined(
         decay = decay * (seq_idx[:, :1] == seq_idx[:, -1:])  # a boundary in the shard stops the carried state
         # the operator's initial state reaches the tokens of sequence id 0: make it the shard's first sequence
         local_seq_idx = seq_idx - seq_idx[:, :1]
+        reach = reach * (local_seq_idx == 0).unsqueeze(-1)  # the state reaches the first sequence only
         if initial is not None:  # as one process: the initial state reaches a first sequence of id 0 only
             initial = initial * (seq_idx[:, 0] == 0).reshape(-1, 1, 1, 1)
-    _, final_from_zero = ssd_combined.mamba_chunk_scan_combined(
-        x, dt, A, B, C, chunk_size, dt_bias=dt_bias, seq_idx=local_seq_idx, dt_softplus=dt_softplus,
+    out_from_zero, final_from_zero = ssd_combined.mamba_chunk_scan_combined(
+        x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, seq_idx=local_seq_idx, dt_softplus=dt_softplus,
         dt_limit=dt_limit, return_final_states=True)
     state = pass_states(decay[:, :, None, None], final_from_zero, initial, continues, group)
-    return ssd_combined.mamba_chunk_scan_combined(
-        x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_states=state, seq_idx=local_seq_idx,
-        dt_softplus=dt_softplus, dt_limit=dt_limit, return_final_states=return_final_states)
+    # the outputs are affine in the initial state too: y_t += reach_t * (state @ C_t), per head; with
+    # a scalar decay per head this is one contraction over dstate, not a second scan
+    batch, seqlen, ngroups, dstate = C.shape
+    grouped = state.unflatten(1, (ngroups, -1))  # (b, g, heads per group, headdim, dstate)
+    correction = torch.einsum("btgn,bgkpn->btgkp", C.float(), grouped).flatten(2, 3) * reach.unsqueeze(-1)
+    if z is not None:
+        correction = correction * F.silu(z.float())
+    out = (out_from_zero + correction).to(out_from_zero.dtype)
+    if not return_final_states:
+        return out
+    return out, decay[:, :, None, None] * state + final_from_zero
 
 
 def selective_scan_fn(
@@ -139,10 +152,12 @@ def causal_conv1d(
     if halo == 0:
         return mamba_inner.causal_conv1d(x, weight, bias, activation, seq_idx)
     rank, _ = group_rank_and_size(group)
-    x = torch.cat([previous_tail(x[..., -halo:], group), x], -1)
+    # joined and cut time-major (so are the gradients): the layout the mixers pass (in_proj's output
+    # transposed), which the conv reads fastest; the other one made its backward 4x slower
+    x = torch.cat([previous_tail(x[..., -halo:], group).transpose(1, 2), x.transpose(1, 2)], 1).transpose(1, 2)
     if seq_idx is not None:
         tails = all_gather_stacked(seq_idx[:, -halo:], group)
         # rank 0's halo is zeros: its ids do not matter
         seq_idx = torch.cat([tails[rank - 1] if rank > 0 else seq_idx[:, :1].expand(-1, halo), seq_idx], -1)
-    return mamba_inner.causal_conv1d(x, weight, bias, activation, seq_idx)[..., halo:]
+    return mamba_inner.causal_conv1d(x, weight, bias, activation, seq_idx).transpose(1, 2)[:, halo:].transpose(1, 2)
 
