@@ -20,9 +20,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 import ssmops
 from ssmops import distributed as cp
+from ssmops.distributed import parallelize_mamba2
+from ssmops.distributed.tensor_parallel import _rank_major_rows
 from ssmops.mamba_inner import causal_conv1d
 from ssmops.models.config_mamba import MambaConfig
 from ssmops.models.mixer_seq_simple import MambaLMHeadModel
+from ssmops.modules import Mamba2
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)  # a hang becomes an error in every rank
 SHARDS = {2: [9, 14], 4: [5, 7, 3, 8]}  # 23 tokens; chunk size 4: no shard is a chunk multiple but one
@@ -304,6 +307,54 @@ def _check_data_parallel_training(rank, world):
                                                                          f"LM's {param}: {m}")
 
 
+def _single_process_rows(name: str, t: torch.Tensor, block) -> torch.Tensor:
+    """A tensor-parallel Mamba2's parameter (or gradient) `name`, whole, in one process's row order."""
+    t = t.full_tensor() if isinstance(t, DTensor) else t
+    bc, world = block.ngroups * block.d_state, block.tensor_parallel_mesh.size()
+    segments = {"in_proj.weight": [block.d_ssm, block.d_ssm, bc, bc, block.nheads],
+                "conv1d.weight": [block.d_ssm, bc, bc], "conv1d.bias": [block.d_ssm, bc, bc]}
+    if name.split("mixer.")[-1] not in segments:
+        return t
+    return t[_rank_major_rows([n * world for n in segments[name.split("mixer.")[-1]]], world).argsort()]
+
+
+def _check_tensor_parallel(rank, world):
+    """Mamba2 with its heads split over every rank (parallelize_mamba2): the block's output and every
+    gradient, and a Mamba-2 LM's parameters after 3 SGD steps, equal one process's."""
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    kwargs = dict(d_model=16, d_state=4, headdim=4, ngroups=4, chunk_size=CHUNK)  # 8 heads
+    expected, block = Mamba2(**kwargs), Mamba2(**kwargs)
+    block.load_state_dict(expected.state_dict())
+    parallelize_mamba2(block, mesh)
+    u = torch.randn(2, 11, 16, generator=torch.Generator().manual_seed(1))
+    out, out_expected = block(u), expected(u)
+    torch.testing.assert_close(out, out_expected, **TOL)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    (out * weight).sum().backward()
+    (out_expected * weight).sum().backward()
+    for (name, p), q in zip(block.named_parameters(), expected.parameters()):
+        torch.testing.assert_close(_single_process_rows(name, p.grad, block), q.grad, **TOL,
+                                   msg=lambda m: f"tensor-parallel Mamba2's grad of {name}: {m}")
+
+    gen = torch.Generator().manual_seed(5)
+    input_ids = torch.randint(0, 32, (2, 12), generator=gen)
+    inputs, labels = input_ids[:, :-1], input_ids[:, 1:]
+    lm = dict(layer="Mamba2", d_state=4, headdim=4, ngroups=4, chunk_size=CHUNK)
+    config = MambaConfig(d_model=16, n_layer=2, vocab_size=32, ssm_cfg=lm)
+    torch.manual_seed(0)
+    expected = _train(MambaLMHeadModel(config), inputs, labels, labels.numel(), steps=3)
+    torch.manual_seed(0)
+    model = MambaLMHeadModel(config)
+    for layer in model.backbone.layers:
+        parallelize_mamba2(layer.mixer, mesh)
+    trained = _train(model, inputs, labels, labels.numel(), steps=3)  # every rank: the whole batch
+    for (name, p), q in zip(trained.named_parameters(), expected.parameters()):
+        mixer = trained.get_submodule(name.split(".mixer.")[0] + ".mixer") if ".mixer." in name else None
+        whole = _single_process_rows(name, p, mixer) if mixer is not None else p
+        torch.testing.assert_close(whole, q, **TOL, msg=lambda m: f"tensor-parallel LM's {name}: {m}")
+
+
 def _check_all(rank, world):
     _check_errors(rank, world)
     _check_conv(rank, world)
@@ -311,6 +362,7 @@ def _check_all(rank, world):
     _check_ssd(rank, world)
     _check_lm_training(rank, world)
     _check_data_parallel_training(rank, world)
+    _check_tensor_parallel(rank, world)
 
 
 @pytest.mark.parametrize("world", [2, 4])
