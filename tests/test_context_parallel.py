@@ -328,6 +328,8 @@ def _check_tensor_parallel(rank, world):
     block.load_state_dict(expected.state_dict())
     parallelize_mamba2(block, mesh)
     u = torch.randn(2, 11, 16, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # inference too (the projections' no-grad path is ssmops' own operator)
+        torch.testing.assert_close(block(u), expected(u), **TOL)
     out, out_expected = block(u), expected(u)
     torch.testing.assert_close(out, out_expected, **TOL)
     weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
