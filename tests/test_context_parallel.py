@@ -215,8 +215,22 @@ def _check_errors(rank, world):
     inputs = {k: v[:, :6] if v.dim() > 1 and k != "initial_states" else v for k, v in _ssd_inputs(0).items()}
     if rank == 1:  # rank 1 disagrees on the number of heads
         inputs.update(x=inputs["x"][:, :, :2], dt=inputs["dt"][:, :, :2], A=inputs["A"][:2])
-    with pytest.raises(ValueError, match=r"disagree on shapes.*rank 1 has x \(2, seqlen, 2, 3\)"):
+    with pytest.raises(ValueError, match=r"disagree on shapes.*rank 1 has x \(2, seqlen, 2, 3\) float32"):
         cp.mamba_chunk_scan_combined(inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"], CHUNK)
+    inputs = {k: v[:, :6] if v.dim() > 1 and k != "initial_states" else v for k, v in _ssd_inputs(0).items()}
+    u = _selective_inputs(0, False)
+    if rank == 1:  # an argument only rank 1 gets wrong: rank 1 raises its own error, the others name rank 1
+        inputs["dt_bias"], u["delta"] = inputs["dt_bias"].double(), u["delta"][:, :2]
+    with pytest.raises((TypeError, ValueError), match="dt_bias" if rank == 1 else "rank 1 of the context-parallel "
+                       "group refused its arguments"):
+        cp.mamba_chunk_scan_combined(inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"], CHUNK,
+                                     dt_bias=inputs["dt_bias"])
+    with pytest.raises(ValueError, match="delta" if rank == 1 else "rank 1 of the context-parallel group refused"):
+        cp.selective_scan_fn(u["u"], u["delta"], u["A"], u["B"], u["C"])
+    with pytest.raises(ValueError, match=r"disagree on shapes or dtypes.*rank 1 has u \(2, 4, seqlen\) bfloat16"):
+        u = _selective_inputs(0, False)
+        half = {k: u[k].to(torch.bfloat16) if rank == 1 else u[k] for k in ("u", "delta", "B", "C")}
+        cp.selective_scan_fn(half["u"], half["delta"], u["A"], half["B"], half["C"])
     x = _randn(gen, 2, 3, 2 if rank == world - 1 else 5)  # the last shard is shorter than the halo (3)
     with pytest.raises(ValueError, match=rf"seqlen >= 3 \(the conv's halo.*rank {world - 1} of the group has seqlen 2"):
         cp.causal_conv1d(x, _randn(gen, 3, 4))

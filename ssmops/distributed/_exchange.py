@@ -10,7 +10,7 @@ other ranks waiting in the backward's collective).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -38,57 +38,77 @@ def all_gather_stacked(t: Tensor, group: ProcessGroup | None) -> Tensor:
     return torch.view_as_complex(stacked) if t.is_complex() else stacked
 
 
-def check_group_shapes(
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.complex64, torch.complex128,
+           torch.int32, torch.int64]
+
+
+def check_group_arguments(
     group: ProcessGroup | None,
-    device: torch.device,
     seqlen: int,
-    shapes: dict[str, tuple[int, ...] | None],
+    tensors: dict[str, tuple[Tensor | None, int | None]],
+    validate: Callable[[], None],
     min_seqlen: int = 1,
     min_seqlen_reason: str = "",
 ) -> None:
-    """Raises the same ValueError on every rank when the ranks disagree on a shape (the sharded
-    dimension given as -2 may differ) or a shard is shorter than `min_seqlen`; one small
-    all-gather, so that a bad group fails here instead of hanging in a later collective."""
-    description = [seqlen]
-    for shape in shapes.values():
-        description += [_ABSENT] if shape is None else [len(shape), *shape]
+    """Runs `validate` (this rank's argument checks), then one small all-gather, after which every
+    rank raises when any rank's arguments were refused (that rank its own error, the others a
+    ValueError naming it), when a shard is shorter than `min_seqlen`, or when the ranks disagree on
+    a shape or dtype of `tensors` (name: (tensor or None, its sharded dimension, None if it is
+    replicated): only the sharded dimension may differ). So a bad group fails at once on every rank
+    instead of hanging in a later collective."""
+    try:
+        validate()
+        refused = None
+    except (TypeError, ValueError) as error:
+        refused = error
+    description = [int(refused is not None), seqlen]
+    for t, sequence_dim in tensors.values():
+        if t is None:
+            description.append(_ABSENT)
+            continue
+        dims = list(t.shape)
+        if sequence_dim is not None:
+            dims[sequence_dim] = _SEQUENCE_DIM
+        code = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else len(_DTYPES)
+        description += [len(dims), code, *dims]
     if len(description) > _DESCRIPTION_LENGTH:
         raise ValueError(f"too many dimensions to check across the group ({len(description)} > {_DESCRIPTION_LENGTH})")
     description += [0] * (_DESCRIPTION_LENGTH - len(description))
+    device = next(t.device for t, _ in tensors.values() if t is not None)
     gathered = all_gather_stacked(torch.tensor(description, dtype=torch.int64, device=device), group).tolist()
-    lengths = [d[0] for d in gathered]
+    if refused is not None:
+        raise refused
+    failed = [r for r, d in enumerate(gathered) if d[0]]
+    if failed:
+        raise ValueError(f"rank {failed[0]} of the context-parallel group refused its arguments (its error "
+                         "is raised there); every rank stops")
+    lengths = [d[1] for d in gathered]
     short = [(r, n) for r, n in enumerate(lengths) if n < min_seqlen]
     if short:
         rank, n = short[0]
         raise ValueError(f"context-parallel shards must have seqlen >= {min_seqlen}{min_seqlen_reason}; "
                          f"rank {rank} of the group has seqlen {n} (all ranks: {lengths})")
     for rank, other in enumerate(gathered):
-        if other[1:] != gathered[0][1:]:
-            raise ValueError("the ranks of the context-parallel group disagree on shapes (seqlen may differ, "
-                             f"nothing else): rank 0 has {_read_shapes(gathered[0], shapes)}, rank {rank} has "
-                             f"{_read_shapes(other, shapes)}")
+        if other[2:] != gathered[0][2:]:
+            raise ValueError("the ranks of the context-parallel group disagree on shapes or dtypes (seqlen may "
+                             f"differ, nothing else): rank 0 has {_read_description(gathered[0], tensors)}, rank "
+                             f"{rank} has {_read_description(other, tensors)}")
 
 
-def _read_shapes(description: list[int], shapes: dict[str, object]) -> str:
-    """The shapes of a description, as `name (2, seqlen, 4)`, for an error message."""
-    words, i = [], 1
-    for name in shapes:
+def _read_description(description: list[int], tensors: dict[str, object]) -> str:
+    """A description's tensors, as `name (2, seqlen, 4) float32`, for an error message."""
+    words, i = [], 2
+    for name in tensors:
         if description[i] == _ABSENT:
             words.append(f"{name} None")
             i += 1
             continue
-        ndim = description[i]
-        dims = ["seqlen" if d == _SEQUENCE_DIM else str(d) for d in description[i + 1:i + 1 + ndim]]
-        words.append(f"{name} ({', '.join(dims)})")
-        i += 1 + ndim
+        ndim, code = description[i], description[i + 1]
+        dims = ["seqlen" if d == _SEQUENCE_DIM else str(d) for d in description[i + 2:i + 2 + ndim]]
+        dtype = str(_DTYPES[code]).removeprefix("torch.") if code < len(_DTYPES) else "another dtype"
+        words.append(f"{name} ({', '.join(dims)}) {dtype}")
+        i += 2 + ndim
     return ", ".join(words)
-
-
-def described(shape: Sequence[int], sequence_dim: int) -> tuple[int, ...]:
-    """`shape` with its sharded dimension replaced by the marker that the check lets differ."""
-    dims = list(shape)
-    dims[sequence_dim] = _SEQUENCE_DIM
-    return tuple(dims)
 
 
 class _PassStates(torch.autograd.Function):

@@ -22,14 +22,10 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from .. import mamba_inner, selective_scan, ssd_combined
+from ..ops.selective_scan.checks import check_scan_inputs
+from ..ops.ssd.checks import check_sequence_values, check_ssd_inputs
 from ..ops.ssd.reference import _discretize_dt
-from ._exchange import (
-    all_gather_stacked, check_group_shapes, described, group_rank_and_size, pass_states, previous_tail,
-)
-
-
-def _shape(t: Tensor | None, sequence_dim: int) -> tuple[int, ...] | None:
-    return None if t is None else described(t.shape, sequence_dim)
+from ._exchange import all_gather_stacked, check_group_arguments, group_rank_and_size, pass_states, previous_tail
 
 
 def mamba_chunk_scan_combined(
@@ -60,10 +56,16 @@ def mamba_chunk_scan_combined(
     Collective: every rank of `group` (None: the default group) must call it, in the same order
     as the other context-parallel calls. cu_seqlens / varlen states are not supported here.
     """
-    rank, world = group_rank_and_size(group)
-    check_group_shapes(group, x.device, x.shape[1], {
-        "x": _shape(x, 1), "dt": _shape(dt, 1), "A": _shape(A, 0), "B": _shape(B, 1), "C": _shape(C, 1),
-        "D": _shape(D, 0), "z": _shape(z, 1), "dt_bias": _shape(dt_bias, 0), "seq_idx": _shape(seq_idx, 1)})
+    rank, _ = group_rank_and_size(group)
+
+    def validate():
+        check_ssd_inputs(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, None, chunk_size,
+                         ssd_combined._limit_arg(dt_limit))
+        check_sequence_values(x.shape[1], seq_idx, None)
+
+    check_group_arguments(group, x.shape[1], {
+        "x": (x, 1), "dt": (dt, 1), "A": (A, None), "B": (B, 1), "C": (C, 1), "D": (D, None), "z": (z, 1),
+        "dt_bias": (dt_bias, None), "seq_idx": (seq_idx, 1)}, validate)
     local_seq_idx = continues = None
     initial = initial_states if rank == 0 else None
     # (b, l, h): how much of the shard's initial state is left at each token, and after the shard
@@ -116,11 +118,10 @@ def selective_scan_fn(
     rank 0); the last state returned is the state after the shard (on the last rank: the whole
     sequence's). Collective, as `mamba_chunk_scan_combined` here."""
     rank, _ = group_rank_and_size(group)
-    check_group_shapes(group, u.device, u.shape[-1], {
-        "u": _shape(u, -1), "delta": _shape(delta, -1), "A": _shape(A, 0),
-        "B": _shape(B, -1 if B.dim() > 2 else 0), "C": _shape(C, -1 if C.dim() > 2 else 0),
-        "D": _shape(D, 0), "z": _shape(z, -1), "delta_bias": _shape(delta_bias, 0),
-        "A is complex": (int(A.is_complex()),)})
+    check_group_arguments(group, u.shape[-1], {
+        "u": (u, -1), "delta": (delta, -1), "A": (A, None), "B": (B, -1 if B.dim() > 2 else None),
+        "C": (C, -1 if C.dim() > 2 else None), "D": (D, None), "z": (z, -1), "delta_bias": (delta_bias, None)},
+        lambda: check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state))
     dt = delta.float() if delta_bias is None else delta.float() + delta_bias.float()[:, None]
     if delta_softplus:
         dt = F.softplus(dt)
@@ -146,8 +147,9 @@ def causal_conv1d(
     prepended, so every shard must be at least width - 1 long. Collective."""
     width = weight.shape[-1]
     halo = width - 1
-    check_group_shapes(group, x.device, x.shape[-1], {
-        "x": _shape(x, -1), "weight": tuple(weight.shape), "bias": _shape(bias, 0), "seq_idx": _shape(seq_idx, 1)},
+    check_group_arguments(group, x.shape[-1], {
+        "x": (x, -1), "weight": (weight, None), "bias": (bias, None), "seq_idx": (seq_idx, 1)},
+        lambda: _check_conv_inputs(x, weight, seq_idx),
         min_seqlen=max(halo, 1), min_seqlen_reason=f" (the conv's halo, width - 1 = {halo})")
     if halo == 0:
         return mamba_inner.causal_conv1d(x, weight, bias, activation, seq_idx)
@@ -161,3 +163,15 @@ def causal_conv1d(
         seq_idx = torch.cat([tails[rank - 1] if rank > 0 else seq_idx[:, :1].expand(-1, halo), seq_idx], -1)
     return mamba_inner.causal_conv1d(x, weight, bias, activation, seq_idx).transpose(1, 2)[:, halo:].transpose(1, 2)
 
+
+
+def _check_conv_inputs(x: Tensor, weight: Tensor, seq_idx: Tensor | None) -> None:
+    """What the halo needs of the conv's arguments (the conv checks the rest, on every rank alike)."""
+    if x.dim() != 3:
+        raise ValueError(f"x must be (batch, dim, seqlen), got shape {tuple(x.shape)}")
+    if weight.dim() not in (2, 3) or weight.shape[0] != x.shape[1]:
+        raise ValueError(f"weight must be (dim, width) or (dim, 1, width) with dim {x.shape[1]}, got shape "
+                         f"{tuple(weight.shape)}")
+    if seq_idx is not None and seq_idx.shape != (x.shape[0], x.shape[-1]):
+        raise ValueError(f"seq_idx must have shape ({x.shape[0]}, {x.shape[-1]}) for x of shape "
+                         f"{tuple(x.shape)}, got {tuple(seq_idx.shape)}")
