@@ -308,7 +308,7 @@ def _check_data_parallel_training(rank, world):
         expected = _train(_tiny_lm("Mamba2"), inputs, labels, labels.numel(), steps=3)
         row, start, end, group = rank, 0, inputs.shape[1], None
         if cp_size > 1:
-            row, group = mesh.get_local_rank("dp"), mesh.get_group("cp")
+            row, group = mesh.get_local_rank("dp"), mesh["cp"]  # a mesh dimension as the CP group
             start, end = _bounds(2, mesh.get_local_rank("cp"))
         for name, wrap in wrappers.items():
             model = wrap(_tiny_lm("Mamba2", context_parallel_group=group))

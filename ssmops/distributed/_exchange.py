@@ -16,10 +16,21 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 _DESCRIPTION_LENGTH = 64  # ints per rank in the shape check: one fixed size, so it never mismatches
 _ABSENT = -1
 _SEQUENCE_DIM = -2  # stands for the sharded dimension in a described shape
+
+
+def as_process_group(group: ProcessGroup | DeviceMesh | None) -> ProcessGroup | None:
+    """The process group of a 1-D DeviceMesh (a process group, or None for the default one, as is)."""
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"a context-parallel group must be a 1-D DeviceMesh (e.g. mesh['cp']), got "
+                             f"{group.ndim} dimensions {group.mesh_dim_names}")
+        return group.get_group()
+    return group
 
 
 def group_rank_and_size(group: ProcessGroup | None) -> tuple[int, int]:

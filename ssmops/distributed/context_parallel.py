@@ -20,12 +20,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from .. import mamba_inner, selective_scan, ssd_combined
 from ..ops.selective_scan.checks import check_scan_inputs
 from ..ops.ssd.checks import check_sequence_values, check_ssd_inputs
 from ..ops.ssd.reference import _discretize_dt
-from ._exchange import all_gather_stacked, check_group_arguments, group_rank_and_size, pass_states, previous_tail
+from ._exchange import (
+    all_gather_stacked, as_process_group, check_group_arguments, group_rank_and_size, pass_states, previous_tail,
+)
 
 
 def mamba_chunk_scan_combined(
@@ -44,7 +47,7 @@ def mamba_chunk_scan_combined(
     dt_limit: tuple[float, float] = (0.0, float("inf")),
     return_final_states: bool = False,
     *,
-    group: ProcessGroup | None = None,
+    group: ProcessGroup | DeviceMesh | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """`ssmops.mamba_chunk_scan_combined` on this rank's shard of the sequence (dimension 1 of x,
     dt, B, C, z and seq_idx; shards may have any lengths >= 1, chunk multiples or not).
@@ -53,9 +56,11 @@ def mamba_chunk_scan_combined(
     None). `seq_idx` holds the global sequence ids of the shard's tokens: a sequence may start,
     end or continue across shards. Returns the shard's outputs and, with `return_final_states`,
     the state after the shard's last token (on the last rank: the whole sequence's final state).
-    Collective: every rank of `group` (None: the default group) must call it, in the same order
+    Collective: every rank of `group` (a process group or a 1-D DeviceMesh; None: the default
+    group) must call it, in the same order
     as the other context-parallel calls. cu_seqlens / varlen states are not supported here.
     """
+    group = as_process_group(group)
     rank, _ = group_rank_and_size(group)
 
     def validate():
@@ -111,12 +116,13 @@ def selective_scan_fn(
     return_last_state: bool = False,
     initial_state: Tensor | None = None,
     *,
-    group: ProcessGroup | None = None,
+    group: ProcessGroup | DeviceMesh | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """`ssmops.selective_scan_fn` on this rank's shard of the sequence (the last dimension of u,
     delta, z and of a variable B/C). `initial_state` is the whole sequence's (read on the group's
     rank 0); the last state returned is the state after the shard (on the last rank: the whole
     sequence's). Collective, as `mamba_chunk_scan_combined` here."""
+    group = as_process_group(group)
     rank, _ = group_rank_and_size(group)
     check_group_arguments(group, u.shape[-1], {
         "u": (u, -1), "delta": (delta, -1), "A": (A, None), "B": (B, -1 if B.dim() > 2 else None),
@@ -140,11 +146,12 @@ def causal_conv1d(
     activation: str | None = None,
     seq_idx: Tensor | None = None,
     *,
-    group: ProcessGroup | None = None,
+    group: ProcessGroup | DeviceMesh | None = None,
 ) -> Tensor:
     """`ssmops.mamba_inner.causal_conv1d` on this rank's shard (the last dimension of x, the
     second of seq_idx): the previous rank's last width - 1 inputs (and their sequence ids) are
     prepended, so every shard must be at least width - 1 long. Collective."""
+    group = as_process_group(group)
     width = weight.shape[-1]
     halo = width - 1
     check_group_arguments(group, x.shape[-1], {

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..checkpoint import load_state_dict
 from ..layernorm_gated import rmsnorm_fn
@@ -90,7 +91,7 @@ def _norm(config: MambaConfig, device, dtype) -> nn.Module:
 
 class MixerModel(nn.Module):
     def __init__(self, config: MambaConfig, device=None, dtype=None, *,
-                 context_parallel_group: ProcessGroup | None = None):
+                 context_parallel_group: ProcessGroup | DeviceMesh | None = None):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
         self.residual_in_fp32 = config.residual_in_fp32
@@ -194,12 +195,12 @@ class MambaLMHeadModel(nn.Module):
     model trains under `torch.compile(fullgraph=True)` and exports; `generate` decodes
     with the recurrent state.
 
-    With `context_parallel_group` (a torch.distributed process group) each rank's forward takes
+    With `context_parallel_group` (a torch.distributed process group or 1-D DeviceMesh) each rank's forward takes
     its shard of the sequence, input_ids (batch, shard length), and returns its shard's logits
     (see ssmops.distributed and docs/distributed.md); attention layers are then refused."""
 
     def __init__(self, config: MambaConfig, initializer_cfg: dict | None = None, device=None, dtype=None, *,
-                 context_parallel_group: ProcessGroup | None = None):
+                 context_parallel_group: ProcessGroup | DeviceMesh | None = None):
         super().__init__()
         self.config = config
         self.backbone = MixerModel(config, device=device, dtype=dtype, context_parallel_group=context_parallel_group)

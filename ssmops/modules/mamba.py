@@ -14,8 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from .. import distributed
+from ..distributed._exchange import as_process_group
 from ..mamba_inner import causal_conv1d, causal_conv1d_update, mamba_inner_fn
 from ..selective_scan import selective_scan_fn
 from ..state_update import selective_state_update
@@ -34,7 +36,7 @@ class Mamba(nn.Module):
     `use_fast_path` selects `mamba_inner_fn` (one function from in_proj's output to
     out_proj) over the unrolled path; both run the same operators here.
 
-    `context_parallel_group` (a torch.distributed process group) makes the forward take this
+    `context_parallel_group` (a torch.distributed process group or 1-D DeviceMesh) makes the forward take this
     rank's shard of the sequence (see ssmops.distributed): the conv gets its halo from the
     previous rank and the scan its initial state; decoding is single-process.
     """
@@ -58,7 +60,7 @@ class Mamba(nn.Module):
         device=None,
         dtype=None,
         *,
-        context_parallel_group: ProcessGroup | None = None,
+        context_parallel_group: ProcessGroup | DeviceMesh | None = None,
     ):
         factory = {"device": device, "dtype": dtype}
         super().__init__()
@@ -70,7 +72,7 @@ class Mamba(nn.Module):
         self.dt_rank = math.ceil(d_model / 16) if dt_rank == "auto" else int(dt_rank)
         self.use_fast_path = use_fast_path
         self.layer_idx = layer_idx
-        self.context_parallel_group = context_parallel_group
+        self.context_parallel_group = as_process_group(context_parallel_group)
 
         self.in_proj = Linear(d_model, self.d_inner * 2, bias=bias, **factory)
         self.conv1d = nn.Conv1d(

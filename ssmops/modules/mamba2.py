@@ -14,8 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from .. import distributed
+from ..distributed._exchange import as_process_group
 from ..distributed.tensor_parallel import local
 from ..layernorm_gated import RMSNorm as RMSNormGated
 from ..layernorm_gated import rmsnorm_fn
@@ -42,7 +44,7 @@ class Mamba2(nn.Module):
     `ssmops.distributed.parallelize_mamba2(block, mesh)` (DTensor). `rmsnorm_eps`
     (not in mamba_ssm, which fixes 1e-5) is the gated norm's epsilon, for transformers' layouts.
 
-    `context_parallel_group` (a torch.distributed process group) makes the forward take this
+    `context_parallel_group` (a torch.distributed process group or 1-D DeviceMesh) makes the forward take this
     rank's shard of the sequence (see ssmops.distributed): the conv gets its halo from the
     previous rank and the scan its initial state; decoding and cu_seqlens are single-process.
     """
@@ -76,7 +78,7 @@ class Mamba2(nn.Module):
         device=None,
         dtype=None,
         *,
-        context_parallel_group: ProcessGroup | None = None,
+        context_parallel_group: ProcessGroup | DeviceMesh | None = None,
     ):
         factory = {"device": device, "dtype": dtype}
         super().__init__()
@@ -105,7 +107,7 @@ class Mamba2(nn.Module):
         self.chunk_size = chunk_size
         self.use_mem_eff_path = use_mem_eff_path
         self.layer_idx = layer_idx
-        self.context_parallel_group = context_parallel_group
+        self.context_parallel_group = as_process_group(context_parallel_group)
         self.tensor_parallel_mesh = None  # set by ssmops.distributed.parallelize_mamba2
 
         d_in_proj = 2 * self.d_inner + 2 * ngroups * d_state + self.nheads
