@@ -372,6 +372,28 @@ def _check_tensor_parallel(rank, world):
         torch.testing.assert_close(whole, q, **TOL, msg=lambda m: f"tensor-parallel LM's {name}: {m}")
 
 
+def _check_tensor_and_context_parallel(rank, world):
+    """Mamba2 on a (cp 2, tp world / 2) mesh: each rank its heads of its shard of the sequence; the
+    outputs and every gradient (summed over cp) equal one process's."""
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("cp", "tp"))
+    torch.manual_seed(0)
+    kwargs = dict(d_model=16, d_state=4, headdim=4, ngroups=4, chunk_size=CHUNK)
+    expected, block = Mamba2(**kwargs), Mamba2(**kwargs, context_parallel_group=mesh["cp"])
+    block.load_state_dict(expected.state_dict())
+    parallelize_mamba2(block, mesh["tp"])
+    u = torch.randn(2, sum(SHARDS[2]), 16, generator=torch.Generator().manual_seed(1))
+    start, end = _bounds(2, mesh.get_local_rank("cp"))
+    out, out_expected = block(u[:, start:end]), expected(u)
+    torch.testing.assert_close(out, out_expected[:, start:end], **TOL)
+    weight = torch.randn(out_expected.shape, generator=torch.Generator().manual_seed(2))
+    (out * weight[:, start:end]).sum().backward()
+    (out_expected * weight).sum().backward()
+    for (name, p), q in zip(block.named_parameters(), expected.parameters()):
+        dist.all_reduce(p.grad.to_local(), group=mesh.get_group("cp"))
+        torch.testing.assert_close(_single_process_rows(name, p.grad, block), q.grad, **TOL,
+                                   msg=lambda m: f"CP x TP Mamba2's grad of {name}: {m}")
+
+
 def _check_all(rank, world):
     _check_errors(rank, world)
     _check_conv(rank, world)
@@ -380,6 +402,7 @@ def _check_all(rank, world):
     _check_lm_training(rank, world)
     _check_data_parallel_training(rank, world)
     _check_tensor_parallel(rank, world)
+    _check_tensor_and_context_parallel(rank, world)
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks on 2 cores: ~10 s

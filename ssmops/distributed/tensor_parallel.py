@@ -21,8 +21,8 @@ def parallelize_mamba2(block: nn.Module, mesh) -> nn.Module:
     in_proj column-wise (its rows reordered rank-major, see _rank_major_rows), out_proj row-wise
     (one all-reduce of the output per forward), the conv's channels, A_log, D, dt_bias and the gated
     norm's weight by heads, each a DTensor sharded on dimension 0. Every rank then runs the conv,
-    the scan and the norm on its nheads / world heads, for training and prefill (decoding and
-    context parallelism are not combined with it).
+    the scan and the norm on its nheads / world heads, for training and prefill (not decoding);
+    with a `context_parallel_group` too, on its shard of the sequence (a 2-D mesh: cp x tp).
 
     Load a single-process checkpoint before parallelizing: in_proj's and conv1d's logical layout
     afterwards is rank-major. Needs nheads and ngroups divisible by the mesh's size, and no MLP
@@ -37,8 +37,6 @@ def parallelize_mamba2(block: nn.Module, mesh) -> nn.Module:
     if block.d_ssm != block.d_inner:
         raise ValueError(f"tensor parallelism needs d_ssm == d_inner (no MLP channels), got d_ssm {block.d_ssm}, "
                          f"d_inner {block.d_inner}")
-    if block.context_parallel_group is not None:
-        raise ValueError("a Mamba2 with a context_parallel_group cannot be tensor-parallel too (not built)")
     bc = block.ngroups * block.d_state
     with torch.no_grad():
         rows = _rank_major_rows([block.d_ssm, block.d_ssm, bc, bc, block.nheads], world)
