@@ -183,3 +183,16 @@ def test_frontend_benchmark_runs():
                 "Mamba-2, per channel", "Mamba-2, tied, cache + indices", "Mamba.step", "Mamba2.step"):
         assert row in out.stdout, row
     assert "overhead us" in out.stdout
+
+
+def test_context_parallel_benchmark_counts_constant_state_passing_traffic():
+    """benchmarks/context_parallel.py --quick: the bytes its gloo ranks count for the state passing are
+    the same for both shard lengths and equal the computed ones; all-to-all's grow with the shard."""
+    out = subprocess.run([sys.executable, "benchmarks/context_parallel.py", "--quick"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    measured, computed = out.stdout.split("measured with gloo")[1].split("computed state passing for world 2: ")
+    rows = [line.split() for line in measured.splitlines() if line.split() and line.split()[0].isdigit()]
+    computed = computed.splitlines()[0]
+    assert len(rows) == 2 and {" ".join(r[1:3]) for r in rows} == {computed}, out.stdout
+    assert float(rows[1][3]) > 2 * float(rows[0][3]), out.stdout
