@@ -35,7 +35,7 @@ def _step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices
     direct = direct_triton_kernel(name, x, args)
     if direct is not None:
         if not torch.is_inference_mode_enabled():  # the operator's in-place update bumps the state's version
-            torch._C._increment_version(state)
+            torch._C._increment_version((state,))  # (a tensor alone would be iterated: a bump a row)
         return direct(*args, dt_softplus)
     step = triton_op_for(name, x) or _OPERATORS[name]
     return step(*args, dt_softplus)
