@@ -183,3 +183,16 @@ def test_frontend_benchmark_runs():
                 "Mamba-2, per channel", "Mamba-2, tied, cache + indices", "Mamba.step", "Mamba2.step"):
         assert row in out.stdout, row
     assert "overhead us" in out.stdout
+
+
+def test_gpu_benchmark_generate_rows_run_on_any_device():
+    """benchmarks/gpu.py's whole-model decoding rows at a tiny shape on the CPU: the LMs it builds (both mixers)
+    generate, and decode_rate gives a rate, eager (cg=True compiles the token: its GPU run times that)."""
+    import gpu
+
+    for layer in ("Mamba1", "Mamba2"):
+        model = gpu.lm(layer, 64, 2, torch.float32, "cpu")
+        assert model.config.ssm_cfg["layer"] == layer and model.config.n_layer == 2
+        with torch.inference_mode():
+            rate = gpu.decode_rate(model, torch.randint(0, 100, (1, 4)), new_tokens=3, cg=False, repeats=1)
+        assert 0 < rate < float("inf")
