@@ -46,9 +46,9 @@ ON_GPU = torch.cuda.is_available()
 CLOCK = time.perf_counter if ON_GPU else time.process_time
 
 
-def fake_a_gpu() -> list:
-    """Without a GPU: registers the Triton kernels as for one and lets CPU tensors take the GPU route; the
-    launch becomes a no-op recording (kernel, grid, args, meta). Returns the list it appends to."""
+def fake_a_gpu() -> None:
+    """Without a GPU: registers the Triton kernels as for one, lets CPU tensors take the GPU route, and makes
+    the launch a no-op."""
     import ssmops._registry as registry
 
     registry._gpu_present = lambda: True
@@ -57,9 +57,7 @@ def fake_a_gpu() -> list:
     registry.GPU_DEVICES = (*registry.GPU_DEVICES, "cpu")
     from ssmops.ops import _triton
 
-    launches: list = []
-    _triton.launch = lambda kernel, grid, args, meta: launches.append((kernel, grid, args, meta))
-    return launches
+    _triton.launch = lambda kernel, grid, args, meta: None
 
 
 def layouts(batch: int, device: str) -> dict:
@@ -82,7 +80,7 @@ def layouts(batch: int, device: str) -> dict:
             f"Mamba-2, 80 x 64 heads, dstate 128, tied, batch {batch}": ("multihead_state_update", mamba2)}
 
 
-def stages(op_name: str, args: tuple, recorded: list | None) -> dict:
+def stages(op_name: str, args: tuple) -> dict:
     """stage name -> a call of it with the layout's arguments."""
     import ssmops
     from ssmops.ops.state_update import triton as state_update_triton
@@ -101,7 +99,7 @@ def stages(op_name: str, args: tuple, recorded: list | None) -> dict:
     finally:
         _triton.launch = launch
     kernel, grid, launch_args, meta = made[0]
-    if recorded is None:  # on a GPU: made as it is
+    if ON_GPU:  # made as it is
         bare = lambda: kernel[grid](*launch_args, **meta)  # noqa: E731
     else:  # the no-op launch, with the same arguments
         bare = lambda: launch(kernel, grid, launch_args, meta)  # noqa: E731
@@ -133,18 +131,28 @@ def per_call_us(calls: dict, n: int, repeats: int) -> dict:
     return best
 
 
-def count_per_call(fn, recorded: list | None) -> tuple[int | None, dict]:
-    """(launches, {aten op: calls}) of one call: launches counted by the no-op launch (None on a GPU), the
-    allocations and copies from the profiler's record."""
+def count_per_call(fn) -> tuple[int, dict]:
+    """(launches, {aten op: calls}) of one call: the launches counted at the launch site (`_triton.launch`,
+    made as before), the allocations and copies from the profiler's record."""
     from torch.profiler import ProfilerActivity, profile
 
-    if recorded is not None:
-        recorded.clear()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    counted = {e.key: e.count for e in prof.key_averages()
-               if e.key in ("aten::empty", "aten::empty_strided", "aten::copy_", "aten::clone", "aten::contiguous")}
-    return (len(recorded) if recorded is not None else None), counted
+    from ssmops.ops import _triton
+
+    launch, launches = _triton.launch, []
+
+    def counted(*args):
+        launches.append(args[0])
+        return launch(*args)
+
+    _triton.launch = counted
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+    finally:
+        _triton.launch = launch
+    made = {e.key: e.count for e in prof.key_averages()
+            if e.key in ("aten::empty", "aten::empty_strided", "aten::copy_", "aten::clone", "aten::contiguous")}
+    return len(launches), made
 
 
 def main(argv=None) -> int:
@@ -154,7 +162,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--profile", action="store_true", help="cProfile the front end's calls")
     args = parser.parse_args(argv)
-    recorded = None if ON_GPU else fake_a_gpu()
+    if not ON_GPU:
+        fake_a_gpu()
     import ssmops
 
     if ssmops.available_backends()["triton"] != "available":
@@ -166,7 +175,7 @@ def main(argv=None) -> int:
     print(f"torch {torch.__version__}, {where}; microseconds per call, the fastest of {args.repeats} turns of "
           f"{args.calls} calls")
     for name, (op_name, step_args) in layouts(args.batch, device).items():
-        calls = stages(op_name, step_args, recorded)
+        calls = stages(op_name, step_args)
         print(f"\n{name}")
         print(f"  {'stage':<18} {'inference_mode':>15} {'grad mode':>10}")
         with torch.inference_mode():
@@ -179,10 +188,9 @@ def main(argv=None) -> int:
             times = f", {us['front end'] / us['launch']:.2f}x the launch" if ON_GPU else ""
             print(f"  front end over the bare launch, {mode}: {over:.2f} us{times}")
         with torch.inference_mode():
-            launches, counted = count_per_call(calls["front end"], recorded)
+            launches, counted = count_per_call(calls["front end"])
         made = ", ".join(f"{k} {v}" for k, v in sorted(counted.items())) or "none"
-        print(f"  one front-end call: {'?' if launches is None else launches} launch(es); aten allocations and "
-              f"copies: {made}")
+        print(f"  one front-end call: {launches} launch(es); aten allocations and copies: {made}")
         if args.profile:
             profiler = cProfile.Profile()
             with torch.inference_mode():
