@@ -6,8 +6,8 @@ People decode eagerly (transformers' `generate`, notebooks, servers without CUDA
 `selective_state_update` per layer per token; at batch 1 its kernel takes ~7 us on an H100, so whatever
 Python runs before the launch decides the step's time. For each layout of issue 57 (Mamba-1: dim 5120,
 dstate 16; Mamba-2: mamba2-2.7b's 80 heads of 64, dstate 128, dt/A/D/dt_bias tied per head as stride-0
-expansions, as mamba_ssm's Mamba2.step passes them; bf16 activations, float32 state) it times, in
-microseconds per call, each stage from the bare launch up to the public function:
+expansions, as mamba_ssm's Mamba2.step passes them, and per head, as ssmops' does; bf16 activations,
+float32 state) it times, in microseconds per call, each stage from the bare launch up to the public function:
 
 * launch: the kernel's launch with the step's exact arguments worked out beforehand (`kernel[grid](...)`);
 * launcher: the family's Triton launcher (checks, tiles, output buffer, launch; ops/state_update/triton.py);
@@ -72,12 +72,17 @@ def layouts(batch: int, device: str) -> dict:
               -randn(d, n, dtype=torch.float32).abs(), randn(batch, n), randn(batch, n), randn(d, dtype=torch.float32),
               randn(batch, d), randn(d, dtype=torch.float32), True)
     h, p, n = 80, 64, 128
-    mamba2 = (randn(batch, h, p, n, dtype=torch.float32), randn(batch, h, p), randn(batch, h)[..., None].expand(batch, h, p),
-              (-randn(h, dtype=torch.float32).abs())[:, None, None].expand(h, p, n), randn(batch, 1, n),
-              randn(batch, 1, n), randn(h, dtype=torch.float32)[:, None].expand(h, p), None,
-              randn(h, dtype=torch.float32)[:, None].expand(h, p), True)
+    dt, A = randn(batch, h), -randn(h, dtype=torch.float32).abs()
+    D, bias = randn(h, dtype=torch.float32), randn(h, dtype=torch.float32)
+    heads = (randn(batch, h, p, n, dtype=torch.float32), randn(batch, h, p))
+    B, C = randn(batch, 1, n), randn(batch, 1, n)
+    tied = (*heads, dt[..., None].expand(batch, h, p), A[:, None, None].expand(h, p, n), B, C,
+            D[:, None].expand(h, p), None, bias[:, None].expand(h, p), True)
+    per_head = (*heads, dt, A, B, C, D, None, bias, True)
     return {f"Mamba-1, dim {d}, dstate 16, batch {batch}": ("selective_state_update", mamba1),
-            f"Mamba-2, 80 x 64 heads, dstate 128, tied, batch {batch}": ("multihead_state_update", mamba2)}
+            f"Mamba-2, 80 x 64 heads, dstate 128, tied as stride-0 views (mamba_ssm's Mamba2.step), batch {batch}":
+                ("multihead_state_update", tied),
+            f"Mamba-2, the same per head (ssmops' Mamba2.step), batch {batch}": ("multihead_state_update", per_head)}
 
 
 def stages(op_name: str, args: tuple) -> dict:
