@@ -252,17 +252,17 @@ class Mamba2(nn.Module):
         xBC = causal_conv1d_update(xBC, conv_state, self.conv1d.weight, self.conv1d.bias, activation=self.activation)
         x, B, C = torch.split(xBC, [self.d_ssm, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
         heads = (self.nheads, self.headdim)
-        # per-head dt, A and dt_bias as stride-0 views over headdim: one decay per head
-        A = (-torch.exp(self.A_log.float()))[:, None, None].expand(*heads, self.d_state)
-        D = self.D.unflatten(0, heads) if self.D_has_hdim else self.D[:, None].expand(heads)
+        # dt (batch, nheads), A, dt_bias and D per head as they are (the step's per-head forms: one decay per
+        # head), not expanded over headdim as mamba_ssm's kernel needs them: no views to build per token
+        A = -torch.exp(self.A_log.float())
+        D = self.D.unflatten(0, heads) if self.D_has_hdim else self.D
         dt_bias, softplus = self.dt_bias, True
         if self.dt_limit != (0.0, float("inf")):  # the scan clamps dt, so the step does too
             dt, dt_bias, softplus = F.softplus(dt.float() + dt_bias.float()).clamp(*self.dt_limit), None, False
         y = selective_state_update(
-            ssm_state, x.unflatten(-1, heads), dt[..., None].expand(-1, *heads), A,
-            B.unflatten(-1, (self.ngroups, self.d_state)), C.unflatten(-1, (self.ngroups, self.d_state)), D,
-            z=None if self.rmsnorm else z.unflatten(-1, heads),
-            dt_bias=None if dt_bias is None else dt_bias[:, None].expand(heads), dt_softplus=softplus,
+            ssm_state, x.unflatten(-1, heads), dt, A, B.unflatten(-1, (self.ngroups, self.d_state)),
+            C.unflatten(-1, (self.ngroups, self.d_state)), D, z=None if self.rmsnorm else z.unflatten(-1, heads),
+            dt_bias=dt_bias, dt_softplus=softplus,
         )
         return self._finish(y.flatten(-2), z, z0, x0).unsqueeze(1), conv_state, ssm_state
 
