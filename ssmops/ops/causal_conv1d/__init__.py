@@ -12,4 +12,5 @@ FAMILY = Family(
         Operator(schema.BWD_SCHEMA, schema.bwd_fake, default.causal_conv1d_bwd),
         Operator(schema.UPDATE_SCHEMA, schema.update_fake, default.causal_conv1d_update),
     ),
+    triton="ssmops.ops.causal_conv1d.triton",
 )

@@ -1,0 +1,299 @@
+// The causal depthwise conv's CPU operators (causal_conv1d_fwd, _bwd, _update) on LibTorch's stable ABI
+// only: argument checks in the words of ssmops/ops/causal_conv1d/checks.py, then plain loops in float32.
+// The schemas are in ../library.cpp. x is read through its strides, so a channel-last x (a transposed
+// (batch, seqlen, dim) tensor, as Mamba-2's mixer passes xBC) is never copied into the other layout;
+// a task is one batch row's block of channels, walked time step by time step, so that either layout
+// reads whole cache lines.
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "../common/checks.h"
+
+namespace ssmops_cpu {
+namespace {
+
+const std::vector<ST> kFloatDtypes{ST::Float, ST::Half, ST::BFloat16};
+const std::vector<ST> kIndexDtypes{ST::Int, ST::Long};
+constexpr int64_t kBlock = 16;  // channels a task walks together: one cache line of float32
+
+struct ConvDims {
+  int64_t batch, dim, seqlen, width;
+};
+
+void check_weight(const char* op, const Tensor& weight, int64_t dim) {
+  STD_TORCH_CHECK(weight.dim() == 2 && weight.size(0) == dim && weight.size(1) >= 1, op,
+                  ": weight must have shape (dim, width) with dim=", dim, " and width >= 1, got ", shape_of(weight));
+  check_tensor_of(op, "weight", weight, kFloatDtypes, {weight.size(0), weight.size(1)}, "x");
+}
+
+void check_x(const char* op, const Tensor& x) {
+  STD_TORCH_CHECK(x.dim() == 3, op, ": x must have shape (batch, dim, seqlen), got ", shape_of(x));
+  check_dtype_of(op, "x", x, kFloatDtypes);
+  STD_TORCH_CHECK(x.is_cpu(), op, ": x must be a CPU tensor");
+}
+
+ConvDims check_conv_inputs(const char* op, const Tensor& x, const Tensor& weight, const OptTensor& bias,
+                           const OptTensor& seq_idx, const OptTensor& initial_states) {
+  check_x(op, x);
+  ConvDims d{x.size(0), x.size(1), x.size(2), 0};
+  check_weight(op, weight, d.dim);
+  d.width = weight.size(1);
+  if (bias) check_tensor_of(op, "bias", *bias, kFloatDtypes, {d.dim}, "x");
+  if (seq_idx) check_tensor_of(op, "seq_idx", *seq_idx, kIndexDtypes, {d.batch, d.seqlen}, "x");
+  if (initial_states)
+    check_tensor_of(op, "initial_states", *initial_states, {x.scalar_type()}, {d.batch, d.dim, d.width - 1},
+                    "x and weight");
+  return d;
+}
+
+Tensor f32(const Tensor& t) { return t.scalar_type() == ST::Float ? t : torch::stable::to(t, ST::Float); }
+Tensor in_dtype(const Tensor& t, ST dtype) { return dtype == ST::Float ? t : torch::stable::to(t, dtype); }
+const float* fptr(const OptTensor& t) { return t ? t->const_data_ptr<float>() : nullptr; }
+// an index tensor as contiguous int64
+OptTensor as_long(const OptTensor& t) {
+  if (!t) return std::nullopt;
+  return contig(t->scalar_type() == ST::Long ? *t : torch::stable::to(*t, ST::Long));
+}
+
+// A float32 tensor of x's shape in x's layout: channel-last (stride 1 along dim) for a channel-last x,
+// else contiguous (schema.empty_like_x).
+bool channel_last(const Tensor& x) { return x.stride(2) != 1 && x.stride(1) == 1; }
+Tensor empty_like_x(const Tensor& x) {
+  if (channel_last(x))
+    return torch::stable::transpose(empty_like_shape(x, {x.size(0), x.size(2), x.size(1)}, ST::Float), 1, 2);
+  return empty_like_shape(x, {x.size(0), x.size(1), x.size(2)}, ST::Float);
+}
+
+struct Strided3 {
+  int64_t b, d, t;
+  explicit Strided3(const Tensor& t3) : b(t3.stride(0)), d(t3.stride(1)), t(t3.stride(2)) {}
+  int64_t at(int64_t i, int64_t c, int64_t j) const { return i * b + c * d + j * t; }
+};
+
+inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
+
+// The stream (initial states, then x) of one batch row and the conv's pre-activation over it.
+struct Stream {
+  const float* x;
+  Strided3 sx;
+  const float* init;  // (batch, dim, width - 1) contiguous, or null: zeros
+  const int64_t* seq;  // (batch, seqlen) contiguous, or null: one sequence
+  const float* w;      // (dim, width) contiguous
+  const float* bias;
+  int64_t dim, seqlen, width;
+
+  float at(int64_t b, int64_t c, int64_t j) const {  // stream entry j (x_t is entry t + width - 1)
+    const int64_t h = width - 1;
+    if (j >= h) return x[sx.at(b, c, j - h)];
+    return init ? init[(b * dim + c) * h + j] : 0.0f;
+  }
+  int64_t seq_of(int64_t b, int64_t j) const {  // the initial states are in token 0's sequence
+    return seq[b * seqlen + std::max<int64_t>(j - (width - 1), 0)];
+  }
+  bool same(int64_t b, int64_t j, int64_t k) const { return !seq || seq_of(b, j) == seq_of(b, k); }
+  float pre(int64_t b, int64_t c, int64_t t) const {
+    float acc = bias ? bias[c] : 0.0f;
+    const float* wc = w + c * width;
+    for (int64_t k = 0; k < width; ++k)
+      if (same(b, t + k, t + width - 1)) acc += wc[k] * at(b, c, t + k);
+    return acc;
+  }
+};
+
+// The inputs as float32 (x in its own strides) and the stream over them.
+struct Prepared {
+  Tensor x32, w32;
+  OptTensor bias32, seq64, init32;
+  Stream s;
+
+  Prepared(const ConvDims& d, const Tensor& x, const Tensor& weight, const OptTensor& bias, const OptTensor& seq_idx,
+           const OptTensor& initial_states)
+      : x32(f32(x)),
+        w32(contig(f32(weight))),
+        bias32(bias ? OptTensor(contig(f32(*bias))) : std::nullopt),
+        seq64(as_long(seq_idx)),
+        init32(initial_states ? OptTensor(contig(f32(*initial_states))) : std::nullopt),
+        s{x32.const_data_ptr<float>(), Strided3(x32), fptr(init32),
+          seq64 ? seq64->const_data_ptr<int64_t>() : nullptr, w32.const_data_ptr<float>(), fptr(bias32),
+          d.dim, d.seqlen, d.width} {}
+};
+
+std::tuple<Tensor, Tensor> causal_conv1d_fwd(Tensor x, Tensor weight, OptTensor bias, OptTensor seq_idx,
+                                             OptTensor initial_states, bool silu_on) {
+  const char* op = "causal_conv1d_fwd";
+  const ConvDims d = check_conv_inputs(op, x, weight, bias, seq_idx, initial_states);
+  const Prepared p(d, x, weight, bias, seq_idx, initial_states);
+  const Stream& s = p.s;
+  const int64_t h = d.width - 1, blocks = (d.dim + kBlock - 1) / kBlock;
+  Tensor out = empty_like_x(x);
+  Tensor final_states = empty_like_shape(x, {d.batch, d.dim, h}, ST::Float);
+  float* o = out.mutable_data_ptr<float>();
+  float* fin = final_states.mutable_data_ptr<float>();
+  const Strided3 so(out);
+  torch::stable::parallel_for(0, d.batch * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / blocks, c0 = task % blocks * kBlock, c1 = std::min(c0 + kBlock, d.dim);
+      for (int64_t t = 0; t < d.seqlen; ++t)
+        for (int64_t c = c0; c < c1; ++c) {
+          const float v = s.pre(b, c, t);
+          o[so.at(b, c, t)] = silu_on ? silu(v) : v;
+        }
+      for (int64_t c = c0; c < c1; ++c)
+        for (int64_t j = 0; j < h; ++j)  // stream entry seqlen + j; the last token is entry seqlen + h - 1
+          fin[(b * d.dim + c) * h + j] = s.same(b, d.seqlen + j, d.seqlen + h - 1) ? s.at(b, c, d.seqlen + j) : 0.0f;
+    }
+  });
+  return {in_dtype(out, x.scalar_type()), in_dtype(final_states, x.scalar_type())};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> causal_conv1d_bwd(Tensor x, Tensor weight, OptTensor bias,
+                                                             OptTensor seq_idx, OptTensor initial_states, Tensor dout,
+                                                             OptTensor dfinal_states, bool silu_on) {
+  const char* op = "causal_conv1d_bwd";
+  const ConvDims d = check_conv_inputs(op, x, weight, bias, seq_idx, initial_states);
+  check_tensor_of(op, "dout", dout, {x.scalar_type()}, {d.batch, d.dim, d.seqlen}, "x");
+  if (dfinal_states)
+    check_tensor_of(op, "dfinal_states", *dfinal_states, {x.scalar_type()}, {d.batch, d.dim, d.width - 1},
+                    "x and weight");
+  const Prepared p(d, x, weight, bias, seq_idx, initial_states);
+  const Stream& s = p.s;
+  const Tensor dout32 = f32(dout);
+  const OptTensor dfin32 = dfinal_states ? OptTensor(contig(f32(*dfinal_states))) : std::nullopt;
+  const float* g = dout32.const_data_ptr<float>();
+  const float* dfin = fptr(dfin32);
+  const Strided3 sg(dout32);
+  const int64_t h = d.width - 1, W = d.width, T = d.seqlen, blocks = (d.dim + kBlock - 1) / kBlock;
+  const std::vector<int64_t> none{0};
+  Tensor dx = empty_like_x(x);
+  Tensor dweight = empty_like_shape(x, {d.dim, W}, ST::Float);
+  Tensor dbias = empty_like_shape(x, bias ? std::vector<int64_t>{d.dim} : none, ST::Float);
+  Tensor dinit = empty_like_shape(x, initial_states ? std::vector<int64_t>{d.batch, d.dim, h} : none, ST::Float);
+  float* dxp = dx.mutable_data_ptr<float>();
+  float* dwp = dweight.mutable_data_ptr<float>();
+  float* dbp = bias ? dbias.mutable_data_ptr<float>() : nullptr;
+  float* dip = initial_states ? dinit.mutable_data_ptr<float>() : nullptr;
+  const Strided3 sdx(dx);
+  // a task is a block of channels over every batch row, so that it owns those channels' dweight and dbias
+  torch::stable::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> dpre(static_cast<size_t>(T * kBlock));  // (t, channel of the block)
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t c0 = task * kBlock, c1 = std::min(c0 + kBlock, d.dim), n = c1 - c0;
+      std::vector<double> dw(static_cast<size_t>(n * W), 0.0), db(static_cast<size_t>(n), 0.0);
+      for (int64_t b = 0; b < d.batch; ++b) {
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t c = c0; c < c1; ++c) {
+            float v = g[sg.at(b, c, t)];
+            if (silu_on) {  // silu'(p) = sig (1 + p (1 - sig))
+              const float pre = s.pre(b, c, t), sig = 1.0f / (1.0f + std::exp(-pre));
+              v *= sig * (1.0f + pre * (1.0f - sig));
+            }
+            dpre[t * kBlock + c - c0] = v;
+            db[c - c0] += v;
+            for (int64_t k = 0; k < W; ++k)
+              if (s.same(b, t + k, t + h)) dw[(c - c0) * W + k] += v * s.at(b, c, t + k);
+          }
+        // d stream entry j: the outputs t = j - k that read it, and the final states when j >= seqlen
+        for (int64_t j = 0; j < T + h; ++j)
+          for (int64_t c = c0; c < c1; ++c) {
+            float acc = 0.0f;
+            const float* wc = s.w + c * W;
+            for (int64_t k = std::max<int64_t>(0, j - T + 1); k < W && k <= j; ++k)
+              if (s.same(b, j, j - k + h)) acc += wc[k] * dpre[(j - k) * kBlock + c - c0];
+            if (dfin && j >= T && s.same(b, j, T + h - 1)) acc += dfin[(b * d.dim + c) * h + j - T];
+            if (j >= h)
+              dxp[sdx.at(b, c, j - h)] = acc;
+            else if (dip)
+              dip[(b * d.dim + c) * h + j] = acc;
+          }
+      }
+      for (int64_t c = c0; c < c1; ++c) {
+        for (int64_t k = 0; k < W; ++k) dwp[c * W + k] = static_cast<float>(dw[(c - c0) * W + k]);
+        if (dbp) dbp[c] = static_cast<float>(db[c - c0]);
+      }
+    }
+  });
+  return {in_dtype(dx, x.scalar_type()), in_dtype(dweight, weight.scalar_type()),
+          bias ? in_dtype(dbias, bias->scalar_type()) : in_dtype(dbias, x.scalar_type()),
+          in_dtype(dinit, x.scalar_type())};
+}
+
+Tensor causal_conv1d_update(Tensor x, Tensor conv_state, Tensor weight, OptTensor bias, OptTensor cache_seqlens,
+                            OptTensor conv_state_indices, bool silu_on) {
+  const char* op = "causal_conv1d_update";
+  check_x(op, x);
+  const int64_t batch = x.size(0), dim = x.size(1), T = x.size(2);
+  check_weight(op, weight, dim);
+  const int64_t W = weight.size(1), h = W - 1;
+  STD_TORCH_CHECK(conv_state.dim() == 3 && conv_state.size(1) == dim && conv_state.size(2) >= h, op,
+                  ": conv_state must have shape (cache_size, dim, state_len) with dim=", dim,
+                  " and state_len >= width - 1 = ", h, ", got ", shape_of(conv_state));
+  const int64_t cache_size = conv_state.size(0), L = conv_state.size(2);
+  STD_TORCH_CHECK(conv_state_indices.has_value() || cache_size == batch, op, ": conv_state must have batch ", batch,
+                  " like x (or give conv_state_indices), got ", shape_of(conv_state));
+  check_tensor_of(op, "conv_state", conv_state, kFloatDtypes, {cache_size, dim, L}, "x");
+  if (bias) check_tensor_of(op, "bias", *bias, kFloatDtypes, {dim}, "x");
+  if (cache_seqlens) check_tensor_of(op, "cache_seqlens", *cache_seqlens, kIndexDtypes, {batch}, "x");
+  if (conv_state_indices) check_tensor_of(op, "conv_state_indices", *conv_state_indices, kIndexDtypes, {batch}, "x");
+  const OptTensor starts = as_long(cache_seqlens), rows = as_long(conv_state_indices);
+  const int64_t* start = starts ? starts->const_data_ptr<int64_t>() : nullptr;
+  const int64_t* row_of = rows ? rows->const_data_ptr<int64_t>() : nullptr;
+  for (int64_t b = 0; row_of && b < batch; ++b)
+    STD_TORCH_CHECK(row_of[b] < cache_size, op, ": conv_state_indices must be < the conv_state's cache size ",
+                    cache_size, ", got ", row_of[b], " at batch row ", b);
+
+  const Tensor x32 = f32(x), w32 = contig(f32(weight));
+  const OptTensor bias32 = bias ? OptTensor(contig(f32(*bias))) : std::nullopt;
+  Tensor state = f32(conv_state);  // conv_state itself when float32: updated in place
+  Tensor out = empty_like_shape(x, {batch, dim, T}, ST::Float);
+  const float* xp = x32.const_data_ptr<float>();
+  const float* wp = w32.const_data_ptr<float>();
+  const float* bp = fptr(bias32);
+  float* sp = state.mutable_data_ptr<float>();
+  float* outp = out.mutable_data_ptr<float>();
+  const Strided3 sx(x32), ss(state);
+  torch::stable::parallel_for(0, batch * dim, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> window(static_cast<size_t>(L + T));  // the stream's entries, oldest first
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / dim, c = i % dim, row = row_of ? row_of[b] : b;
+      float* o = outp + (b * dim + c) * T;
+      if (row < 0) {  // padding: output 0, nothing written
+        std::fill(o, o + T, 0.0f);
+        continue;
+      }
+      // window[L - h + j], j < h: the h entries before token 0; window[L + t]: token t
+      const int64_t pos = start ? start[b] : L;  // the stream position of token 0
+      auto slot = [&](int64_t p) { return ss.at(row, c, ((p % L) + L) % L); };
+      for (int64_t j = 0; j < L; ++j) window[j] = sp[start ? slot(pos - L + j) : ss.at(row, c, j)];
+      for (int64_t t = 0; t < T; ++t) window[L + t] = xp[sx.at(b, c, t)];
+      const float* wc = wp + c * W;
+      for (int64_t t = 0; t < T; ++t) {
+        float acc = bp ? bp[c] : 0.0f;
+        for (int64_t k = 0; k < W; ++k) acc += wc[k] * window[L - h + t + k];
+        o[t] = silu_on ? silu(acc) : acc;
+      }
+      if (start)  // the last min(T, L) tokens into their slots
+        for (int64_t t = std::max<int64_t>(T - L, 0); t < T; ++t) sp[slot(pos + t)] = window[L + t];
+      else  // the state keeps the stream's last L entries
+        for (int64_t j = 0; j < L; ++j) sp[ss.at(row, c, j)] = window[T + j];
+    }
+  });
+  if (conv_state.scalar_type() != ST::Float) torch::stable::copy_(conv_state, state);
+  return in_dtype(out, x.scalar_type());
+}
+
+}  // namespace
+}  // namespace ssmops_cpu
+
+STABLE_TORCH_LIBRARY_IMPL(ssmops, CPU, m) {
+  m.impl("causal_conv1d_fwd", TORCH_BOX(&ssmops_cpu::causal_conv1d_fwd));
+  m.impl("causal_conv1d_bwd", TORCH_BOX(&ssmops_cpu::causal_conv1d_bwd));
+  m.impl("causal_conv1d_update", TORCH_BOX(&ssmops_cpu::causal_conv1d_update));
+}
