@@ -48,7 +48,8 @@ gpu = pytest.mark.skipif(not (HAS_CUDA and TRITON_AVAILABLE), reason="needs a CU
 # Two processes, each a few files: a process's start (torch, Triton, the test modules' collection) is ~5 s
 # of the interpreter suite's ~3 minutes of CPU, and two keep both of make test's workers busy.
 INTERPRETED_TEST_FILES = {
-    "ops": ["tests/ops/test_selective_scan.py", "tests/ops/test_ssd.py", "tests/ops/test_state_update.py"],
+    "ops": ["tests/ops/test_selective_scan.py", "tests/ops/test_ssd.py", "tests/ops/test_state_update.py",
+            "tests/ops/test_causal_conv1d.py"],
     "properties-and-triton": ["tests/test_properties.py", "tests/test_nonfinite.py", "tests/test_triton.py"],
 }
 
