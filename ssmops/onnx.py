@@ -39,6 +39,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .export import ExportError
+from .ops.causal_conv1d.default import causal_conv1d_fwd, causal_conv1d_update
 from .ops.linear.default import weight_only_linear
 from .ops.mamba_step.default import mamba_layers_step, mamba_step
 from .ops.selective_scan.onnx import selective_scan_fwd
@@ -55,7 +56,8 @@ class ONNXExportError(ExportError):
 def decompositions() -> dict[torch._ops.OpOverload, Callable]:
     """{ssmops operator: its decomposition into aten operators}, for
     `ExportedProgram.run_decompositions` ahead of `torch.onnx.export`. The decoding steps, the
-    projection and the fused Mamba steps are their `default` kernels (one token, loop-free);
+    projection, the fused Mamba steps and the causal conv (a shift and add over its few taps) are their
+    `default` kernels (loop-free);
     the scans are their block-wise forms (ssmops/ops/selective_scan/onnx.py, ops/ssd/onnx.py)."""
     ops = torch.ops.ssmops
     table = {
@@ -66,6 +68,8 @@ def decompositions() -> dict[torch._ops.OpOverload, Callable]:
         ops.weight_only_linear.default: weight_only_linear,
         ops.mamba_step.default: mamba_step,
         ops.mamba_layers_step.default: mamba_layers_step,
+        ops.causal_conv1d_fwd.default: causal_conv1d_fwd,
+        ops.causal_conv1d_update.default: causal_conv1d_update,
     }
     return table
 

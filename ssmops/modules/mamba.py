@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..mamba_inner import causal_conv1d, causal_conv1d_update, mamba_inner_fn
+from ..causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+from ..mamba_inner import mamba_inner_fn
 from ..selective_scan import selective_scan_fn
 from ..state_update import selective_state_update
 from .linear import Linear, linear
@@ -129,7 +130,7 @@ class Mamba(nn.Module):
         if conv_state is not None:
             # the last d_conv inputs of the conv (zero-padded on the left when seqlen < d_conv)
             conv_state.copy_(F.pad(x, (self.d_conv - seqlen, 0)))
-        x = causal_conv1d(x, self.conv1d.weight, self.conv1d.bias, activation="silu")
+        x = causal_conv1d_fn(x, self.conv1d.weight, self.conv1d.bias, activation="silu")
         x_dbl = self.x_proj(x.transpose(1, 2))  # (batch, seqlen, dt_rank + 2 * d_state)
         dt, B, C = torch.split(x_dbl, [self.dt_rank, self.d_state, self.d_state], dim=-1)
         dt = linear(dt, self.dt_proj, bias=False).transpose(1, 2)  # the bias goes in as delta_bias

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..layernorm_gated import RMSNorm as RMSNormGated
-from ..mamba_inner import causal_conv1d, causal_conv1d_update
+from ..causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from ..ssd_combined import mamba_chunk_scan_combined, mamba_split_conv1d_scan_combined
 from ..state_update import selective_state_update
 from .linear import Linear
@@ -162,8 +162,9 @@ class Mamba2(nn.Module):
         z0, x0, z, xBC, dt = torch.split(zxbcdt, self._in_proj_split(zxbcdt.shape[-1]), dim=-1)
         if conv_state is not None:
             conv_state.copy_(self._conv_states(xBC, cu_seqlens))
-        xBC = causal_conv1d(xBC.transpose(1, 2), self.conv1d.weight, self.conv1d.bias,
-                            activation=self.activation, seq_idx=seq_idx).transpose(1, 2)
+        # channel-last: the conv reads xBC (batch, seqlen, conv_dim) in place and writes that layout
+        xBC = causal_conv1d_fn(xBC.mT, self.conv1d.weight, self.conv1d.bias, seq_idx=seq_idx,
+                               activation=self.activation).mT
         x, B, C = torch.split(xBC, [self.d_ssm, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
         want_varlen = cu_seqlens is not None and inference_params is not None
         scanned = mamba_chunk_scan_combined(
