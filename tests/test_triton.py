@@ -107,7 +107,8 @@ def test_triton_opcheck(case):
 def test_triton_ops_match_main_ops_and_schemas():
     from ssmops.ops import SCHEMAS
 
-    for name in ("selective_scan_fwd", "selective_scan_bwd", "ssd_scan_fwd", "ssd_scan_bwd"):  # (decoding: opcheck)
+    for name in ("selective_scan_fwd", "selective_scan_bwd", "ssd_scan_fwd", "ssd_scan_bwd", "causal_conv1d_fwd",
+                 "causal_conv1d_bwd"):  # (decoding: opcheck)
         schema = SCHEMAS[name]
         # (triton_op infers its schema from type hints: an int argument becomes SymInt)
         triton_schema = str(getattr(torch.ops.ssmops, f"{name}_triton").default._schema).replace("SymInt ", "int ")
