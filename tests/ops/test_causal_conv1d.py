@@ -9,6 +9,7 @@ transcription of the formula, and against the package's statement of it (a padde
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 
 import ssmops
 from conftest import GRID_DEVICES, TOLERANCES, assert_close, backend_params
+from ssmops._registry import interpreting
 from ssmops.ops.causal_conv1d.reference import causal_conv1d_ref, causal_conv1d_update_ref
 
 
@@ -362,3 +364,73 @@ def test_package_semantics(width, activation):
     torch.testing.assert_close(state, expected_window[..., -(width + 1):])
     one = ssmops.causal_conv1d_update(x[..., 3], state, weight, bias, activation)  # (batch, dim): one token
     assert one.shape == (batch, dim)
+
+
+# --- the Triton operators themselves (under TRITON_INTERPRET=1 on CPU) ------------------------------
+
+
+@pytest.mark.skipif(ssmops.available_backends()["triton"] != "available",
+                    reason="needs the Triton backend (TRITON_INTERPRET=1 on CPU)")
+@pytest.mark.parametrize("case", [Conv(seq_idx=True, initial_states=True, channel_last=True),
+                                  Conv(width=3, bias=False, silu=False)], ids=str)
+def test_triton_opcheck(case):
+    """The Triton operators (`*_triton`, what compiled graphs launch) with the main operators' fakes and
+    autograd; the backward and the step without AOTAutograd's extra runs of their kernels."""
+    args = _fwd_args(case)
+    ops = torch.ops.ssmops
+    torch.library.opcheck(ops.causal_conv1d_fwd_triton.default, args)
+    x, weight, bias, seq_idx, initial_states, silu = args
+    bwd_args = (x, weight, bias, seq_idx, initial_states, torch.randn_like(x),
+                torch.randn(case.batch, case.dim, case.width - 1), silu)
+    no_autograd = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(ops.causal_conv1d_bwd_triton.default, bwd_args, test_utils=no_autograd)
+    kw = update_inputs(Update(case.width, case.width, 2, circular=True, indices=True))
+    torch.library.opcheck(ops.causal_conv1d_update_triton.default, (*kw.values(), silu), test_utils=no_autograd)
+
+
+def _recorded_conv_launches(case: Conv) -> list:
+    """(kernel, args, meta, inputs) of the conv's forward, backward and decoding-step launches."""
+    from ssmops.ops import triton_aot as aot
+    from ssmops.ops.causal_conv1d import triton as conv_triton
+
+    args = _fwd_args(case)
+    x, weight, bias, seq_idx, initial_states, silu = args
+    with aot.recorded_launches() as launches:
+        conv_triton.causal_conv1d_fwd(*args)
+        conv_triton.causal_conv1d_bwd(x, weight, bias, seq_idx, initial_states, torch.ones_like(x),
+                                      torch.ones(case.batch, case.dim, case.width - 1, dtype=case.dtype), silu)
+    recorded = [(*launch, args) for launch in launches]
+    kw = update_inputs(Update(case.width, case.width, 1, circular=True, indices=True, dim=case.dim))
+    with aot.recorded_launches() as launches:
+        conv_triton.causal_conv1d_update(*kw.values(), silu)
+    return recorded + [(*launches[0], tuple(v for k, v in kw.items() if k != "conv_state"))]
+
+
+# Mamba-2 2.7b's xBC (conv_dim 5376) channel-last in bf16, as its mixer passes it; and a channel-first fp32 x with
+# every optional input
+COMPILE_CASES = [Conv(dtype=torch.bfloat16, channel_last=True, batch=1, dim=5376, seqlen=512),
+                 Conv(width=3, seq_idx=True, initial_states=True, batch=2, dim=64, seqlen=40)]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.skipif(interpreting(), reason="compiles the JIT kernels, which the interpreter replaces")
+@pytest.mark.parametrize("case", COMPILE_CASES, ids=str)
+def test_conv_kernels_compile_for_sm90_without_spills_writing_only_their_own_buffers(case):
+    """Each launch compiled for an H100 (no GPU needed): no register spills; and what torch's analysis finds
+    each kernel writes is a 1-D buffer of its launcher (the state for the decoding step), never an input
+    (tests/test_triton.py says why)."""
+    from ssmops.ops import triton_aot as aot
+
+    names = []
+    for kernel, args, meta, inputs in _recorded_conv_launches(case):
+        usage = aot.resource_usage(aot.compile_launch(kernel, args, meta, "sm90"))
+        assert usage["spills"] == 0, (kernel.__name__, usage)
+        by_name = dict(zip(kernel.arg_names, args))
+        for name in aot.written_arguments(kernel, args, meta):
+            if (kernel.__name__, name) == ("causal_conv1d_update_kernel", "state_ptr"):
+                continue
+            t = by_name[name]
+            assert t.dim() == 1 and t._base is None and not any(t is i for i in inputs), (kernel.__name__, name)
+        names.append(kernel.__name__)
+    assert names == ["causal_conv1d_fwd_kernel", "causal_conv1d_dpre_kernel", "causal_conv1d_dstream_kernel",
+                     "causal_conv1d_update_kernel"]
