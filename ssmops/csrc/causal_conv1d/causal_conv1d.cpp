@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "../common/checks.h"
+#include "../state_update/state_update.h"  // silu_in_place: vectorised for this CPU
 
 namespace ssmops_cpu {
 namespace {
@@ -126,31 +127,85 @@ struct Prepared {
           d.dim, d.seqlen, d.width} {}
 };
 
+// The forward's two fast layouts, past the first width - 1 tokens (those read the initial states: Stream::pre).
+// Channel-last x and out: a row of channels [c0, c1) per token, each tap one multiply-add over the row
+// (weight_t: (width, dim), a tap's weights contiguous; a tap outside the token's sequence is skipped whole).
+void forward_row(const Stream& s, const float* weight_t, float* __restrict row, int64_t b, int64_t t) {
+  const int64_t h = s.width - 1;
+  if (t < h) {
+    for (int64_t c = 0; c < s.dim; ++c) row[c] = s.pre(b, c, t);
+    return;
+  }
+  for (int64_t c = 0; c < s.dim; ++c) row[c] = s.bias ? s.bias[c] : 0.0f;
+  for (int64_t k = 0; k < s.width; ++k) {
+    if (!s.same(b, t + k, t + h)) continue;
+    const float* __restrict xr = s.x + s.sx.at(b, 0, t + k - h);
+    const float* __restrict wk = weight_t + k * s.dim;
+    for (int64_t c = 0; c < s.dim; ++c) row[c] += wk[c] * xr[c];
+  }
+}
+
+// Channel-first x and out: one channel's time series, each tap one multiply-add over time.
+void forward_series(const Stream& s, float* __restrict out, int64_t b, int64_t c) {
+  const int64_t h = s.width - 1, T = s.seqlen;
+  const float* __restrict xr = s.x + s.sx.at(b, c, 0);
+  const int64_t* __restrict seq = s.seq ? s.seq + b * T : nullptr;
+  for (int64_t t = 0; t < std::min(h, T); ++t) out[t] = s.pre(b, c, t);
+  for (int64_t t = h; t < T; ++t) out[t] = s.bias ? s.bias[c] : 0.0f;
+  for (int64_t k = 0; k < s.width; ++k) {
+    const float wk = s.w[c * s.width + k];
+    const int64_t shift = k - h;
+    if (seq == nullptr)
+      for (int64_t t = h; t < T; ++t) out[t] += wk * xr[t + shift];
+    else
+      for (int64_t t = h; t < T; ++t) out[t] += seq[t + shift] == seq[t] ? wk * xr[t + shift] : 0.0f;
+  }
+}
+
 std::tuple<Tensor, Tensor> causal_conv1d_fwd(Tensor x, Tensor weight, OptTensor bias, OptTensor seq_idx,
                                              OptTensor initial_states, bool silu_on) {
   const char* op = "causal_conv1d_fwd";
   const ConvDims d = check_conv_inputs(op, x, weight, bias, seq_idx, initial_states);
   const Prepared p(d, x, weight, bias, seq_idx, initial_states);
   const Stream& s = p.s;
-  const int64_t h = d.width - 1, blocks = (d.dim + kBlock - 1) / kBlock;
+  const int64_t h = d.width - 1, T = d.seqlen;
   Tensor out = empty_like_x(x);
   Tensor final_states = empty_like_shape(x, {d.batch, d.dim, h}, ST::Float);
   float* o = out.mutable_data_ptr<float>();
   float* fin = final_states.mutable_data_ptr<float>();
   const Strided3 so(out);
-  torch::stable::parallel_for(0, d.batch * blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / blocks, c0 = task % blocks * kBlock, c1 = std::min(c0 + kBlock, d.dim);
-      for (int64_t t = 0; t < d.seqlen; ++t)
-        for (int64_t c = c0; c < c1; ++c) {
-          const float v = s.pre(b, c, t);
-          o[so.at(b, c, t)] = silu_on ? silu(v) : v;
+  if (so.d == 1 && s.sx.d == 1) {  // channel-last: a task is a token's row of channels
+    std::vector<float> weight_t(static_cast<size_t>(d.width * d.dim));
+    for (int64_t c = 0; c < d.dim; ++c)
+      for (int64_t k = 0; k < d.width; ++k) weight_t[k * d.dim + c] = s.w[c * d.width + k];
+    torch::stable::parallel_for(0, d.batch * T, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        float* row = o + so.at(i / T, 0, i % T);
+        forward_row(s, weight_t.data(), row, i / T, i % T);
+        if (silu_on) silu_in_place(row, d.dim);
+      }
+    });
+  } else if (so.t == 1 && s.sx.t == 1) {  // channel-first: a task is a channel's series
+    torch::stable::parallel_for(0, d.batch * d.dim, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        float* series = o + so.at(i / d.dim, i % d.dim, 0);
+        forward_series(s, series, i / d.dim, i % d.dim);
+        if (silu_on) silu_in_place(series, T);
+      }
+    });
+  } else {  // any other strides: element by element
+    torch::stable::parallel_for(0, d.batch * d.dim, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        for (int64_t t = 0; t < T; ++t) {
+          const float v = s.pre(i / d.dim, i % d.dim, t);
+          o[so.at(i / d.dim, i % d.dim, t)] = silu_on ? silu(v) : v;
         }
-      for (int64_t c = c0; c < c1; ++c)
-        for (int64_t j = 0; j < h; ++j)  // stream entry seqlen + j; the last token is entry seqlen + h - 1
-          fin[(b * d.dim + c) * h + j] = s.same(b, d.seqlen + j, d.seqlen + h - 1) ? s.at(b, c, d.seqlen + j) : 0.0f;
-    }
-  });
+    });
+  }
+  for (int64_t b = 0; b < d.batch; ++b)
+    for (int64_t c = 0; c < d.dim; ++c)
+      for (int64_t j = 0; j < h; ++j)  // stream entry seqlen + j; the last token is entry seqlen + h - 1
+        fin[(b * d.dim + c) * h + j] = s.same(b, T + j, T + h - 1) ? s.at(b, c, T + j) : 0.0f;
   return {in_dtype(out, x.scalar_type()), in_dtype(final_states, x.scalar_type())};
 }
 
