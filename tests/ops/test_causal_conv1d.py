@@ -33,12 +33,13 @@ class Conv:
     batch: int = 2
     dim: int = 5
     seqlen: int = 9
+    view_of: int = 0  # channel-last x as the first dim channels of a (batch, seqlen, view_of) tensor (a projection's)
 
     def __str__(self):
         flags = [f"w{self.width}", "silu" if self.silu else "linear", "bias" if self.bias else "nobias",
                  "cl" if self.channel_last else "cf", str(self.dtype).removeprefix("torch.")]
         flags += [name for name in ("seq_idx", "initial_states") if getattr(self, name)]
-        return "-".join(flags)
+        return "-".join(flags + ([f"view{self.view_of}"] if self.view_of else []))
 
 
 CONV_CASES = [
@@ -50,6 +51,8 @@ CONV_CASES = [
     Conv(width=2, initial_states=True, seq_idx=True, channel_last=True, silu=False),
     Conv(width=3, dtype=torch.bfloat16, initial_states=True),
     Conv(width=4, dtype=torch.bfloat16, seq_idx=True, channel_last=True, bias=False),
+    Conv(width=4, channel_last=True, view_of=13, initial_states=True),  # Mamba-2's xBC: a slice of in_proj's output
+    Conv(width=3, dtype=torch.bfloat16, channel_last=True, view_of=8, seq_idx=True),
     Conv(width=4, seqlen=2, initial_states=True),  # fewer tokens than width - 1: the final states reach the initial
 ]
 
@@ -61,7 +64,7 @@ def conv_inputs(case: Conv, device="cpu", seed=0) -> dict:
         return torch.randn(*shape, generator=gen).to(dtype)
 
     b, d, s, w = case.batch, case.dim, case.seqlen, case.width
-    x = randn(b, s, d).transpose(1, 2) if case.channel_last else randn(b, d, s)
+    x = randn(b, s, case.view_of or d)[..., :d].transpose(1, 2) if case.channel_last else randn(b, d, s)
     seq_idx = None
     if case.seq_idx:  # row 0: three sequences, the last shorter than width - 1; row 1: a restart at 1
         seq_idx = torch.tensor([[0] * (s - 5) + [1] * 3 + [2] * 2, [0] + [1] * (s - 1)], dtype=torch.int32)
@@ -133,13 +136,23 @@ def test_backend_matches_reference(backend, case):
     with ssmops.use_backend(backend):
         out, final, grads = _forward_and_grads(kw, operator)
     tol = TOLERANCES[case.dtype]
-    assert out.stride() == (kw["x"].stride() if case.channel_last else kw["x"].contiguous().stride())
+    batch, dim, seqlen = kw["x"].shape
+    assert out.stride() == ((seqlen * dim, 1, dim) if case.channel_last else (dim * seqlen, seqlen, 1))
     assert_close(out, out_ref, tol, "out")
     assert_close(final, final_ref, tol, "final_states")
     for name, grad in grads.items():
         assert_close(grad, grads_ref[name], tol, f"d{name}")
-    if case.channel_last:
-        assert grads["x"].stride() == kw["x"].stride()  # dx keeps x's layout too
+    assert grads["x"].stride() == out.stride()  # dx in x's layout too
+    if case.view_of:  # (autograd's leaves above are dense copies) the operators on the strided view itself
+        ops = torch.ops.ssmops
+        with ssmops.use_backend(backend):
+            direct, _ = ops.causal_conv1d_fwd(*kw.values())
+            dx = ops.causal_conv1d_bwd(*list(kw.values())[:5], torch.ones_like(out), None, case.silu)[0]
+        assert direct.stride() == out.stride() and dx.stride() == out.stride()
+        assert_close(direct, out_ref, tol, "out of the view")
+        with ssmops.use_backend("default"):
+            expected_dx = ops.causal_conv1d_bwd(*list(kw.values())[:5], torch.ones_like(out), None, case.silu)[0]
+        assert_close(dx, expected_dx, tol, "dx of the view")
 
 
 @dataclasses.dataclass(frozen=True)

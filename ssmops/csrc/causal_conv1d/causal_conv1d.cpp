@@ -23,7 +23,7 @@ namespace {
 
 const std::vector<ST> kFloatDtypes{ST::Float, ST::Half, ST::BFloat16};
 const std::vector<ST> kIndexDtypes{ST::Int, ST::Long};
-constexpr int64_t kBlock = 16;  // channels a task walks together: one cache line of float32
+constexpr int64_t kRowBlock = 64;  // channels of a channel-last backward's task (its dpre: seqlen x 64 floats)
 
 struct ConvDims {
   int64_t batch, dim, seqlen, width;
@@ -127,21 +127,30 @@ struct Prepared {
           d.dim, d.seqlen, d.width} {}
 };
 
+// weight (dim, width) as (width, dim): each tap's weights contiguous over channels.
+std::vector<float> taps_of(const Stream& s) {
+  std::vector<float> weight_t(static_cast<size_t>(s.width * s.dim));
+  for (int64_t c = 0; c < s.dim; ++c)
+    for (int64_t k = 0; k < s.width; ++k) weight_t[k * s.dim + c] = s.w[c * s.width + k];
+  return weight_t;
+}
+
 // The forward's two fast layouts, past the first width - 1 tokens (those read the initial states: Stream::pre).
 // Channel-last x and out: a row of channels [c0, c1) per token, each tap one multiply-add over the row
 // (weight_t: (width, dim), a tap's weights contiguous; a tap outside the token's sequence is skipped whole).
-void forward_row(const Stream& s, const float* weight_t, float* __restrict row, int64_t b, int64_t t) {
+void forward_row(const Stream& s, const float* weight_t, float* __restrict row, int64_t b, int64_t t, int64_t c0,
+                 int64_t c1) {
   const int64_t h = s.width - 1;
   if (t < h) {
-    for (int64_t c = 0; c < s.dim; ++c) row[c] = s.pre(b, c, t);
+    for (int64_t c = c0; c < c1; ++c) row[c] = s.pre(b, c, t);
     return;
   }
-  for (int64_t c = 0; c < s.dim; ++c) row[c] = s.bias ? s.bias[c] : 0.0f;
+  for (int64_t c = c0; c < c1; ++c) row[c] = s.bias ? s.bias[c] : 0.0f;
   for (int64_t k = 0; k < s.width; ++k) {
     if (!s.same(b, t + k, t + h)) continue;
     const float* __restrict xr = s.x + s.sx.at(b, 0, t + k - h);
     const float* __restrict wk = weight_t + k * s.dim;
-    for (int64_t c = 0; c < s.dim; ++c) row[c] += wk[c] * xr[c];
+    for (int64_t c = c0; c < c1; ++c) row[c] += wk[c] * xr[c];
   }
 }
 
@@ -175,13 +184,11 @@ std::tuple<Tensor, Tensor> causal_conv1d_fwd(Tensor x, Tensor weight, OptTensor 
   float* fin = final_states.mutable_data_ptr<float>();
   const Strided3 so(out);
   if (so.d == 1 && s.sx.d == 1) {  // channel-last: a task is a token's row of channels
-    std::vector<float> weight_t(static_cast<size_t>(d.width * d.dim));
-    for (int64_t c = 0; c < d.dim; ++c)
-      for (int64_t k = 0; k < d.width; ++k) weight_t[k * d.dim + c] = s.w[c * d.width + k];
+    const std::vector<float> weight_t = taps_of(s);
     torch::stable::parallel_for(0, d.batch * T, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         float* row = o + so.at(i / T, 0, i % T);
-        forward_row(s, weight_t.data(), row, i / T, i % T);
+        forward_row(s, weight_t.data(), row, i / T, i % T, 0, d.dim);
         if (silu_on) silu_in_place(row, d.dim);
       }
     });
@@ -209,6 +216,81 @@ std::tuple<Tensor, Tensor> causal_conv1d_fwd(Tensor x, Tensor weight, OptTensor 
   return {in_dtype(out, x.scalar_type()), in_dtype(final_states, x.scalar_type())};
 }
 
+// The backward of channel-last x, dout and dx for channels [c0, c1) over every batch row, so that the task owns
+// their dweight and dbias: dpre = dout * silu'(pre) per token row, then dweight and dbias from it, then each
+// stream entry's gradient from the outputs that read it (and the final states); rows of channels throughout.
+struct RowsBackward {
+  const Stream& s;
+  const float* weight_t;
+  const float* g;  // dout, stride 1 along channels
+  Strided3 sg;
+  const float* dfin;  // (batch, dim, width - 1) contiguous, or null
+  float* dx;
+  Strided3 sdx;
+  float *dinit, *dweight, *dbias;  // dinit and dbias may be null
+  bool silu_on;
+
+  void run(int64_t batch, int64_t c0, int64_t c1) const {
+    const int64_t n = c1 - c0, h = s.width - 1, W = s.width, T = s.seqlen;
+    std::vector<float> dpre(static_cast<size_t>(T * n)), pre(n), e(n), acc(n);
+    std::vector<float> dw(static_cast<size_t>(W * n), 0.0f), db(n, 0.0f);  // dw: (width, block)
+    for (int64_t b = 0; b < batch; ++b) {
+      for (int64_t t = 0; t < T; ++t) {
+        float* __restrict dr = dpre.data() + t * n;
+        const float* __restrict gr = g + sg.at(b, c0, t);
+        if (silu_on) {  // silu'(p) = sig (1 + p (1 - sig)), sig = 1 / (1 + exp(-p))
+          forward_row(s, weight_t, pre.data() - c0, b, t, c0, c1);
+          for (int64_t i = 0; i < n; ++i) e[i] = -pre[i];
+          neg_exp(e.data(), e.data(), n);  // -exp(-p)
+          for (int64_t i = 0; i < n; ++i) {
+            const float sig = 1.0f / (1.0f - e[i]);
+            dr[i] = gr[i] * sig * (1.0f + pre[i] * (1.0f - sig));
+          }
+        } else {
+          for (int64_t i = 0; i < n; ++i) dr[i] = gr[i];
+        }
+        for (int64_t i = 0; i < n; ++i) db[i] += dr[i];
+        for (int64_t k = 0; k < W; ++k) {
+          if (!s.same(b, t + k, t + h)) continue;
+          float* __restrict dwk = dw.data() + k * n;
+          if (t + k >= h) {
+            const float* __restrict xr = s.x + s.sx.at(b, c0, t + k - h);
+            for (int64_t i = 0; i < n; ++i) dwk[i] += dr[i] * xr[i];
+          } else {
+            for (int64_t i = 0; i < n; ++i) dwk[i] += dr[i] * s.at(b, c0 + i, t + k);
+          }
+        }
+      }
+      for (int64_t j = 0; j < T + h; ++j) {  // stream entry j: input time j - h
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t k = std::max<int64_t>(0, j - T + 1); k < W && k <= j; ++k) {
+          if (!s.same(b, j, j - k + h)) continue;
+          const float* __restrict dr = dpre.data() + (j - k) * n;
+          const float* __restrict wk = weight_t + k * s.dim + c0;
+          for (int64_t i = 0; i < n; ++i) acc[i] += wk[i] * dr[i];
+        }
+        if (dfin && j >= T && s.same(b, j, T + h - 1))
+          for (int64_t i = 0; i < n; ++i) acc[i] += dfin[(b * s.dim + c0 + i) * h + j - T];
+        if (j >= h) {
+          float* __restrict out = dx + sdx.at(b, c0, j - h);
+          for (int64_t i = 0; i < n; ++i) out[i] = acc[i];
+        } else if (dinit) {
+          for (int64_t i = 0; i < n; ++i) dinit[(b * s.dim + c0 + i) * h + j] = acc[i];
+        }
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t k = 0; k < W; ++k) dweight[(c0 + i) * W + k] = dw[k * n + i];
+      if (dbias) dbias[c0 + i] = db[i];
+    }
+  }
+};
+
+// t (batch, dim, n) with stride 1 along dim: t itself, or a channel-last copy.
+Tensor rows_layout(const Tensor& t) {
+  return t.stride(1) == 1 ? t : torch::stable::transpose(contig(torch::stable::transpose(t, 1, 2)), 1, 2);
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor> causal_conv1d_bwd(Tensor x, Tensor weight, OptTensor bias,
                                                              OptTensor seq_idx, OptTensor initial_states, Tensor dout,
                                                              OptTensor dfinal_states, bool silu_on) {
@@ -218,63 +300,30 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> causal_conv1d_bwd(Tensor x, Tensor we
   if (dfinal_states)
     check_tensor_of(op, "dfinal_states", *dfinal_states, {x.scalar_type()}, {d.batch, d.dim, d.width - 1},
                     "x and weight");
-  const Prepared p(d, x, weight, bias, seq_idx, initial_states);
+  // The kernel works on rows of channels: a channel-first x, dout or dx goes through a channel-last copy
+  // (Mamba's mixers pass channel-last ones: no copy there).
+  const Prepared p(d, rows_layout(f32(x)), weight, bias, seq_idx, initial_states);
   const Stream& s = p.s;
-  const Tensor dout32 = f32(dout);
+  const Tensor g = rows_layout(f32(dout));
   const OptTensor dfin32 = dfinal_states ? OptTensor(contig(f32(*dfinal_states))) : std::nullopt;
-  const float* g = dout32.const_data_ptr<float>();
-  const float* dfin = fptr(dfin32);
-  const Strided3 sg(dout32);
-  const int64_t h = d.width - 1, W = d.width, T = d.seqlen, blocks = (d.dim + kBlock - 1) / kBlock;
+  const int64_t h = d.width - 1;
   const std::vector<int64_t> none{0};
   Tensor dx = empty_like_x(x);
-  Tensor dweight = empty_like_shape(x, {d.dim, W}, ST::Float);
+  Tensor dx_rows = dx.stride(1) == 1 ? dx : torch::stable::transpose(empty_like_shape(x, {d.batch, d.seqlen, d.dim}, ST::Float), 1, 2);
+  Tensor dweight = empty_like_shape(x, {d.dim, d.width}, ST::Float);
   Tensor dbias = empty_like_shape(x, bias ? std::vector<int64_t>{d.dim} : none, ST::Float);
   Tensor dinit = empty_like_shape(x, initial_states ? std::vector<int64_t>{d.batch, d.dim, h} : none, ST::Float);
-  float* dxp = dx.mutable_data_ptr<float>();
-  float* dwp = dweight.mutable_data_ptr<float>();
-  float* dbp = bias ? dbias.mutable_data_ptr<float>() : nullptr;
-  float* dip = initial_states ? dinit.mutable_data_ptr<float>() : nullptr;
-  const Strided3 sdx(dx);
-  // a task is a block of channels over every batch row, so that it owns those channels' dweight and dbias
-  torch::stable::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> dpre(static_cast<size_t>(T * kBlock));  // (t, channel of the block)
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t c0 = task * kBlock, c1 = std::min(c0 + kBlock, d.dim), n = c1 - c0;
-      std::vector<double> dw(static_cast<size_t>(n * W), 0.0), db(static_cast<size_t>(n), 0.0);
-      for (int64_t b = 0; b < d.batch; ++b) {
-        for (int64_t t = 0; t < T; ++t)
-          for (int64_t c = c0; c < c1; ++c) {
-            float v = g[sg.at(b, c, t)];
-            if (silu_on) {  // silu'(p) = sig (1 + p (1 - sig))
-              const float pre = s.pre(b, c, t), sig = 1.0f / (1.0f + std::exp(-pre));
-              v *= sig * (1.0f + pre * (1.0f - sig));
-            }
-            dpre[t * kBlock + c - c0] = v;
-            db[c - c0] += v;
-            for (int64_t k = 0; k < W; ++k)
-              if (s.same(b, t + k, t + h)) dw[(c - c0) * W + k] += v * s.at(b, c, t + k);
-          }
-        // d stream entry j: the outputs t = j - k that read it, and the final states when j >= seqlen
-        for (int64_t j = 0; j < T + h; ++j)
-          for (int64_t c = c0; c < c1; ++c) {
-            float acc = 0.0f;
-            const float* wc = s.w + c * W;
-            for (int64_t k = std::max<int64_t>(0, j - T + 1); k < W && k <= j; ++k)
-              if (s.same(b, j, j - k + h)) acc += wc[k] * dpre[(j - k) * kBlock + c - c0];
-            if (dfin && j >= T && s.same(b, j, T + h - 1)) acc += dfin[(b * d.dim + c) * h + j - T];
-            if (j >= h)
-              dxp[sdx.at(b, c, j - h)] = acc;
-            else if (dip)
-              dip[(b * d.dim + c) * h + j] = acc;
-          }
-      }
-      for (int64_t c = c0; c < c1; ++c) {
-        for (int64_t k = 0; k < W; ++k) dwp[c * W + k] = static_cast<float>(dw[(c - c0) * W + k]);
-        if (dbp) dbp[c] = static_cast<float>(db[c - c0]);
-      }
-    }
+  const std::vector<float> weight_t = taps_of(s);
+  const RowsBackward rows{s, weight_t.data(), g.const_data_ptr<float>(), Strided3(g), fptr(dfin32),
+                          dx_rows.mutable_data_ptr<float>(), Strided3(dx_rows),
+                          initial_states ? dinit.mutable_data_ptr<float>() : nullptr,
+                          dweight.mutable_data_ptr<float>(), bias ? dbias.mutable_data_ptr<float>() : nullptr,
+                          silu_on};
+  torch::stable::parallel_for(0, (d.dim + kRowBlock - 1) / kRowBlock, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task)
+      rows.run(d.batch, task * kRowBlock, std::min((task + 1) * kRowBlock, d.dim));
   });
+  if (dx_rows.data_ptr() != dx.data_ptr()) torch::stable::copy_(dx, dx_rows);
   return {in_dtype(dx, x.scalar_type()), in_dtype(dweight, weight.scalar_type()),
           bias ? in_dtype(dbias, bias->scalar_type()) : in_dtype(dbias, x.scalar_type()),
           in_dtype(dinit, x.scalar_type())};
