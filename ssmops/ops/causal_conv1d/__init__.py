@@ -8,9 +8,10 @@ from . import default, schema
 FAMILY = Family(
     operators=(
         Operator(schema.FWD_SCHEMA, schema.fwd_fake, default.causal_conv1d_fwd,
-                 autograd=schema.autograd_for, backward="causal_conv1d_bwd"),
+                 autograd=schema.autograd_for, backward="causal_conv1d_bwd", onnx=default.causal_conv1d_fwd),
         Operator(schema.BWD_SCHEMA, schema.bwd_fake, default.causal_conv1d_bwd),
-        Operator(schema.UPDATE_SCHEMA, schema.update_fake, default.causal_conv1d_update),
+        Operator(schema.UPDATE_SCHEMA, schema.update_fake, default.causal_conv1d_update,
+                 onnx=default.causal_conv1d_update),
     ),
     triton="ssmops.ops.causal_conv1d.triton",
 )
