@@ -447,3 +447,37 @@ def test_conv_kernels_compile_for_sm90_without_spills_writing_only_their_own_buf
         names.append(kernel.__name__)
     assert names == ["causal_conv1d_fwd_kernel", "causal_conv1d_dpre_kernel", "causal_conv1d_dstream_kernel",
                      "causal_conv1d_update_kernel"]
+
+
+def test_compat_extension_takes_and_returns_what_the_package_s_does():
+    """`ssmops.compat.causal_conv1d_cuda`, for code that calls the package's extension (mamba_ssm's
+    mamba_inner_fn does): its forward, backward and update give what the front end and autograd give."""
+    from ssmops.compat import causal_conv1d_cuda
+
+    kw = conv_inputs(Conv(initial_states=True, channel_last=True))
+    x, weight, bias, _, initial_states, _ = kw.values()
+    final_out = torch.empty(2, 5, 3)
+    out = causal_conv1d_cuda.causal_conv1d_fwd(x, weight, bias, None, initial_states, final_out, True)
+    expected, final = ssmops.causal_conv1d_fn(x, weight, bias, None, initial_states, True, activation="silu")
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(final_out, final)
+
+    leaves = [t.detach().clone().requires_grad_() for t in (x, weight, bias, initial_states)]
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(ssmops.causal_conv1d_fn(leaves[0], leaves[1], leaves[2], None, leaves[3],
+                                                        activation="silu"), leaves, dout)
+    dx = torch.empty_like(x)
+    got = causal_conv1d_cuda.causal_conv1d_bwd(x, weight, bias, dout, None, initial_states, None, dx, True, True)
+    assert got[0] is dx
+    for g, e in zip(got, grads):
+        torch.testing.assert_close(g, e)
+    assert causal_conv1d_cuda.causal_conv1d_bwd(x, weight, None, dout, None, None, None, None, False, True)[2:] == \
+        [None, None]
+
+    update = update_inputs(Update(4, 4, 2))
+    state = update["conv_state"].clone()
+    out = causal_conv1d_cuda.causal_conv1d_update(update["x"], state, update["weight"], update["bias"], False, None,
+                                                  None)
+    expected = ssmops.causal_conv1d_update(**update)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(state, update["conv_state"])
