@@ -91,21 +91,22 @@ def causal_conv1d_bwd(
     tiles = _tiles(dim, seqlen)
     time_blocks = triton.cdiv(seqlen, tiles["BLOCK_T"])
     f32 = dict(dtype=torch.float32, device=x.device)
-    dpre = _triton.output((batch, dim, seqlen), **f32)
+    dpre, dpre_view = _output_like(x, torch.float32)  # in x's layout: both passes read it along dim when x is
     dw_part = _triton.output((batch * time_blocks, dim, width), **f32)
     db_part = _triton.output((batch * time_blocks, dim), **f32) if bias is not None else dw_part
     flags = _flags(bias, seq_idx, initial_states, silu, width)
     _triton.launch(causal_conv1d_dpre_kernel, (triton.cdiv(dim, tiles["BLOCK_D"]), time_blocks, batch), (
         x, weight, bias if bias is not None else weight, initial_states if initial_states is not None else x,
         seq_idx if seq_idx is not None else weight, dout, dpre, dw_part, db_part, dim, seqlen,
-        *_common_args(x, weight, bias, initial_states, seq_idx), *dout.stride(),
+        *_common_args(x, weight, bias, initial_states, seq_idx), *dout.stride(), *dpre_view.stride(),
     ), dict(**flags, **tiles))
     dinit = _triton.output((batch, dim, width - 1), x.dtype, x.device) if initial_states is not None else None
     stream_blocks = triton.cdiv(seqlen + width - 1, tiles["BLOCK_T"])
     _triton.launch(causal_conv1d_dstream_kernel, (triton.cdiv(dim, tiles["BLOCK_D"]), stream_blocks, batch), (
         weight, seq_idx if seq_idx is not None else weight, dpre,
         dfinal_states if dfinal_states is not None else dpre, dx_buffer, dinit if dinit is not None else dx_buffer,
-        dim, seqlen, *weight.stride(), *_strides(seq_idx, 2), *_strides(dfinal_states, 3), *dx.stride(),
+        dim, seqlen, *weight.stride(), *_strides(seq_idx, 2), *dpre_view.stride(), *_strides(dfinal_states, 3),
+        *dx.stride(),
     ), dict(HAS_SEQ=seq_idx is not None, HAS_INIT=dinit is not None, HAS_DFINAL=dfinal_states is not None,
             WIDTH=width, **tiles))
     dweight = dw_part.view(batch * time_blocks, dim, width).sum(0).to(weight.dtype)

@@ -85,12 +85,12 @@ def causal_conv1d_fwd_kernel(
 def causal_conv1d_dpre_kernel(
     x_ptr, w_ptr, bias_ptr, init_ptr, seq_ptr, dout_ptr, dpre_ptr, dw_ptr, db_ptr,
     dim, seqlen,
-    s_xb, s_xd, s_xt, s_wd, s_wk, s_bias, s_ib, s_id, s_it, s_sb, s_st, s_gb, s_gd, s_gt,
+    s_xb, s_xd, s_xt, s_wd, s_wk, s_bias, s_ib, s_id, s_it, s_sb, s_st, s_gb, s_gd, s_gt, s_pb, s_pd, s_pt,
     HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_INIT: tl.constexpr, SILU: tl.constexpr,
     WIDTH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """The backward's first pass over a (BLOCK_D, BLOCK_T) tile: dpre = dout * silu'(pre), float32
-    (batch, dim, seqlen) contiguous, and this tile's sums of dweight (dim, WIDTH) and dbias (dim,) into row
+    (batch, dim, seqlen) in x's layout (strides s_p*), and this tile's sums of dweight (dim, WIDTH) and dbias (dim,) into row
     (batch row, time block) of their partial sums (summed by the launcher, in a fixed order)."""
     d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -104,7 +104,7 @@ def causal_conv1d_dpre_kernel(
                               HAS_BIAS, HAS_SEQ, HAS_INIT, WIDTH, BLOCK_D, BLOCK_T)
         sig = tl.sigmoid(pre)
         g = g * sig * (1.0 + pre * (1.0 - sig))
-    tl.store(dpre_ptr + (b * dim + d[:, None]) * seqlen + t[None, :], g, mask=mask)
+    tl.store(dpre_ptr + b * s_pb + d[:, None] * s_pd + t[None, :] * s_pt, g, mask=mask)
     part = (b * tl.num_programs(1) + tl.program_id(1)) * dim + d  # this tile's partial row
     if HAS_BIAS:
         tl.store(db_ptr + part, tl.sum(g, axis=1), mask=mask_d)
@@ -122,7 +122,7 @@ def causal_conv1d_dpre_kernel(
 def causal_conv1d_dstream_kernel(
     w_ptr, seq_ptr, dpre_ptr, dfinal_ptr, dx_ptr, dinit_ptr,
     dim, seqlen,
-    s_wd, s_wk, s_sb, s_st, s_fb, s_fd, s_fj, s_dxb, s_dxd, s_dxt,
+    s_wd, s_wk, s_sb, s_st, s_pb, s_pd, s_pt, s_fb, s_fd, s_fj, s_dxb, s_dxd, s_dxt,
     HAS_SEQ: tl.constexpr, HAS_INIT: tl.constexpr, HAS_DFINAL: tl.constexpr,
     WIDTH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
@@ -142,8 +142,8 @@ def causal_conv1d_dstream_kernel(
         ok = (t >= 0) & (t < seqlen)
         if HAS_SEQ:
             ok = ok & (_seq(seq_ptr, b, t, seqlen, s_sb, s_st) == mine)
-        g = tl.load(dpre_ptr + (b * dim + d[:, None]) * seqlen + t[None, :], mask=mask_d[:, None] & ok[None, :],
-                    other=0.0)
+        g = tl.load(dpre_ptr + b * s_pb + d[:, None] * s_pd + t[None, :] * s_pt,
+                    mask=mask_d[:, None] & ok[None, :], other=0.0)
         w = tl.load(w_ptr + d * s_wd + k * s_wk, mask=mask_d, other=0.0).to(tl.float32)
         acc += w[:, None] * g
     if HAS_DFINAL:  # entries seqlen .. seqlen + WIDTH - 2 are the final states
