@@ -560,6 +560,16 @@ class SsdFwdBwd(torch.nn.Module):
         return (out, final, *grads)
 
 
+class ConvFwdBwd(torch.nn.Module):
+    def forward(self, xbc, weight, bias, dout):
+        # channel-last: dense when xbc has 64 features, a slice of a wider one else (narrow: CPU-only torch's
+        # indexing and `contiguous` refuse fake CUDA tensors)
+        x = xbc.narrow(2, 0, 64).transpose(1, 2)
+        out, final = ops.causal_conv1d_fwd_triton(x, weight, bias, None, None, True)
+        grads = ops.causal_conv1d_bwd_triton(x, weight, bias, None, None, dout, None, True)
+        return (out, final, *grads)
+
+
 def print_launches(family, module, args):
     print("family", family)
     graph, _ = aot_export_module(module, args, trace_joint=False)
@@ -585,6 +595,11 @@ with FakeTensorMode():
         torch.empty(b, l, g, n, **cuda), torch.empty(b, l, g, n, **cuda), torch.empty(h, device="cuda"),
         torch.empty(b, l, h, p, **cuda), torch.empty(h, device="cuda"), torch.empty(b, h, p, n, device="cuda"),
         torch.empty(b, l, h, p, **cuda), torch.empty(b, h, p, n, device="cuda")])
+    b, l, d = 2, 100, 64
+    for features in (d, d + 40):
+        print_launches(f"conv{features}", ConvFwdBwd(), [
+            torch.empty(b, l, features, device="cuda"), torch.empty(d, 4, device="cuda"), torch.empty(d, device="cuda"),
+            torch.empty(b, l, d, device="cuda").transpose(1, 2)])
 """
 
 
@@ -598,7 +613,9 @@ def test_triton_ops_trace_into_kernel_launches_on_cuda_tensors():
     The selective scan: a non-contiguous input (z, transposed) reaches each launch as a contiguous copy:
     the launch's stride numbers are the traced ones, which Inductor does not always keep for a view
     (_triton.contiguous_when_traced). The SSD: grids from the sizes (one (headdim, dstate) state tile, 4
-    chunks of 64, batch x nheads = 16, 2 blocks of 32 tokens a chunk in the backward)."""
+    chunks of 64, batch x nheads = 16, 2 blocks of 32 tokens a chunk in the backward). The conv: a dense
+    channel-last x reaches its launches as it is (no transposing copy); a slice of a wider projection (Mamba-2's
+    xBC) as a dense channel-last copy."""
     proc = run_python(_TRACE_ON_FAKE_CUDA, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = {}
@@ -611,6 +628,11 @@ def test_triton_ops_trace_into_kernel_launches_on_cuda_tensors():
     z_copy = f"copy {(seqlen * dim, 1, dim)} -> {(dim * seqlen, seqlen, 1)}"
     assert lines["scan"] == [z_copy, "launch selective_scan_fwd_kernel [1] [(64, 2, 1)]",
                              z_copy, "launch selective_scan_bwd_kernel [1] [(64, 2, 1)]"], proc.stdout
+    conv = ["launch causal_conv1d_fwd_kernel [4] [(1, 4, 2)]", "launch causal_conv1d_dpre_kernel [4] [(1, 4, 2)]",
+            "launch causal_conv1d_dstream_kernel [4] [(1, 4, 2)]"]
+    assert lines["conv64"] == conv, proc.stdout
+    compaction = f"copy {(seqlen * 104, 104, 1)} -> {(seqlen * dim, dim, 1)}"  # (batch, seqlen, dim), no transpose
+    assert lines["conv104"] == [compaction, conv[0], compaction, *conv[1:]], proc.stdout
     assert lines["ssd"] == [
         "launch ssd_states_fwd_kernel [8] [(1, 16, 1)]", "launch ssd_chunk_scan_kernel [8] [(4, 16, 1)]",
         "launch ssd_chunk_scan_kernel [8] [(4, 16, 1)]", "launch ssd_state_grads_kernel [8] [(1, 16, 1)]",
