@@ -25,6 +25,12 @@ torch.compile'd chunked reference (not with --skip-baselines), and the fraction 
 rate measured here (8192^3). Goals on an H100 (issue 41): forward >= 1.5x mamba_ssm, forward+backward
 >= 1.3x. Then the multi-head decoding step at mamba2-2.7b's layer in microseconds, batch 1 and 64,
 eager and graphed, against mamba_ssm's.
+
+Then whole-model decoding (issue 57): `generate` of a Mamba and a Mamba-2 LM at the shapes of
+mamba-130m / mamba2-130m (d_model 768, 24 layers) and mamba-2.8b / mamba2-2.7b (d_model 2560, 64 layers),
+random weights in the given dtype, batch 1, a 16-token prompt: tokens per second eager and with `cg=True`
+(the whole token one compiled graph, compiled before timing), prefill excluded. `--decoding` runs only the
+decoding rows (both steps and generate), `--lm-shapes 130m` only the small models.
 """
 
 from __future__ import annotations
@@ -59,6 +65,9 @@ def parse_args(argv=None):
     p.add_argument("--skip-baselines", action="store_true", help="time the Triton operators only")
     p.add_argument("--sweep", action="store_true", help="also time the kernels with other warp counts")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 rate (H100 SXM: 989)")
+    p.add_argument("--decoding", action="store_true", help="only the decoding rows: both steps and generate")
+    p.add_argument("--lm-shapes", default=",".join(LM_SHAPES), help="the LM shapes generate runs (comma-separated)")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens generate decodes per timed run")
     return p.parse_args(argv)
 
 
@@ -121,6 +130,11 @@ def main(argv=None) -> int:
     if status != "available":
         print(f"the triton backend is not available: {status}", file=sys.stderr)
         return 2
+    if args.decoding:
+        decode_step(args, copy_bandwidth())
+        ssd_decode_step(args)
+        generate_rows(args)
+        return 0
     dtype = DTYPES[args.dtype]
     shape = (args.batch, args.dim, args.seqlen, args.dstate)
     kw = make_inputs(*shape, dtype)
@@ -177,6 +191,7 @@ def main(argv=None) -> int:
     decode_step(args, bw)
     ssd_rows(args)
     ssd_decode_step(args)
+    generate_rows(args)
     if args.sweep:
         sweep_tiles(lambda: fwd_op(*fargs), lambda: bwd_op(*bargs), args.repeats)
     return 0
@@ -416,6 +431,58 @@ def ssd_decode_step(args) -> None:
         times, cells = time_decode_steps(contenders, state, kw, args.repeats)
         print(f"multi-head decode step (batch {batch}, nheads {h}, headdim {p}, dstate {n}): {cells}")
         compare_decode_steps(times)
+
+
+# LM shapes of generate's rows: (d_model, n_layer) of mamba_ssm's checkpoints of that size
+LM_SHAPES = {"130m": (768, 24), "2.7b": (2560, 64)}
+
+
+def lm(layer: str, d_model: int, n_layer: int, dtype, device):
+    """A MambaLMHeadModel with random weights: mamba_ssm's config of that size for `layer` ("Mamba1": mamba-130m,
+    mamba-2.8b; "Mamba2": mamba2-130m, mamba2-2.7b, headdim 64, d_state 128), in dtype, for inference."""
+    from ssmops.models import MambaConfig, MambaLMHeadModel
+
+    torch.manual_seed(0)
+    ssm_cfg = {"layer": layer} if layer == "Mamba1" else {"layer": layer, "d_state": 128, "headdim": 64}
+    config = MambaConfig(d_model=d_model, n_layer=n_layer, vocab_size=50277, ssm_cfg=ssm_cfg)
+    return MambaLMHeadModel(config, device=device, dtype=dtype).eval()
+
+
+def decode_rate(model, prompt: torch.Tensor, new_tokens: int, cg: bool, repeats: int = 3) -> float:
+    """Tokens per second of `model.generate` after the prompt, prefill excluded: (the fastest of `repeats` runs
+    of new_tokens - the fastest of 1) / (new_tokens - 1), after a warm-up run (which compiles, with cg)."""
+    import time
+
+    def run(n: int) -> float:
+        synchronize = torch.cuda.synchronize if prompt.is_cuda else (lambda: None)
+        synchronize()
+        t0 = time.perf_counter()
+        model.generate(prompt, max_length=prompt.shape[1] + n, cg=cg)
+        synchronize()
+        return time.perf_counter() - t0
+
+    run(new_tokens)
+    many = min(run(new_tokens) for _ in range(repeats))
+    one = min(run(1) for _ in range(repeats))
+    return (new_tokens - 1) / max(many - one, 1e-9)
+
+
+def generate_rows(args) -> None:
+    """Whole-model decoding tokens/s (the module's docstring), eager and cg=True, for each LM of --lm-shapes."""
+    dtype = DTYPES[args.dtype]
+    print(f"\ngenerate, batch 1, 16-token prompt, {args.new_tokens} new tokens, random weights, {args.dtype}: "
+          "tokens/s eager and with cg=True")
+    for shape in args.lm_shapes.split(","):
+        for layer in ("Mamba1", "Mamba2"):
+            model = lm(layer, *LM_SHAPES[shape], dtype, "cuda")
+            prompt = torch.randint(0, 50277, (1, 16), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+            with torch.inference_mode():
+                eager = decode_rate(model, prompt, args.new_tokens, cg=False)
+                graph = decode_rate(model, prompt, args.new_tokens, cg=True)
+            print(f"  {layer} {shape:>5} (d_model {model.config.d_model}, {model.config.n_layer} layers): "
+                  f"{eager:8.1f} tok/s eager, {graph:8.1f} tok/s cg=True ({graph / eager:.2f}x)", flush=True)
+            del model
+            torch.cuda.empty_cache()
 
 
 def _compiled_ref_times(args, dtype) -> tuple[float, float]:

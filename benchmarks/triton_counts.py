@@ -205,6 +205,11 @@ class _Counter:
                 for ptr, (i, nbytes) in sorted(storages.items(), key=lambda kv: kv[1][0])]
 
 
+# Launches whose work is per group of heads (C . B^T, shared by a group's heads), not per head: their counts
+# scale by (batch * ngroups * seqlen), which their row's `units` holds.
+PER_GROUP = ("ssd_cb_kernel",)
+
+
 def count(dtype=torch.bfloat16) -> dict:
     """Runs the small launches under the interpreter and returns the counts (TRITON_INTERPRET=1 needed)."""
     from ssmops.ops import _triton
@@ -221,8 +226,10 @@ def count(dtype=torch.bfloat16) -> dict:
         for kernel, grid, args, meta in recorded(family, fwd_args):
             with _Counter() as counter:
                 kernel[grid](*args, **meta)
+            per_group = kernel.__name__ in PER_GROUP
             rows.append(dict(name=launch_name(kernel, meta), programs=int(np.prod(grid)), **counter.counts,
-                             buffers=counter.buffers(args)))
+                             buffers=counter.buffers(args),
+                             **({"units": shape["batch"] * shape["ngroups"] * shape["seqlen"]} if per_group else {})))
             print(f"{family}: {rows[-1]['name']}: {dict(counter.counts)}", file=sys.stderr, flush=True)
         result[family] = dict(shape=shape, units=shape["batch"] * channels * shape["seqlen"], launches=rows)
     return result

@@ -178,14 +178,15 @@ def _ssd_grids(shape: dict) -> list:
     """Programs of each launch at the full shape (the recorded launches are of a shorter input)."""
     from ssmops.ops.ssd import triton as ssd_triton
 
-    b, L, h, p, n, Q = (shape[k] for k in ("batch", "seqlen", "nheads", "headdim", "dstate", "chunk"))
+    b, L, h, p, g, n, Q = (shape[k] for k in ("batch", "seqlen", "nheads", "headdim", "ngroups", "dstate", "chunk"))
     nchunks = -(-L // Q)
     cfg = ssd_triton._config(Q, p, n)
     tiles = ssd_triton._state_tiles(p, n)
     state_programs = b * h * -(-p // tiles["BLOCK_P"]) * -(-n // tiles["BLOCK_N"])
     scan = nchunks * -(-Q // cfg["BLOCK_T"]) * b * h * -(-p // cfg["BLOCK_P"])
     bwd = nchunks * -(-Q // min(cfg["BLOCK_T"], ssd_triton.BWD_BLOCK_T)) * b * h
-    return [state_programs, scan, scan, state_programs, bwd, bwd, bwd, nchunks * b * h, b * h]
+    cb = nchunks * -(-Q // cfg["BLOCK_T"]) * b * g
+    return [state_programs, cb, scan, cb, scan, state_programs, bwd, bwd, bwd, nchunks * b * h, b * h]
 
 
 
@@ -247,14 +248,15 @@ def bounds(args, aot, compiled: dict) -> None:
               f"{'sect':>5} {'GB atom':>7} {'TFLOP':>6} {'mma':>5} {'Gsfu':>6} {'dram':>6} {'L2':>6} {'mma':>6} "
               f"{'sfu':>6} {'issue':>6} {'bound':>6}  by")
 
-    def launch_rows(family: str, full_args: tuple, units: float, issue_of) -> list:
+    def launch_rows(family: str, full_args: tuple, units: float, issue_of, group_units: float = 0.0) -> list:
+        """group_units: the full shape's units of the launches counted per group (tc.PER_GROUP)."""
         family_counts = counts[family]
         full = tc.recorded(family, full_args)
-        scale = units / family_counts["units"]
         rows = []
         for i, ((kernel, grid, kargs, meta), counted, info) in enumerate(zip(full, family_counts["launches"],
                                                                               compiled[family])):
             assert tc.launch_name(kernel, meta) == counted["name"], (tc.launch_name(kernel, meta), counted["name"])
+            scale = group_units / counted["units"] if "units" in counted else units / family_counts["units"]
             programs = int(torch.tensor(grid).prod())
             shared = info["compiled"].metadata.shared
             per_sm = resident(info["usage"], meta["num_warps"], shared)
@@ -314,12 +316,12 @@ def bounds(args, aot, compiled: dict) -> None:
         print(f"\nSSD scan: batch {b}, seqlen {L}, nheads {h}, headdim {p}, ngroups {g}, dstate {n}, chunk 256")
         print(header)
         rows = launch_rows("ssd", tc.ssd_inputs(**shape, dtype=DTYPES[args.dtype], device="meta"), b * h * L,
-                           lambda i, info, meta, programs: ssd_issue(i, info, meta, programs, shape))
+                           lambda i, info, meta, programs: ssd_issue(i, info, meta, programs, shape), b * g * L)
         # the backward sums its float32 per-head dB and dC over each group's heads with torch: read once
         per_head = 2 * b * L * h * n * 4
         print(f"{'(torch: dB/dC per-head sums)':<31} {per_head / 1e9:>33.2f} GB read: "
               f"{per_head / copy_rate * 1e3:.2f} ms at the copy rate, in forward+backward")
-        passes(rows, 2, measured if args.dtype == "bfloat16" else ((None, None), (None, None)), per_head / copy_rate)
+        passes(rows, 3, measured if args.dtype == "bfloat16" else ((None, None), (None, None)), per_head / copy_rate)
 
 
 def _nbytes(t) -> int:

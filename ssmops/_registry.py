@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _native
 from .ops import FAMILIES
-from .ops._family import GPU_DEVICES, Family, Operator
+from .ops._family import GPU_DEVICES, Family, Operator, traced
 
 BACKEND_NAMES = ("default", "cpu", "triton")
 ENV_VAR = "SSMOPS_BACKEND"
@@ -208,6 +208,32 @@ def triton_op_for(name: str, t: torch.Tensor):
     if not torch.compiler.is_compiling() and selected_backend() not in (None, "triton"):
         return None  # an explicit `use_backend` wins in eager mode
     return op
+
+
+# what an eager call may pass straight to a Triton launcher: plain tensors (a subclass may dispatch itself)
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def direct_triton_kernel(name: str, x: torch.Tensor, tensors: tuple):
+    """The Triton launcher of `ssmops::{name}` (the operator's signature) when an eager call may run it itself,
+    else None (the call then goes through the operator).
+
+    Eager, on a GPU, the dispatcher's route to a Triton kernel is torch's custom-operator layers in Python,
+    ~100 us a call for the decoding step (most of it torch._library.utils.fill_defaults, run by the
+    in-place update's version bump: benchmarks/decode_overhead.py), ten times the kernel. A direct call is
+    what that route ends in when it adds nothing: x on a GPU, `tensors` (the call's arguments; None and
+    non-tensors are skipped) all plain, nothing tracing (Dynamo, fake or functional tensors, `use_backend`:
+    `traced`), and no autograd asked for (grad mode off, or no tensor requiring grad). The caller bumps the
+    version of what it mutates outside inference mode, as the dispatcher would."""
+    kernel = _kernels["triton"].get(name)
+    if kernel is None or x.device.type not in GPU_DEVICES or traced():
+        return None
+    for t in tensors:
+        if t is not None and type(t) not in _PLAIN_TENSORS and isinstance(t, torch.Tensor):
+            return None
+    if torch.is_grad_enabled() and torch._C._any_requires_grad(*tensors):
+        return None
+    return kernel
 
 
 def kernels(name: str) -> dict:

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from ._registry import triton_op_for
+from .ops._autograd import contiguous_when_compiling_backward
 from .ops.selective_scan.checks import check_scan_inputs
 
 
@@ -39,6 +40,8 @@ def selective_scan_fn(
     check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
     # GPU tensors call the Triton operator itself, so compiled graphs launch its kernels
     forward = triton_op_for("selective_scan_fwd", u) or torch.ops.ssmops.selective_scan_fwd
+    u, delta, A, B, C, D, z, delta_bias, initial_state = contiguous_when_compiling_backward(
+        u, delta, A, B, C, D, z, delta_bias, initial_state)
     out, _, out_z, last_state = forward(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus)
     y = out_z if z is not None else out
     return (y, last_state) if return_last_state else y

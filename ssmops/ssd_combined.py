@@ -12,18 +12,16 @@ from torch import Tensor
 from ._registry import triton_op_for
 from .layernorm_gated import rmsnorm_fn
 from .causal_conv1d import causal_conv1d_fn
-from .ops.ssd.checks import check_sequence_values, check_ssd_inputs
-
-_FLOAT32_MAX = torch.finfo(torch.float32).max
-
+from .ops._autograd import contiguous_when_compiling_backward
+from .ops.ssd.checks import FLOAT32_MAX, check_sequence_values, check_ssd_inputs
 
 def _limit_arg(dt_limit: tuple[float, float]) -> list[float]:
     """The operator's dt_limit: [] for no clamp (mamba_ssm's default (0, inf)), else finite bounds
-    (an infinite one becomes float32's largest value, which clamps no float32 dt)."""
+    (an infinite one becomes float32's largest value, which the operators take as no bound)."""
     low, high = (float(v) for v in dt_limit)
     if (low, high) == (0.0, math.inf):
         return []
-    return [max(min(low, _FLOAT32_MAX), -_FLOAT32_MAX), max(min(high, _FLOAT32_MAX), -_FLOAT32_MAX)]
+    return [max(min(low, FLOAT32_MAX), -FLOAT32_MAX), max(min(high, FLOAT32_MAX), -FLOAT32_MAX)]
 
 
 def mamba_chunk_scan_combined(
@@ -75,6 +73,8 @@ def mamba_chunk_scan_combined(
         check_sequence_values(x.shape[1], seq_idx, cu_seqlens)
     # on GPUs the Triton operator itself, so that torch.compile and AOTInductor trace into its kernels
     scan = triton_op_for("ssd_scan_fwd", x) or torch.ops.ssmops.ssd_scan_fwd
+    x, dt, A, B, C, D, z, dt_bias, initial_states = contiguous_when_compiling_backward(
+        x, dt, A, B, C, D, z, dt_bias, initial_states)
     out, final_states, _, varlen_states = scan(
         x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_softplus, limit)
     returned = (out,) + ((final_states,) if return_final_states else ()) + \

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._registry import triton_op_for
+from ._registry import direct_triton_kernel, triton_op_for
 from .ops._checks import INPUT_DTYPES
 from .ops.state_update.checks import check_multihead_inputs, check_state_batch_indices, check_state_update_inputs
 
@@ -23,15 +23,26 @@ def _layout(state, state_batch_indices) -> str:
 
 
 def _step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices) -> Tensor:
-    """The operator call of the step's layout, the arguments as they are (each kernel checks them)."""
-    layout = _layout(state, state_batch_indices)
-    if layout == "mamba1":
-        step = triton_op_for("selective_state_update", x) or torch.ops.ssmops.selective_state_update.default
-        return step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
-    # (Mamba-1's layout with a low-precision state or a cache: the multi-head operator takes it as it is, a
-    # channel a head of headdim 1, so that no views are built per call)
-    step = triton_op_for("multihead_state_update", x) or torch.ops.ssmops.multihead_state_update.default
-    return step(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, dt_softplus)
+    """The operator call of the step's layout, the arguments as they are (each kernel checks them); in eager
+    mode on a GPU, the Triton launcher called directly where the operator's route adds nothing
+    (`direct_triton_kernel`)."""
+    if _layout(state, state_batch_indices) == "mamba1":
+        name, args = "selective_state_update", (state, x, dt, A, B, C, D, z, dt_bias)
+    else:
+        # (Mamba-1's layout with a low-precision state or a cache: the multi-head operator takes it as it is,
+        # a channel a head of headdim 1, so that no views are built per call)
+        name, args = "multihead_state_update", (state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices)
+    direct = direct_triton_kernel(name, x, args)
+    if direct is not None:
+        if not torch.is_inference_mode_enabled():  # the operator's in-place update bumps the state's version
+            torch._C._increment_version((state,))  # (a tensor alone would be iterated: a bump a row)
+        return direct(*args, dt_softplus)
+    step = triton_op_for(name, x) or _OPERATORS[name]
+    return step(*args, dt_softplus)
+
+
+_OPERATORS = {"selective_state_update": torch.ops.ssmops.selective_state_update.default,
+              "multihead_state_update": torch.ops.ssmops.multihead_state_update.default}
 
 
 def _check(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices) -> None:

@@ -4,6 +4,7 @@ where that cannot be done here (no network, no einops for mamba_ssm's code), the
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 
@@ -183,3 +184,43 @@ def test_frontend_benchmark_runs():
                 "Mamba-2, per channel", "Mamba-2, tied, cache + indices", "Mamba.step", "Mamba2.step"):
         assert row in out.stdout, row
     assert "overhead us" in out.stdout
+
+
+def test_context_parallel_benchmark_counts_constant_state_passing_traffic():
+    """benchmarks/context_parallel.py --quick: the bytes its gloo ranks count for the state passing are
+    the same for both shard lengths and equal the computed ones; all-to-all's grow with the shard."""
+    out = subprocess.run([sys.executable, "benchmarks/context_parallel.py", "--quick"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    measured, computed = out.stdout.split("measured with gloo")[1].split("computed state passing for world 2: ")
+    rows = [line.split() for line in measured.splitlines() if line.split() and line.split()[0].isdigit()]
+    computed = computed.splitlines()[0]
+    assert len(rows) == 2 and {" ".join(r[1:3]) for r in rows} == {computed}, out.stdout
+    assert float(rows[1][3]) > 2 * float(rows[0][3]), out.stdout
+
+
+def test_gpu_benchmark_generate_rows_run_on_any_device():
+    """benchmarks/gpu.py's whole-model decoding rows at a tiny shape on the CPU: the LMs it builds (both mixers)
+    generate, and decode_rate gives a rate, eager (cg=True compiles the token: its GPU run times that)."""
+    import gpu
+
+    for layer in ("Mamba1", "Mamba2"):
+        model = gpu.lm(layer, 64, 2, torch.float32, "cpu")
+        assert model.config.ssm_cfg["layer"] == layer and model.config.n_layer == 2
+        with torch.inference_mode():
+            rate = gpu.decode_rate(model, torch.randint(0, 100, (1, 4)), new_tokens=3, cg=False, repeats=1)
+        assert 0 < rate < float("inf")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="times the Triton launchers")
+def test_decode_overhead_benchmark_runs():
+    """benchmarks/decode_overhead.py at its smallest (without a GPU: CPU tensors on the GPU route, the launch a
+    no-op): every stage of each layout, and one launch a front-end call."""
+    out = subprocess.run([sys.executable, "benchmarks/decode_overhead.py", "--calls", "20", "--repeats", "1"],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    for row in ("launch", "launcher", "triton operator", "front end", "Mamba-1, dim 5120", "Mamba-2, 80 x 64 heads",
+                "per head (ssmops' Mamba2.step)"):
+        assert row in out.stdout, row
+    assert out.stdout.count("one front-end call: 1 launch(es); aten allocations and copies: aten::empty 1") == 3

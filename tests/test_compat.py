@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import ssmops
-from conftest import TOLERANCES, Case, assert_close, backend_params, make_inputs, run_scan_with_grads
+from conftest import GRID_DEVICES, TOLERANCES, Case, assert_close, backend_params, make_inputs, run_scan_with_grads
 from ssmops.compat import selective_scan_cuda
 
 CHUNK = 2048
@@ -78,3 +78,38 @@ def test_bwd_without_recompute_returns_only_gradients():
         torch.ones_like(out_z), x, out, None, True, False,
     )
     assert len(grads) == 8 and grads[7].shape == kw["u"].shape
+
+
+@pytest.mark.parametrize("backend", backend_params(names=("cpu", "default", "triton"), devices=GRID_DEVICES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_bwd_as_mamba_inner_calls_it(backend, dtype):
+    """mamba_ssm's MambaInnerFn.backward: x and z halves of one xz buffer, dz a half of one dxz buffer
+    written in place, out_z recomputed (`recompute_out_z=True`), the gradient of out_z's layout; on
+    every backend and device, against the reference's gradients. (On CUDA this call mismatched
+    mamba_ssm's reference in an earlier run where the CPU's passed: make gpu-check runs it there.)"""
+    device = backend.device
+    gen = torch.Generator().manual_seed(3)
+    batch, dim, seqlen, dstate = 2, 6, 37, 4
+    xz = torch.randn(batch, 2 * dim, seqlen, generator=gen).to(device, dtype)
+    u, z = xz.chunk(2, dim=1)
+    kw = dict(u=u, delta=(torch.randn(batch, dim, seqlen, generator=gen) * 0.5 - 1).to(device, dtype),
+              A=-torch.rand(dim, dstate, generator=gen).to(device) - 0.1,
+              B=torch.randn(batch, 1, dstate, seqlen, generator=gen).to(device, dtype),
+              C=torch.randn(batch, 1, dstate, seqlen, generator=gen).to(device, dtype),
+              D=torch.randn(dim, generator=gen).to(device), z=z,
+              delta_bias=(torch.randn(dim, generator=gen) * 0.1).to(device), delta_softplus=True)
+    dout = torch.randn(batch, dim, seqlen, generator=gen).to(device, dtype)
+    with ssmops.use_backend(backend):
+        out, x, out_z = selective_scan_cuda.fwd(*_fwd_args(kw))
+        dxz = torch.empty_like(xz)
+        du_buffer, dz_buffer = dxz.chunk(2, dim=1)
+        grads = selective_scan_cuda.bwd(*_fwd_args(kw)[:8], dout, x, out, dz_buffer, True, True)
+    leaves = {k: v.detach().float().requires_grad_() for k, v in kw.items() if isinstance(v, torch.Tensor)}
+    y_ref = ssmops.selective_scan_ref(**leaves, delta_softplus=True)
+    expected = dict(zip(leaves, torch.autograd.grad(y_ref, list(leaves.values()), dout.float())))
+    tol = TOLERANCES[dtype]
+    assert_close(out_z.float(), y_ref, tol, "out_z")
+    for name, g in zip(["u", "delta", "A", "B", "C", "D", "delta_bias", "z"], grads):
+        assert_close(g.float(), expected[name], tol, f"d{name}")
+    assert grads[7] is dz_buffer and torch.equal(dxz[:, dim:], grads[7]), "dz must be written into dxz's half"
+    assert_close(grads[8].float(), y_ref, tol, "the recomputed out_z")  # (from out rounded to u's dtype)

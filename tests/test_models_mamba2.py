@@ -124,6 +124,26 @@ def test_mamba2_block_matches_per_timestep_reference(case, use_mem_eff_path):
         assert_close(a, b, 1e-4, f"d{name}")
 
 
+def test_mamba2_block_trains_compiled_fullgraph_dynamic():
+    """The stock block under torch.compile(fullgraph=True, dynamic=True) on the CPU, its input without a
+    gradient (the parameters only, as a model's first layer trains): outputs and every gradient equal eager's
+    at two lengths. (Its backward was compiled for the first length's strides of a saved view and refused
+    the second: mamba_chunk_scan_combined's contiguous_when_compiling_backward.) The block's default path;
+    the unrolled one calls the same scan front end."""
+    torch.manual_seed(0)
+    block = Mamba2(d_model=32, d_state=8, headdim=8, chunk_size=16)
+    compiled = torch.compile(block, fullgraph=True, dynamic=True)
+    params = list(block.parameters())
+    for seqlen in (40, 29):
+        u = torch.randn(2, seqlen, 32)
+        y, y_ref = compiled(u), block(u)
+        assert_close(y, y_ref, 1e-5, f"out at {seqlen}")
+        grads = torch.autograd.grad(y.square().sum(), params)
+        grads_ref = torch.autograd.grad(y_ref.square().sum(), params)
+        for (name, _), a, b in zip(block.named_parameters(), grads, grads_ref):
+            assert_close(a, b, 1e-4, f"d{name} at {seqlen}")
+
+
 def test_mamba2_block_parameters_and_init_follow_mamba_ssm():
     """mamba_ssm's Mamba2(d_model=64, d_state=16, headdim=16, ngroups=2) state_dict: names and shapes."""
     torch.manual_seed(0)

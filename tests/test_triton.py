@@ -50,7 +50,8 @@ gpu = pytest.mark.skipif(not (HAS_CUDA and TRITON_AVAILABLE), reason="needs a CU
 INTERPRETED_TEST_FILES = {
     "ops": ["tests/ops/test_selective_scan.py", "tests/ops/test_ssd.py", "tests/ops/test_state_update.py",
             "tests/ops/test_causal_conv1d.py"],
-    "properties-and-triton": ["tests/test_properties.py", "tests/test_nonfinite.py", "tests/test_triton.py"],
+    "properties-and-triton": ["tests/test_properties.py", "tests/test_nonfinite.py", "tests/test_triton.py",
+                              "tests/test_fake_strides.py", "tests/test_compat.py"],
 }
 
 
@@ -401,7 +402,8 @@ def _ssd_compile_params():
             yield pytest.param(target, name, marks=marks, id=f"{target}-{name}")
 
 
-SSD_KERNELS = ["ssd_states_fwd_kernel", "ssd_chunk_scan_kernel", "ssd_chunk_scan_kernel",  # (the second: dz)
+SSD_KERNELS = ["ssd_states_fwd_kernel", "ssd_cb_kernel", "ssd_chunk_scan_kernel", "ssd_cb_kernel",
+               "ssd_chunk_scan_kernel",  # (the second pair: dz)
                "ssd_state_grads_kernel", "ssd_bwd_block_kernel", "ssd_bwd_block_kernel", "ssd_bwd_block_kernel",
                "ssd_bwd_ddt_kernel"]
 
@@ -419,8 +421,7 @@ def test_triton_ssd_kernels_compile_for_gpus_without_spilling(target, name):
 
     args = _ssd_compile_args(name)
     launches = aot.record_ssd(args)
-    expected = SSD_KERNELS[:1] + ["ssd_chunk_scan_kernel"] + (["ssd_varlen_states_kernel"] if args[10] is not None
-                                                               else []) + SSD_KERNELS[2:]
+    expected = SSD_KERNELS[:3] + (["ssd_varlen_states_kernel"] if args[10] is not None else []) + SSD_KERNELS[3:]
     assert [k.__name__ for k, _, _ in launches] == expected
     x, dt, A, B = args[:4]
     with aot.recorded_launches() as step:  # the decoding step: tied dt/A/dt_bias (Mamba2's), a cache in x's dtype
@@ -485,7 +486,7 @@ def test_triton_kernels_write_only_flat_buffers_of_their_own():
                 continue
             assert t.dim() == 1 and t._base is None, (kernel.__name__, name, tuple(t.shape))
         seen.add(kernel.__name__)
-    assert len(seen) == 10, seen
+    assert len(seen) == 11, seen
 
 
 @pytest.mark.slow  # compiles every launch for sm_90
@@ -560,6 +561,15 @@ class SsdFwdBwd(torch.nn.Module):
         return (out, final, *grads)
 
 
+class Steps(torch.nn.Module):  # both decoding steps through the front end, as the blocks call it
+    def forward(self, state, x, dt, A, B, C, D, z, bias, heads_state, hx, hdt, hA, hB, hC, hD, hbias):
+        import ssmops
+
+        y = ssmops.selective_state_update(state, x, dt, A, B, C, D, z, bias, True)
+        # dt, A, D and dt_bias per head, as Mamba2.step passes them
+        return y, ssmops.selective_state_update(heads_state, hx, hdt, hA, hB, hC, hD, None, hbias, True)
+
+
 class ConvFwdBwd(torch.nn.Module):
     def forward(self, xbc, weight, bias, dout):
         # channel-last: dense when xbc has 64 features, a slice of a wider one else (narrow: CPU-only torch's
@@ -595,6 +605,14 @@ with FakeTensorMode():
         torch.empty(b, l, g, n, **cuda), torch.empty(b, l, g, n, **cuda), torch.empty(h, device="cuda"),
         torch.empty(b, l, h, p, **cuda), torch.empty(h, device="cuda"), torch.empty(b, h, p, n, device="cuda"),
         torch.empty(b, l, h, p, **cuda), torch.empty(b, h, p, n, device="cuda")])
+    b, d, n, h, p, hn = 2, 192, 16, 8, 32, 64
+    print_launches("step", Steps(), [
+        torch.empty(b, d, n, device="cuda"), torch.empty(b, d, **cuda), torch.empty(b, d, **cuda),
+        torch.empty(d, n, device="cuda"), torch.empty(b, n, **cuda), torch.empty(b, n, **cuda),
+        torch.empty(d, device="cuda"), torch.empty(b, d, **cuda), torch.empty(d, device="cuda"),
+        torch.empty(b, h, p, hn, device="cuda"), torch.empty(b, h, p, **cuda), torch.empty(b, h, **cuda),
+        torch.empty(h, device="cuda"), torch.empty(b, 1, hn, **cuda), torch.empty(b, 1, hn, **cuda),
+        torch.empty(h, device="cuda"), torch.empty(h, device="cuda")])
     b, l, d = 2, 100, 64
     for features in (d, d + 40):
         print_launches(f"conv{features}", ConvFwdBwd(), [
@@ -613,9 +631,11 @@ def test_triton_ops_trace_into_kernel_launches_on_cuda_tensors():
     The selective scan: a non-contiguous input (z, transposed) reaches each launch as a contiguous copy:
     the launch's stride numbers are the traced ones, which Inductor does not always keep for a view
     (_triton.contiguous_when_traced). The SSD: grids from the sizes (one (headdim, dstate) state tile, 4
-    chunks of 64, batch x nheads = 16, 2 blocks of 32 tokens a chunk in the backward). The conv: a dense
-    channel-last x reaches its launches as it is (no transposing copy); a slice of a wider projection (Mamba-2's
-    xBC) as a dense channel-last copy."""
+    chunks of 64, batch x nheads = 16, batch x ngroups = 4 for C . B^T, 2 blocks of 32 tokens a chunk in the
+    backward). The decoding steps, called through the public front end: a launch each, over blocks of 64
+    channels (Mamba-1's tile of 1024 at dstate 16) and per (head, batch). The conv: a dense channel-last x
+    reaches its launches as it is (no transposing copy); a slice of a wider projection (Mamba-2's xBC) as a
+    dense channel-last copy."""
     proc = run_python(_TRACE_ON_FAKE_CUDA, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = {}
@@ -634,11 +654,91 @@ def test_triton_ops_trace_into_kernel_launches_on_cuda_tensors():
     compaction = f"copy {(seqlen * 104, 104, 1)} -> {(seqlen * dim, dim, 1)}"  # (batch, seqlen, dim), no transpose
     assert lines["conv104"] == [compaction, conv[0], compaction, *conv[1:]], proc.stdout
     assert lines["ssd"] == [
-        "launch ssd_states_fwd_kernel [8] [(1, 16, 1)]", "launch ssd_chunk_scan_kernel [8] [(4, 16, 1)]",
+        "launch ssd_states_fwd_kernel [8] [(1, 16, 1)]", "launch ssd_cb_kernel [4] [(4, 4, 1)]",
+        "launch ssd_chunk_scan_kernel [8] [(4, 16, 1)]", "launch ssd_cb_kernel [4] [(4, 4, 1)]",
         "launch ssd_chunk_scan_kernel [8] [(4, 16, 1)]", "launch ssd_state_grads_kernel [8] [(1, 16, 1)]",
         "launch ssd_bwd_block_kernel [8] [(8, 16, 1)]", "launch ssd_bwd_block_kernel [8] [(8, 16, 1)]",
         "launch ssd_bwd_block_kernel [8] [(8, 16, 1)]", "launch ssd_bwd_ddt_kernel [4] [(4, 16, 1)]",
     ], proc.stdout
+    # the decoding steps through the front end: one launch each, nothing copied (eager calls skip the operator;
+    # a traced one keeps it, so the graph holds the launch)
+    assert lines["step"] == ["launch selective_state_update_kernel [4] [(3, 2, 1)]",
+                             "launch multihead_state_update_kernel [4] [(1, 8, 2)]"], proc.stdout
+
+
+# a fresh interpreter in which CPU tensors take the GPU route (the registry is told a GPU is present and counts
+# "cpu" among the GPU devices) and a launch is recorded, not made; prints one JSON line per call of the step
+_EAGER_STEP_ON_FAKE_GPU = """
+import json, sys
+import torch
+import ssmops._registry as registry
+
+registry._gpu_present = lambda: True
+assert registry.load_triton() is None
+registry.GPU_DEVICES = (*registry.GPU_DEVICES, "cpu")
+import ssmops
+from ssmops.ops import _triton
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, "tests")
+from conftest import state_update_inputs
+from ops.test_state_update import multihead_inputs
+
+launches = []
+_triton.launch = lambda kernel, grid, args, meta: launches.append((kernel, args))
+CASES = {"mamba1": state_update_inputs(dtype=torch.bfloat16), "multihead-tied": multihead_inputs(),
+         "mamba1-cache": {**state_update_inputs(groups=2), "state": torch.zeros(4, 6, 5, dtype=torch.bfloat16),
+                          "state_batch_indices": torch.tensor([3, 1])}}
+for name, kw in CASES.items():
+    for mode in ("inference", "grad", "requires_grad", "use_backend"):
+        call = dict(kw, A=kw["A"].clone().requires_grad_()) if mode == "requires_grad" else kw
+        launches.clear()
+        version = call["state"]._version
+        with torch.inference_mode(mode == "inference"), ssmops.use_backend("triton" if mode == "use_backend" else None):
+            ssmops.selective_state_update(**call)  # the launch plan is worked out at the first call
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                ssmops.selective_state_update(**call)
+        events = {e.key: e.count for e in prof.key_averages()}
+        kernel, args = launches[-1]
+        print(json.dumps(dict(
+            case=name, mode=mode, launches=len(launches), kernel=kernel.fn.__name__,
+            operators=sorted(k for k in events if k.startswith("ssmops::")),
+            made={k: v for k, v in events.items() if k in ("aten::empty", "aten::empty_strided", "aten::copy_",
+                                                           "aten::clone", "aten::contiguous", "aten::to")},
+            tensors_as_given=all(args[i] is call[k] for i, k in enumerate(("state", "x", "dt", "A", "B", "C"))),
+            version_bumps=call["state"]._version - version)))
+try:  # checked once per signature: a bad argument after good calls still names itself
+    ssmops.selective_state_update(**{**CASES["mamba1"], "dt": CASES["mamba1"]["dt"].float()})
+except TypeError as err:
+    print(json.dumps(dict(error=str(err))))
+"""
+
+
+@pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
+@pytest.mark.skipif(interpreting(), reason="counts the launches of the JIT kernels, which the interpreter replaces")
+def test_triton_eager_step_is_one_direct_launch():
+    """An eager decoding step on a GPU (CPU tensors standing in for CUDA ones, the launch recorded): one launch
+    of its kernel with the caller's tensors as they are, one allocation (the output) and no copy, and no
+    operator on the way (the dispatcher's route cost ~100 us of Python a step on an H200: issue 57), in and
+    outside inference mode; outside it, the state's version is bumped once, as the operator would. A tensor
+    requiring grad in grad mode, or use_backend, takes the operator's route, which launches the same kernel."""
+    import json
+
+    proc = run_python(_EAGER_STEP_ON_FAKE_GPU, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    *rows, error = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    kernels = {"mamba1": "selective_state_update_kernel", "multihead-tied": "multihead_state_update_kernel",
+               "mamba1-cache": "multihead_state_update_kernel"}
+    assert len(rows) == 12, proc.stdout
+    for row in rows:
+        direct = row["mode"] in ("inference", "grad")
+        assert row["launches"] == 2 and row["kernel"] == kernels[row["case"]], row
+        # (with a cache, the indices' check reads their largest: a reduction and its 0-d result, and on a GPU a sync)
+        allocations = 2 if row["case"] == "mamba1-cache" else 1
+        assert row["tensors_as_given"] and row["made"] == {"aten::empty": allocations}, row
+        assert (row["operators"] == []) == direct, row
+        assert row["version_bumps"] == (0 if row["mode"] == "inference" else 2), row
+    assert "dt must have dtype" in error["error"], error
 
 
 # --- on a GPU ----------------------------------------------------------------------------

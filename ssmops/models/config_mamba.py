@@ -48,14 +48,20 @@ class MambaConfig:
         m = self.pad_vocab_size_multiple
         return self.vocab_size if self.vocab_size % m == 0 else self.vocab_size + m - self.vocab_size % m
 
-    def mixer(self, layer_idx: int, device=None, dtype=None) -> nn.Module:
-        """Layer `layer_idx`'s mixer: MHA for the attention layers, else the ssm_cfg block."""
+    def mixer(self, layer_idx: int, device=None, dtype=None, context_parallel_group=None) -> nn.Module:
+        """Layer `layer_idx`'s mixer: MHA for the attention layers, else the ssm_cfg block, which
+        runs its shard of the sequence with a `context_parallel_group` (see ssmops.distributed)."""
         factory = {"device": device, "dtype": dtype}
         if layer_idx in self.attn_layer_idx:
+            if context_parallel_group is not None:
+                raise ValueError(f"layer {layer_idx} is attention (attn_layer_idx {list(self.attn_layer_idx)}), "
+                                 "which has no context parallelism in ssmops: context_parallel_group needs a "
+                                 "model of Mamba layers only")
             return MHA(self.d_model, layer_idx=layer_idx, **self.attn_cfg, **factory)
         kwargs = {k: v for k, v in self.ssm_cfg.items() if k != "layer"}
         mixer_cls = Mamba2 if self.ssm_cfg.get("layer", "Mamba1") == "Mamba2" else Mamba
-        return mixer_cls(self.d_model, layer_idx=layer_idx, **kwargs, **factory)
+        return mixer_cls(self.d_model, layer_idx=layer_idx, **kwargs, **factory,
+                         context_parallel_group=context_parallel_group)
 
     @classmethod
     def from_dict(cls, d: dict) -> "MambaConfig":

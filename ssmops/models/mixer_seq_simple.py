@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..checkpoint import load_state_dict
 from ..layernorm_gated import rmsnorm_fn
@@ -88,7 +90,8 @@ def _norm(config: MambaConfig, device, dtype) -> nn.Module:
 
 
 class MixerModel(nn.Module):
-    def __init__(self, config: MambaConfig, device=None, dtype=None):
+    def __init__(self, config: MambaConfig, device=None, dtype=None, *,
+                 context_parallel_group: ProcessGroup | DeviceMesh | None = None):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
         self.residual_in_fp32 = config.residual_in_fp32
@@ -96,7 +99,7 @@ class MixerModel(nn.Module):
         self.layers = nn.ModuleList(
             Block(
                 config.d_model,
-                config.mixer(i, device, dtype),
+                config.mixer(i, device, dtype, context_parallel_group),
                 _norm(config, device, dtype),
                 residual_in_fp32=config.residual_in_fp32,
                 mlp=GatedMLP(config.d_model, hidden_features=config.d_intermediate, out_features=config.d_model,
@@ -190,12 +193,17 @@ class MambaLMHeadModel(nn.Module):
 
     `vocab` is the padded vocabulary size. The forward runs the scan operator, so the
     model trains under `torch.compile(fullgraph=True)` and exports; `generate` decodes
-    with the recurrent state."""
+    with the recurrent state.
 
-    def __init__(self, config: MambaConfig, initializer_cfg: dict | None = None, device=None, dtype=None):
+    With `context_parallel_group` (a torch.distributed process group or 1-D DeviceMesh) each rank's forward takes
+    its shard of the sequence, input_ids (batch, shard length), and returns its shard's logits
+    (see ssmops.distributed and docs/distributed.md); attention layers are then refused."""
+
+    def __init__(self, config: MambaConfig, initializer_cfg: dict | None = None, device=None, dtype=None, *,
+                 context_parallel_group: ProcessGroup | DeviceMesh | None = None):
         super().__init__()
         self.config = config
-        self.backbone = MixerModel(config, device=device, dtype=dtype)
+        self.backbone = MixerModel(config, device=device, dtype=dtype, context_parallel_group=context_parallel_group)
         self.lm_head = Linear(config.d_model, config.padded_vocab_size, bias=False, device=device, dtype=dtype)
         self.apply(partial(_init_weights, n_layer=config.n_layer, **(initializer_cfg or {}),
                            n_residuals_per_layer=1 if config.d_intermediate == 0 else 2))

@@ -71,7 +71,8 @@ def linear(x: Tensor, layer: nn.Linear, bias: bool = True) -> Tensor:
     b = layer.bias if bias else None
     weight = layer.weight
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    if needs_grad and weight.dtype == x.dtype:
+    # a DTensor weight (tensor parallelism) takes F.linear, which DTensor shards
+    if (needs_grad or hasattr(weight, "to_local")) and weight.dtype == x.dtype:
         return F.linear(x, weight, b)
     return torch.ops.ssmops.weight_only_linear(x, weight, getattr(layer, "weight_scale", None), b)
 

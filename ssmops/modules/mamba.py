@@ -13,8 +13,12 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
+from .. import distributed
 from ..causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+from ..distributed._exchange import as_process_group
 from ..mamba_inner import mamba_inner_fn
 from ..selective_scan import selective_scan_fn
 from ..state_update import selective_state_update
@@ -32,6 +36,10 @@ class Mamba(nn.Module):
 
     `use_fast_path` selects `mamba_inner_fn` (one function from in_proj's output to
     out_proj) over the unrolled path; both run the same operators here.
+
+    `context_parallel_group` (a torch.distributed process group or 1-D DeviceMesh) makes the forward take this
+    rank's shard of the sequence (see ssmops.distributed): the conv gets its halo from the
+    previous rank and the scan its initial state; decoding is single-process.
     """
 
     def __init__(
@@ -52,6 +60,8 @@ class Mamba(nn.Module):
         layer_idx: int | None = None,
         device=None,
         dtype=None,
+        *,
+        context_parallel_group: ProcessGroup | DeviceMesh | None = None,
     ):
         factory = {"device": device, "dtype": dtype}
         super().__init__()
@@ -63,6 +73,7 @@ class Mamba(nn.Module):
         self.dt_rank = math.ceil(d_model / 16) if dt_rank == "auto" else int(dt_rank)
         self.use_fast_path = use_fast_path
         self.layer_idx = layer_idx
+        self.context_parallel_group = as_process_group(context_parallel_group)
 
         self.in_proj = Linear(d_model, self.d_inner * 2, bias=bias, **factory)
         self.conv1d = nn.Conv1d(
@@ -106,6 +117,10 @@ class Mamba(nn.Module):
         filled from the whole sequence at `seqlen_offset == 0` (prefill, through the scan's
         last state) and advanced by one token per call after that."""
         batch, seqlen, _ = hidden_states.shape
+        group = self.context_parallel_group
+        if group is not None and inference_params is not None:
+            raise ValueError("a Mamba with a context_parallel_group runs whole shards: inference_params "
+                             "(decoding) needs one process")
         conv_state = ssm_state = None
         if inference_params is not None:
             conv_state, ssm_state = self._get_states_from_cache(inference_params, batch)
@@ -120,7 +135,8 @@ class Mamba(nn.Module):
 
         xz = self.in_proj(hidden_states).transpose(1, 2)  # (batch, 2 * d_inner, seqlen)
         A = -torch.exp(self.A_log.float())
-        if self.use_fast_path and inference_params is None and self.out_proj.converted_from is None:
+        if (self.use_fast_path and inference_params is None and self.out_proj.converted_from is None
+                and group is None):
             return mamba_inner_fn(
                 xz, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
                 self.out_proj.weight, self.out_proj.bias, A, None, None, self.D.float(),
@@ -130,14 +146,17 @@ class Mamba(nn.Module):
         if conv_state is not None:
             # the last d_conv inputs of the conv (zero-padded on the left when seqlen < d_conv)
             conv_state.copy_(F.pad(x, (self.d_conv - seqlen, 0)))
-        x = causal_conv1d_fn(x, self.conv1d.weight, self.conv1d.bias, activation="silu")
+        conv, scan, sharding = causal_conv1d_fn, selective_scan_fn, {}
+        if group is not None:
+            conv, scan, sharding = distributed.causal_conv1d, distributed.selective_scan_fn, {"group": group}
+        x = conv(x, self.conv1d.weight, self.conv1d.bias, activation="silu", **sharding)
         x_dbl = self.x_proj(x.transpose(1, 2))  # (batch, seqlen, dt_rank + 2 * d_state)
         dt, B, C = torch.split(x_dbl, [self.dt_rank, self.d_state, self.d_state], dim=-1)
         dt = linear(dt, self.dt_proj, bias=False).transpose(1, 2)  # the bias goes in as delta_bias
-        y = selective_scan_fn(
+        y = scan(
             x, dt, A, B.transpose(1, 2), C.transpose(1, 2), self.D.float(), z=z,
             delta_bias=self.dt_proj.bias.float(), delta_softplus=True,
-            return_last_state=ssm_state is not None,
+            return_last_state=ssm_state is not None, **sharding,
         )
         if ssm_state is not None:
             y, last_state = y

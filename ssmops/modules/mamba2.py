@@ -13,9 +13,15 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
-from ..layernorm_gated import RMSNorm as RMSNormGated
+from .. import distributed
 from ..causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+from ..distributed._exchange import as_process_group
+from ..distributed.tensor_parallel import local
+from ..layernorm_gated import RMSNorm as RMSNormGated
+from ..layernorm_gated import rmsnorm_fn
 from ..ssd_combined import mamba_chunk_scan_combined, mamba_split_conv1d_scan_combined
 from ..state_update import selective_state_update
 from .linear import Linear
@@ -34,8 +40,13 @@ class Mamba2(nn.Module):
 
     `use_mem_eff_path` selects `mamba_split_conv1d_scan_combined` (one function from
     in_proj's output to out_proj) over the unrolled path; both run the same operators here.
-    `process_group` / `sequence_parallel` are not supported (tensor parallelism). `rmsnorm_eps`
+    `process_group` / `sequence_parallel` are refused: tensor parallelism is
+    `ssmops.distributed.parallelize_mamba2(block, mesh)` (DTensor). `rmsnorm_eps`
     (not in mamba_ssm, which fixes 1e-5) is the gated norm's epsilon, for transformers' layouts.
+
+    `context_parallel_group` (a torch.distributed process group or 1-D DeviceMesh) makes the forward take this
+    rank's shard of the sequence (see ssmops.distributed): the conv gets its halo from the
+    previous rank and the scan its initial state; decoding and cu_seqlens are single-process.
     """
 
     def __init__(
@@ -66,11 +77,14 @@ class Mamba2(nn.Module):
         sequence_parallel: bool = True,
         device=None,
         dtype=None,
+        *,
+        context_parallel_group: ProcessGroup | DeviceMesh | None = None,
     ):
         factory = {"device": device, "dtype": dtype}
         super().__init__()
         if process_group is not None:
-            raise ValueError("process_group (tensor parallelism) is not supported by ssmops' Mamba2")
+            raise ValueError("process_group is not taken by ssmops' Mamba2: for tensor parallelism build the block, "
+                             "load its weights, then ssmops.distributed.parallelize_mamba2(block, mesh)")
         self.d_model = d_model
         self.d_state = d_state
         self.d_conv = d_conv
@@ -93,6 +107,8 @@ class Mamba2(nn.Module):
         self.chunk_size = chunk_size
         self.use_mem_eff_path = use_mem_eff_path
         self.layer_idx = layer_idx
+        self.context_parallel_group = as_process_group(context_parallel_group)
+        self.tensor_parallel_mesh = None  # set by ssmops.distributed.parallelize_mamba2
 
         d_in_proj = 2 * self.d_inner + 2 * ngroups * d_state + self.nheads
         self.in_proj = Linear(d_model, d_in_proj, bias=bias, **factory)
@@ -133,6 +149,14 @@ class Mamba2(nn.Module):
         cross them); `cu_seqlens` (nseq + 1,) with batch 1 fills one decoding state per
         sequence. With `inference_params` (see ssmops.models.generation), the conv and ssm
         states are filled at `seqlen_offset == 0` and advanced one token per call after."""
+        group = self.context_parallel_group
+        if group is not None and (inference_params is not None or cu_seqlens is not None):
+            raise ValueError("a Mamba2 with a context_parallel_group runs whole shards: inference_params and "
+                             "cu_seqlens need one process (got "
+                             f"{'inference_params' if inference_params is not None else 'cu_seqlens'})")
+        if self.tensor_parallel_mesh is not None and inference_params is not None:
+            raise ValueError("a tensor-parallel Mamba2 (parallelize_mamba2) runs training and prefill forwards: "
+                             "inference_params (decoding) needs one process")
         flat = seqlen is not None
         if flat:
             u = u.unflatten(0, (-1, seqlen))
@@ -146,9 +170,10 @@ class Mamba2(nn.Module):
                 return out.flatten(0, 1) if flat else out
 
         zxbcdt = self.in_proj(u)
-        A = -torch.exp(self.A_log.float())
-        D = self.D.unflatten(0, (self.nheads, self.headdim)) if self.D_has_hdim else self.D
-        if self.use_mem_eff_path and inference_params is None and self.out_proj.converted_from is None:
+        A = -torch.exp(local(self.A_log).float())
+        D = local(self.D).unflatten(0, (self.nheads, self.headdim)) if self.D_has_hdim else local(self.D)
+        if (self.use_mem_eff_path and inference_params is None and self.out_proj.converted_from is None
+                and group is None and self.tensor_parallel_mesh is None):
             out = mamba_split_conv1d_scan_combined(
                 zxbcdt, self.conv1d.weight, self.conv1d.bias, self.dt_bias, A, D, self.chunk_size,
                 seq_idx=seq_idx, dt_limit=self.dt_limit, activation=self.activation,
@@ -162,17 +187,22 @@ class Mamba2(nn.Module):
         z0, x0, z, xBC, dt = torch.split(zxbcdt, self._in_proj_split(zxbcdt.shape[-1]), dim=-1)
         if conv_state is not None:
             conv_state.copy_(self._conv_states(xBC, cu_seqlens))
+        conv, scan, sharding = causal_conv1d_fn, mamba_chunk_scan_combined, {}
+        if group is not None:
+            conv, scan, sharding = distributed.causal_conv1d, distributed.mamba_chunk_scan_combined, {"group": group}
         # channel-last: the conv reads xBC (batch, seqlen, conv_dim) in place and writes that layout
-        xBC = causal_conv1d_fn(xBC.mT, self.conv1d.weight, self.conv1d.bias, seq_idx=seq_idx,
-                               activation=self.activation).mT
+        xBC = conv(xBC.mT, local(self.conv1d.weight), local(self.conv1d.bias), activation=self.activation,
+                   seq_idx=seq_idx, **sharding).mT
         x, B, C = torch.split(xBC, [self.d_ssm, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
         want_varlen = cu_seqlens is not None and inference_params is not None
-        scanned = mamba_chunk_scan_combined(
+        if group is None:
+            sharding = {"cu_seqlens": cu_seqlens, "return_varlen_states": want_varlen}
+        scanned = scan(
             x.unflatten(-1, (self.nheads, self.headdim)), dt, A, B.unflatten(-1, (self.ngroups, self.d_state)),
             C.unflatten(-1, (self.ngroups, self.d_state)), self.chunk_size, D=D,
-            z=None if self.rmsnorm else z.unflatten(-1, (self.nheads, self.headdim)), dt_bias=self.dt_bias,
-            dt_softplus=True, seq_idx=seq_idx, cu_seqlens=cu_seqlens, dt_limit=self.dt_limit,
-            return_final_states=ssm_state is not None, return_varlen_states=want_varlen,
+            z=None if self.rmsnorm else z.unflatten(-1, (self.nheads, self.headdim)), dt_bias=local(self.dt_bias),
+            dt_softplus=True, seq_idx=seq_idx, dt_limit=self.dt_limit, return_final_states=ssm_state is not None,
+            **sharding,
         )
         if ssm_state is not None:
             y, last_state, *varlen = scanned
@@ -190,7 +220,9 @@ class Mamba2(nn.Module):
     def _finish(self, y: Tensor, z: Tensor, z0: Tensor, x0: Tensor) -> Tensor:
         """Gated norm, the MLP part beside the SSM, out_proj."""
         if self.rmsnorm:
-            y = self.norm(y, z)
+            norm = self.norm
+            y = rmsnorm_fn(y, local(norm.weight), local(norm.bias), z=z, eps=norm.eps, group_size=norm.group_size,
+                           norm_before_gate=norm.norm_before_gate)
         if z0.shape[-1]:
             y = torch.cat([F.silu(z0) * x0, y], dim=-1)
         return self.out_proj(y)
@@ -221,17 +253,17 @@ class Mamba2(nn.Module):
         xBC = causal_conv1d_update(xBC, conv_state, self.conv1d.weight, self.conv1d.bias, activation=self.activation)
         x, B, C = torch.split(xBC, [self.d_ssm, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
         heads = (self.nheads, self.headdim)
-        # per-head dt, A and dt_bias as stride-0 views over headdim: one decay per head
-        A = (-torch.exp(self.A_log.float()))[:, None, None].expand(*heads, self.d_state)
-        D = self.D.unflatten(0, heads) if self.D_has_hdim else self.D[:, None].expand(heads)
+        # dt (batch, nheads), A, dt_bias and D per head as they are (the step's per-head forms: one decay per
+        # head), not expanded over headdim as mamba_ssm's kernel needs them: no views to build per token
+        A = -torch.exp(self.A_log.float())
+        D = self.D.unflatten(0, heads) if self.D_has_hdim else self.D
         dt_bias, softplus = self.dt_bias, True
         if self.dt_limit != (0.0, float("inf")):  # the scan clamps dt, so the step does too
             dt, dt_bias, softplus = F.softplus(dt.float() + dt_bias.float()).clamp(*self.dt_limit), None, False
         y = selective_state_update(
-            ssm_state, x.unflatten(-1, heads), dt[..., None].expand(-1, *heads), A,
-            B.unflatten(-1, (self.ngroups, self.d_state)), C.unflatten(-1, (self.ngroups, self.d_state)), D,
-            z=None if self.rmsnorm else z.unflatten(-1, heads),
-            dt_bias=None if dt_bias is None else dt_bias[:, None].expand(heads), dt_softplus=softplus,
+            ssm_state, x.unflatten(-1, heads), dt, A, B.unflatten(-1, (self.ngroups, self.d_state)),
+            C.unflatten(-1, (self.ngroups, self.d_state)), D, z=None if self.rmsnorm else z.unflatten(-1, heads),
+            dt_bias=dt_bias, dt_softplus=softplus,
         )
         return self._finish(y.flatten(-2), z, z0, x0).unsqueeze(1), conv_state, ssm_state
 

@@ -11,8 +11,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 # Devices whose tensors the Triton kernels serve natively ("cuda" is also ROCm's device type).
 GPU_DEVICES = ("cuda", "xpu")
+
+
+def traced() -> bool:
+    """Whether a tracer may be recording this call: Dynamo, or a dispatch mode (fake, functional and proxy
+    tensors; `use_backend`'s). Eager calls need neither `wrap_triton` nor the dispatcher's route."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
 
 
 @dataclass(frozen=True)

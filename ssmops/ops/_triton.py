@@ -15,7 +15,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 from torch.library import wrap_triton
 
-from ._family import GPU_DEVICES
+from ._family import GPU_DEVICES, traced
 
 LOG2E = tl.constexpr(1.4426950408889634)  # a JIT function reads only constexpr globals
 # Under TRITON_INTERPRET=1 (read at import, as Triton does) tl.dot mistakes bfloat16 operands for
@@ -24,10 +24,10 @@ INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("
 
 
 def launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
-    """Launches a GPU kernel through `wrap_triton`, so that a tracer records the launch itself; under the
-    interpreter, calls the kernel directly; refuses CPU tensors otherwise. (The one place kernels are
-    launched: `triton_aot.recorded_launches` replaces it to compile the exact launches for GPU targets
-    ahead of time, without a GPU; call it as `_triton.launch`.)"""
+    """Launches a GPU kernel: directly in eager mode, through `wrap_triton` while something traces (torch.compile,
+    export, make_fx: `traced`), so that the tracer records the launch itself; under the interpreter, directly;
+    refuses CPU tensors otherwise. (The one place kernels are launched: `triton_aot.recorded_launches` replaces
+    it to compile the exact launches for GPU targets ahead of time, without a GPU; call it as `_triton.launch`.)"""
     if INTERPRETED:  # nothing traces an interpreted kernel (keep_opaque_on_cpu), and torch <= 2.11's
         kernel[grid](*args, **meta)  # wrap_triton takes JIT functions only
         return
@@ -39,7 +39,10 @@ def launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
             f"{kernel.arg_names[0].removesuffix('_ptr')} is on {first.device}: move the inputs to the GPU, or run "
             "CPU tensors on the cpu or default backend, or under Triton's interpreter (TRITON_INTERPRET=1 set "
             "before Python starts)")
-    wrap_triton(kernel)[grid](*args, **meta)
+    if traced():
+        wrap_triton(kernel)[grid](*args, **meta)
+    else:  # wrap_triton's eager launch goes through a higher-order operator: ~1 ms a launch (torch's own note)
+        kernel[grid](*args, **meta)
 
 
 def contiguous_when_traced(*tensors: Tensor | None) -> tuple:
@@ -50,6 +53,30 @@ def contiguous_when_traced(*tensors: Tensor | None) -> tuple:
     real strides and copy nothing. (`clone`, as `contiguous` refuses fake CUDA tensors in CPU-only torch.)"""
     return tuple(t.clone(memory_format=torch.contiguous_format)
                  if t is not None and is_fake(t) and not t.is_contiguous() else t for t in tensors)
+
+
+_plans: dict = {}  # (plan maker, the arguments' signature) -> plan; see cached_plan
+PLAN_CACHE_SIZE = 512  # signatures kept: a decoding loop has one per layer layout and batch size
+
+
+def cached_plan(make, tensors: tuple, *flags):
+    """make(*tensors, *flags): a launch worked out from the arguments' sizes, strides, dtypes and devices (its
+    checks, tiles, grid, stride arguments), computed once per such signature and reused. A decoding step's
+    kernel takes microseconds at batch 1, and its checks and arithmetic in Python as many again; reading the
+    signature costs a fraction. Bad arguments raise every call (nothing is cached for them). While something
+    traces, the sizes may be symbolic: worked out every call, as Inductor keeps what the trace records."""
+    if traced():
+        return make(*tensors, *flags)
+    try:
+        key = (make, *flags, *[None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors])
+    except AttributeError:  # not a tensor: make's checks say which
+        return make(*tensors, *flags)
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= PLAN_CACHE_SIZE:
+            _plans.clear()
+        plan = _plans[key] = make(*tensors, *flags)
+    return plan
 
 
 NO_CAP = 1 << 30  # pow2_tile's `hi` where a tile takes a whole dimension

@@ -15,6 +15,7 @@ from conftest import (
     GRID_DEVICES, STATE_UPDATE_CASES, TOLERANCES, assert_close, backend_params, on_device, state_update_case_id,
     state_update_inputs,
 )
+from ssmops._registry import interpreting
 from ssmops.ops.state_update.reference import selective_state_update_ref
 
 needs_native = pytest.mark.skipif(ssmops.available_backends()["cpu"] != "available",
@@ -332,3 +333,41 @@ def test_multihead_step_compiles_and_exports():
     state = args[0].clone()
     torch.testing.assert_close(ep.module()(state, *args[1:]), expected)
     torch.testing.assert_close(state, expected_state)
+
+
+# --- the eager step's direct route to the Triton launcher ----------------------------------
+
+
+@pytest.mark.skipif(not (interpreting() and ssmops.available_backends()["triton"] == "available"),
+                    reason="runs the Triton kernels under TRITON_INTERPRET=1 (see test_triton_interpreter_suite)")
+@pytest.mark.parametrize("case", [dict(mamba1=dict(groups=2)), dict(mamba1=dict(full=False, dtype=torch.bfloat16)),
+                                  dict(multihead=dict()), dict(multihead=dict(tied=False, cache=4,
+                                                                              state_dtype=torch.bfloat16))],
+                         ids=["mamba1", "mamba1-bare", "multihead-tied", "multihead-cache"])
+def test_triton_direct_eager_step_matches_reference(case, monkeypatch):
+    """In eager mode on a GPU the front end calls the Triton launcher itself, not the operator: here CPU tensors
+    take the GPU route (the registry counts "cpu" among the GPU devices) and the operators are out of reach, so
+    the interpreted kernels run through the direct route alone, with the plan of the first call reused by the
+    second, and agree with the reference, in and outside inference mode. (Launch counts, copies and the state's
+    version: tests/test_triton.py's test_triton_eager_step_is_one_direct_launch.)"""
+    import ssmops._registry as registry
+    import ssmops.state_update as front
+
+    monkeypatch.setattr(registry, "GPU_DEVICES", (*registry.GPU_DEVICES, "cpu"))
+
+    def unreachable(*args, **kwargs):
+        raise AssertionError("the eager step went through an operator")
+
+    monkeypatch.setattr(front, "triton_op_for", unreachable)
+    monkeypatch.setattr(front, "_OPERATORS", {name: unreachable for name in front._OPERATORS})
+    ((layout, options),) = case.items()
+    kw = state_update_inputs(**options) if layout == "mamba1" else multihead_inputs(**options)
+    for inference in (False, True):
+        with torch.inference_mode(inference):
+            state, expected_state = kw["state"].clone(), kw["state"].clone()
+            expected = selective_state_update_ref(**{**kw, "state": expected_state})
+            for _ in range(2):  # the second call reuses the first's launch plan: the same result from the same state
+                got_state = state.clone()
+                y = ssmops.selective_state_update(**{**kw, "state": got_state})
+                assert_close(got_state.float(), expected_state.float(), TOLERANCES[state.dtype], "state")
+                assert_close(y, expected, TOLERANCES[kw["x"].dtype], "y")

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -119,6 +120,13 @@ std::vector<int64_t> read_cu_seqlens(const char* op, const Tensor& cu, int64_t s
 
 float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }
 
+// Where dt_limit leaves v as it is. A bound of float32's largest magnitude is an infinite one (the
+// operators' convention: no infinity in an exported graph), so it binds no infinite v.
+bool unclamped(float v, float lo, float hi) {
+  constexpr float kMax = std::numeric_limits<float>::max();
+  return (v >= lo || lo == -kMax) && (v <= hi || hi == kMax);
+}
+
 // dtv = clamp(softplus(dt + bias)) in float32, (batch, seqlen, nheads).
 Tensor process_dt(const Tensor& dt32, const OptTensor& bias32, bool softplus_on, const std::vector<double>& lim,
                   const SsdDims& d) {
@@ -132,7 +140,7 @@ Tensor process_dt(const Tensor& dt32, const OptTensor& bias32, bool softplus_on,
     if (softplus_on) v = softplus(v);
     if (lim.size() == 2) {
       const float lo = static_cast<float>(lim[0]), hi = static_cast<float>(lim[1]);
-      v = v < lo ? lo : (v > hi ? hi : v);
+      if (!unclamped(v, lo, hi) && !std::isnan(v)) v = v < lo ? lo : hi;
     }
     o[i] = v;
   }
@@ -350,7 +358,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
     const float v = dtp[i] + (bias ? bias[i % H] : 0.0f);
     float grad = g[i];
     const float s = dt_softplus ? softplus(v) : v;
-    if (dt_limit.size() == 2 && !(s >= static_cast<float>(dt_limit[0]) && s <= static_cast<float>(dt_limit[1])))
+    if (dt_limit.size() == 2 && !unclamped(s, static_cast<float>(dt_limit[0]), static_cast<float>(dt_limit[1])))
       grad = 0.0f;
     if (dt_softplus && v <= 20.0f) grad *= 1.0f / (1.0f + std::exp(-v));
     g[i] = grad;

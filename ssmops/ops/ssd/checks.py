@@ -7,6 +7,7 @@ the kernels make them, not the fake kernels.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -14,6 +15,16 @@ from torch import Tensor
 
 from .._checks import INPUT_DTYPES, check_leading, check_tensor, dtype_name
 
+
+# An infinite dt_limit bound travels through the operators as float32's largest magnitude (no infinity
+# in an exported graph); every backend takes it as no bound on that side, so an infinite dt stays so.
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def limit_bounds(dt_limit: list[float] | tuple[float, float]) -> tuple[float, float]:
+    """dt_limit's (low, high) as clamp bounds, float32's largest magnitude back to infinity."""
+    low, high = (float(v) for v in dt_limit)
+    return (-math.inf if low <= -FLOAT32_MAX else low), (math.inf if high >= FLOAT32_MAX else high)
 
 class SsdDims(NamedTuple):
     batch: int

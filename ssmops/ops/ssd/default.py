@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .checks import check_sequence_values, check_ssd_grad_inputs, check_ssd_inputs
+from .checks import check_sequence_values, check_ssd_grad_inputs, check_ssd_inputs, limit_bounds
 
 # Rows of a chunk processed together in the quadratic form; the per-head decay mask is
 # built only for the (_ROW_BLOCK, _ROW_BLOCK) diagonal blocks.
@@ -63,7 +63,7 @@ def discretize_dt(
     if dt_softplus:
         dt = F.softplus(dt, threshold=20.0)
     if len(dt_limit) == 2 and tuple(dt_limit) != (0.0, math.inf):
-        dt = dt.clamp(dt_limit[0], dt_limit[1])
+        dt = dt.clamp(*limit_bounds(dt_limit))
     return dt
 
 
@@ -279,7 +279,7 @@ def ssd_fwd(
     batch, seqlen, nheads, headdim = x.shape
     dstate = B.shape[-1]
     chunks = _chunks(seqlen, chunk_size, cu_seqlens)
-    out = torch.empty_like(x)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
     chunk_states = x.new_empty(batch, len(chunks), nheads, headdim, dstate, dtype=torch.float32)
     nseq = 0 if cu_seqlens is None else cu_seqlens.shape[0] - 1
     varlen_states = x.new_empty(nseq, nheads, headdim, dstate, dtype=torch.float32)
@@ -333,7 +333,7 @@ def ssd_bwd(
     chunks = _chunks(seqlen, chunk_size, cu_seqlens)
     chunk_states = chunk_states.view(batch, len(chunks), nheads, headdim, -1)
     per_token = {name: t for name, t in (("x", x), ("dt", dt), ("B", B), ("C", C), ("z", z)) if t is not None}
-    grads = {name: torch.empty_like(t) for name, t in per_token.items()}
+    grads = {name: torch.empty_like(t, memory_format=torch.contiguous_format) for name, t in per_token.items()}
     # Inputs shared by all chunks: float32 leaves whose gradients add up over the chunks.
     shared = {name: t.detach().float().requires_grad_()
               for name, t in (("A", A), ("D", D), ("dt_bias", dt_bias)) if t is not None}

@@ -20,8 +20,8 @@ from torch.library import triton_op
 from .. import _triton
 from .checks import check_sequence_values, check_ssd_grad_inputs, check_ssd_inputs, num_chunks
 from .triton_kernels import (
-    ssd_bwd_block_kernel, ssd_bwd_ddt_kernel, ssd_chunk_scan_kernel, ssd_state_grads_kernel, ssd_states_fwd_kernel,
-    ssd_varlen_states_kernel,
+    ssd_bwd_block_kernel, ssd_bwd_ddt_kernel, ssd_cb_kernel, ssd_chunk_scan_kernel, ssd_state_grads_kernel,
+    ssd_states_fwd_kernel, ssd_varlen_states_kernel,
 )
 
 # The backward's dC and dx kernels take token blocks of 32 over 8 warps: with headdim and dstate whole
@@ -102,13 +102,20 @@ class _Launch:
         return (triton.cdiv(self.headdim, tiles["BLOCK_P"]) * triton.cdiv(self.dstate, tiles["BLOCK_N"]), rows)
 
     def chunk_scan(self, states: Tensor, out: Tensor, dout: Optional[Tensor]) -> None:
-        """out = the scan's output, or with dout, the gradient of z."""
+        """out = the scan's output, or with dout, the gradient of z: C . B^T of each chunk's blocks once per
+        group, then the output by blocks of tokens and channels of each head."""
         cfg = self.cfg
         blocks = triton.cdiv(self.chunk_size, cfg["BLOCK_T"])
+        side = blocks * cfg["BLOCK_T"]
+        cb = _triton.output((self.batch, self.nchunks, self.ngroups, side, side), torch.float32, out.device)
+        _triton.launch(ssd_cb_kernel, (self.nchunks * blocks, self.batch * self.ngroups), (
+            self.ptr("B"), self.ptr("C"), cb, self.seqlen, self.ngroups, self.chunk_size, self.nchunks, blocks,
+            *self.token_strides("B", "C"), self.dstate,
+        ), dict(DOT_F32=self.flags["DOT_F32"], BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"], num_warps=4))
         D = self.inputs["D"]
         grid = (self.nchunks * blocks, self.batch * self.nheads, triton.cdiv(self.headdim, cfg["BLOCK_P"]))
         _triton.launch(ssd_chunk_scan_kernel, grid, (
-            *(self.ptr(n) for n in ("x", "dt", "A", "B", "C", "D", "z", "bias", "seq")), states,
+            *(self.ptr(n) for n in ("x", "dt", "A", "B", "C", "D", "z", "bias", "seq")), states, cb,
             dout if dout is not None else out, out, *self.sizes, blocks,
             *self.token_strides("x", "dt", "B", "C", "z"), *_strides(dout, 4), *self.token_strides("seq"),
             D.stride(0) if D is not None else 0,

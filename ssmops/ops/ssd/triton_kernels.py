@@ -21,10 +21,13 @@ forward
     it over the chunk with one tensor-core GEMM, (dt x decayed)^T @ B. mamba_ssm computes the
     chunks' own states in one kernel, writes them out and passes them in another; here they
     never leave registers. The final state is the last one.
+  `ssd_cb_kernel`: C @ B^T of each chunk, once per group of heads, into a float32 (chunk, chunk)
+    buffer per (batch, chunk, group) (the lower block triangle).
   `ssd_chunk_scan_kernel`: a program owns a block of BLOCK_T tokens of one chunk and a block of
-    channels: y = w (C @ S^T) + ((C @ B^T) * decay mask) @ (dt x), C @ B^T computed block by
-    block on tensor cores (mamba_ssm's separate C.B^T kernel and its (chunk, chunk) buffer are
-    gone), D and the silu(z) gate fused. The backward launches it again to recompute y for dz.
+    channels: y = w (C @ S^T) + ((C @ B^T) * decay mask) @ (dt x), reading C @ B^T's tiles, D and
+    the silu(z) gate fused. (Computing C @ B^T here instead, per head and channel block, took
+    five of its loop's MMAs in six and 195 registers; reading it, 142.) The backward launches both
+    again to recompute y for dz.
   `ssd_varlen_states_kernel`: H_e at each cu_seqlens end e, from its chunk's entering state.
 
 backward (deterministic: every output element is written by one program, partial sums over
@@ -47,6 +50,8 @@ import triton
 import triton.language as tl
 
 from .._triton import INTERPRETED, softplus
+
+FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)  # checks.FLOAT32_MAX (a JIT function reads constexpr globals)
 
 
 @triton.jit
@@ -86,9 +91,16 @@ def _dt_steps(dt_row, t, valid, s_dtt, bias, lo, hi, SOFTPLUS: tl.constexpr, HAS
     if SOFTPLUS:
         pre = softplus(raw)
     dt = pre
-    if HAS_LIMIT:
-        dt = tl.minimum(tl.maximum(dt, lo), hi)
+    if HAS_LIMIT:  # (a NaN stays NaN, as torch.clamp keeps it)
+        dt = tl.where(_unclamped(dt, lo, hi) | (dt != dt), dt, tl.where(dt < lo, lo, hi))
     return raw, pre, tl.where(valid, dt, 0.0)
+
+
+@triton.jit
+def _unclamped(v, lo, hi):
+    """Where dt_limit leaves v as it is. A bound of float32's largest magnitude is an infinite one (the
+    operators' convention, checks.FLOAT32_MAX): it binds no infinite v."""
+    return ((v >= lo) | (lo == -FLOAT32_MAX)) & ((v <= hi) | (hi == FLOAT32_MAX))
 
 
 @triton.jit
@@ -283,8 +295,36 @@ def ssd_varlen_states_kernel(
 
 
 @triton.jit
+def ssd_cb_kernel(
+    B_ptr, C_ptr, cb_ptr, seqlen, ngroups, Q, nchunks, blocks_per_chunk,
+    s_Bb, s_Bt, s_Bg, s_Bn, s_Cb, s_Ct, s_Cg, s_Cn, dstate,
+    DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid (nchunks * blocks_per_chunk, batch * ngroups). Writes the row block's C_l . B_s for the chunk's
+    column blocks up to its own into cb, contiguous float32 (batch, nchunks, ngroups, Qp, Qp) with
+    Qp = blocks_per_chunk * BLOCK_T (blocks past the diagonal are left unwritten: never read). Once per
+    group, where the output kernel would compute it again for each of the group's heads and channel blocks."""
+    c = tl.program_id(0) // blocks_per_chunk
+    i = tl.program_id(0) % blocks_per_chunk
+    b = (tl.program_id(1) // ngroups).to(tl.int64)
+    g = tl.program_id(1) % ngroups
+    nn = tl.arange(0, BLOCK_N)
+    t0 = c * Q
+    t_l, valid_l = _block(t0, i, Q, seqlen, BLOCK_T)
+    C_l = _operand(_tile(C_ptr + b * s_Cb + g * s_Cg, t_l, valid_l, s_Ct, nn, dstate, s_Cn), C_ptr, DOT_F32)
+    Qp = blocks_per_chunk * BLOCK_T
+    rows = i * BLOCK_T + tl.arange(0, BLOCK_T)
+    tile = ((b * nchunks + c) * ngroups + g) * Qp * Qp + rows[:, None] * Qp
+    for j in range(0, i + 1):
+        t_s, valid_s = _block(t0, j, Q, seqlen, BLOCK_T)
+        B_s = _operand(_tile(B_ptr + b * s_Bb + g * s_Bg, t_s, valid_s, s_Bt, nn, dstate, s_Bn), C_ptr, DOT_F32)
+        cols = j * BLOCK_T + tl.arange(0, BLOCK_T)
+        tl.store(cb_ptr + tile + cols[None, :], _dot(C_l, tl.trans(B_s), DOT_F32))
+
+
+@triton.jit
 def ssd_chunk_scan_kernel(
-    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, seq_ptr, states_ptr, dout_ptr, out_ptr,
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, seq_ptr, states_ptr, cb_ptr, dout_ptr, out_ptr,
     seqlen, nheads, headdim, dstate, Q, nchunks, heads_per_group, lo, hi, blocks_per_chunk,
     s_xb, s_xt, s_xh, s_xp, s_dtb, s_dtt, s_dth, s_Bb, s_Bt, s_Bg, s_Bn, s_Cb, s_Ct, s_Cg, s_Cn,
     s_zb, s_zt, s_zh, s_zp, s_gb, s_gt, s_gh, s_gp, s_seqb, s_seqt, s_Dh,
@@ -293,7 +333,7 @@ def ssd_chunk_scan_kernel(
     DZ: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid (nchunks * blocks_per_chunk, batch * nheads, channel blocks). Writes out (x's layout, contiguous),
-    or, with DZ, the gradient of z from dout (the output recomputed)."""
+    or, with DZ, the gradient of z from dout (the output recomputed). cb: ssd_cb_kernel's C . B^T."""
     c = tl.program_id(0) // blocks_per_chunk
     i = tl.program_id(0) % blocks_per_chunk
     b, h = _batch_head(tl.program_id(1), nheads)
@@ -318,19 +358,23 @@ def ssd_chunk_scan_kernel(
     y = _dot(C_l, tl.trans(_operand(state, x_ptr, DOT_F32)), DOT_F32) * w_l[:, None]
     # the chunk's tokens up to this block, through (C B^T * decay mask), walked back from it so that
     # L_l - L_s is summed over the blocks between (see _state_at)
+    Qp = blocks_per_chunk * BLOCK_T
+    cb_tile = ((b * nchunks + c) * (nheads // heads_per_group) + h // heads_per_group) * Qp * Qp
+    cb_rows = cb_ptr + cb_tile + (i * BLOCK_T + tl.arange(0, BLOCK_T))[:, None] * Qp
     between = 0.0
     for jj in range(0, i + 1):
         t_s, valid_s = _block(t0, i - jj, Q, seqlen, BLOCK_T)
         dt_s, a_s = _dt(dt_row, t_s, valid_s, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
         between += tl.where(jj > 0, tl.sum(a_s, axis=0), 0.0)
         L_s = tl.cumsum(a_s, axis=0) - between  # relative to the row block's start
-        B_s = _operand(_tile(B_row, t_s, valid_s, s_Bt, nn, dstate, s_Bn), x_ptr, DOT_F32)
+        CB = tl.load(cb_rows + ((i - jj) * BLOCK_T + tl.arange(0, BLOCK_T))[None, :],
+                     mask=valid_l[:, None] & valid_s[None, :], other=0.0)
         X_s = _tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp) * dt_s[:, None]
         # A NaN or inf in the row block's own X_s must reach its rows s and after only, but the product
         # meets it with the zeros above the diagonal too (0 * NaN = NaN): there it enters as 0, and
         # reaches its rows after the loop
         X_s = tl.where((X_s * 0.0 == 0.0) | (jj > 0), X_s, 0.0)
-        M = _decayed(_dot(C_l, tl.trans(B_s), DOT_F32), L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l,
+        M = _decayed(CB, L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l,
                      _seq(seq_row, t_s, valid_s, s_seqt, HAS_SEQ), False)
         y += _dot(_operand(M, x_ptr, DOT_F32), _operand(X_s, x_ptr, DOT_F32), DOT_F32)
     x_l = _tile(x_row, t_l, valid_l, s_xt, pp, headdim, s_xp)
@@ -673,7 +717,7 @@ def ssd_bwd_ddt_kernel(
         dA_acc += tl.sum(dt * da, axis=0)
         ddt = tl.load(xdx_ptr + scratch_row + t, mask=valid, other=0.0) + A * da
         if HAS_LIMIT:
-            ddt = tl.where((pre >= lo) & (pre <= hi), ddt, 0.0)
+            ddt = tl.where(_unclamped(pre, lo, hi), ddt, 0.0)
         if SOFTPLUS:
             ddt = tl.where(raw <= 20.0, ddt * tl.sigmoid(raw), ddt)
         ddt = tl.where(valid, ddt, 0.0)
