@@ -382,22 +382,26 @@ def test_package_semantics(width, activation):
 # --- the Triton operators themselves (under TRITON_INTERPRET=1 on CPU) ------------------------------
 
 
-@pytest.mark.skipif(ssmops.available_backends()["triton"] != "available",
-                    reason="needs the Triton backend (TRITON_INTERPRET=1 on CPU)")
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.skipif(ssmops.available_backends()["triton"] != "available" or (TRITON_DEVICE == "cpu"
+                                                                              and not interpreting()),
+                    reason="needs the Triton backend: a GPU, or TRITON_INTERPRET=1 on CPU")
 @pytest.mark.parametrize("case", [Conv(seq_idx=True, initial_states=True, channel_last=True),
                                   Conv(width=3, bias=False, silu=False)], ids=str)
 def test_triton_opcheck(case):
     """The Triton operators (`*_triton`, what compiled graphs launch) with the main operators' fakes and
     autograd; the backward and the step without AOTAutograd's extra runs of their kernels."""
-    args = _fwd_args(case)
+    args = tuple(conv_inputs(case, TRITON_DEVICE).values())
     ops = torch.ops.ssmops
     torch.library.opcheck(ops.causal_conv1d_fwd_triton.default, args)
     x, weight, bias, seq_idx, initial_states, silu = args
     bwd_args = (x, weight, bias, seq_idx, initial_states, torch.randn_like(x),
-                torch.randn(case.batch, case.dim, case.width - 1), silu)
+                torch.randn(case.batch, case.dim, case.width - 1, device=x.device), silu)
     no_autograd = ("test_schema", "test_autograd_registration", "test_faketensor")
     torch.library.opcheck(ops.causal_conv1d_bwd_triton.default, bwd_args, test_utils=no_autograd)
-    kw = update_inputs(Update(case.width, case.width, 2, circular=True, indices=True))
+    kw = update_inputs(Update(case.width, case.width, 2, circular=True, indices=True), x.device)
     torch.library.opcheck(ops.causal_conv1d_update_triton.default, (*kw.values(), silu), test_utils=no_autograd)
 
 
