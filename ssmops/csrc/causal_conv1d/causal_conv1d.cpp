@@ -363,32 +363,42 @@ Tensor causal_conv1d_update(Tensor x, Tensor conv_state, Tensor weight, OptTenso
   float* sp = state.mutable_data_ptr<float>();
   float* outp = out.mutable_data_ptr<float>();
   const Strided3 sx(x32), ss(state);
-  torch::stable::parallel_for(0, batch * dim, 16, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, batch * dim, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> window(static_cast<size_t>(L + T));  // the stream's entries, oldest first
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / dim, c = i % dim, row = row_of ? row_of[b] : b;
+    // (batch row, channel) advanced together: no division per channel (a decoding step is ~dim of them)
+    for (int64_t i = begin, b = begin / dim, c = begin % dim; i < end; ++i, c = c + 1 == dim ? 0 : c + 1,
+                 b += c == 0) {
+      const int64_t row = row_of ? row_of[b] : b;
       float* o = outp + (b * dim + c) * T;
       if (row < 0) {  // padding: output 0, nothing written
         std::fill(o, o + T, 0.0f);
         continue;
       }
       // window[L - h + j], j < h: the h entries before token 0; window[L + t]: token t
+      float* st = sp + row * ss.b + c * ss.d;
+      const float* xc = xp + b * sx.b + c * sx.d;
       const int64_t pos = start ? start[b] : L;  // the stream position of token 0
-      auto slot = [&](int64_t p) { return ss.at(row, c, ((p % L) + L) % L); };
-      for (int64_t j = 0; j < L; ++j) window[j] = sp[start ? slot(pos - L + j) : ss.at(row, c, j)];
-      for (int64_t t = 0; t < T; ++t) window[L + t] = xp[sx.at(b, c, t)];
+      auto slot = [&](int64_t p) { return (((p % L) + L) % L) * ss.t; };
+      if (start)
+        for (int64_t j = 0; j < L; ++j) window[j] = st[slot(pos - L + j)];
+      else
+        for (int64_t j = 0; j < L; ++j) window[j] = st[j * ss.t];
+      for (int64_t t = 0; t < T; ++t) window[L + t] = xc[t * sx.t];
       const float* wc = wp + c * W;
       for (int64_t t = 0; t < T; ++t) {
         float acc = bp ? bp[c] : 0.0f;
         for (int64_t k = 0; k < W; ++k) acc += wc[k] * window[L - h + t + k];
-        o[t] = silu_on ? silu(acc) : acc;
+        o[t] = acc;
       }
       if (start)  // the last min(T, L) tokens into their slots
-        for (int64_t t = std::max<int64_t>(T - L, 0); t < T; ++t) sp[slot(pos + t)] = window[L + t];
+        for (int64_t t = std::max<int64_t>(T - L, 0); t < T; ++t) st[slot(pos + t)] = window[L + t];
       else  // the state keeps the stream's last L entries
-        for (int64_t j = 0; j < L; ++j) sp[ss.at(row, c, j)] = window[T + j];
+        for (int64_t j = 0; j < L; ++j) st[j * ss.t] = window[T + j];
     }
   });
+  // (vectorised over the whole output, after the windows: a decoding step's cost was mostly scalar exp;
+  // a padding row's 0 stays 0)
+  if (silu_on) silu_in_place(outp, batch * dim * T);
   if (conv_state.scalar_type() != ST::Float) torch::stable::copy_(conv_state, state);
   return in_dtype(out, x.scalar_type());
 }
