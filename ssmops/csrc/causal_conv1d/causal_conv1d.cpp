@@ -329,6 +329,21 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> causal_conv1d_bwd(Tensor x, Tensor we
           in_dtype(dinit, x.scalar_type())};
 }
 
+// One token through a shifted state of one (batch row, channel): out = bias + the taps over the state's last
+// width - 1 entries and x, then the state shifted left by one with x appended. kWidth, kLen: width and
+// state_len when known at compile time (4 and 4, Mamba's), else 0. Restrict pointers: the state's loads and
+// stores need not wait for each other (a decoding step is ~dim of these; ~17 ns each through the general path).
+template <int kWidth, int kLen>
+inline float shift_in_token(float* __restrict st, const float* __restrict wc, float bias, float xv, int64_t width,
+                            int64_t state_len) {
+  const int64_t W = kWidth ? kWidth : width, L = kLen ? kLen : state_len, h = W - 1;
+  float acc = bias + wc[h] * xv;
+  for (int64_t k = 0; k < h; ++k) acc += wc[k] * st[L - h + k];
+  for (int64_t j = 0; j + 1 < L; ++j) st[j] = st[j + 1];
+  st[L - 1] = xv;
+  return acc;
+}
+
 Tensor causal_conv1d_update(Tensor x, Tensor conv_state, Tensor weight, OptTensor bias, OptTensor cache_seqlens,
                             OptTensor conv_state_indices, bool silu_on) {
   const char* op = "causal_conv1d_update";
@@ -374,9 +389,16 @@ Tensor causal_conv1d_update(Tensor x, Tensor conv_state, Tensor weight, OptTenso
         std::fill(o, o + T, 0.0f);
         continue;
       }
-      // window[L - h + j], j < h: the h entries before token 0; window[L + t]: token t
       float* st = sp + row * ss.b + c * ss.d;
       const float* xc = xp + b * sx.b + c * sx.d;
+      const float* wc = wp + c * W;
+      if (T == 1 && !start && ss.t == 1) {  // one token, a shifted contiguous state: the decoding step
+        const float bias_c = bp ? bp[c] : 0.0f;
+        o[0] = W == 4 && L == 4 ? shift_in_token<4, 4>(st, wc, bias_c, xc[0], W, L)
+                                : shift_in_token<0, 0>(st, wc, bias_c, xc[0], W, L);
+        continue;
+      }
+      // window[L - h + j], j < h: the h entries before token 0; window[L + t]: token t
       const int64_t pos = start ? start[b] : L;  // the stream position of token 0
       auto slot = [&](int64_t p) { return (((p % L) + L) % L) * ss.t; };
       if (start)
@@ -384,7 +406,6 @@ Tensor causal_conv1d_update(Tensor x, Tensor conv_state, Tensor weight, OptTenso
       else
         for (int64_t j = 0; j < L; ++j) window[j] = st[j * ss.t];
       for (int64_t t = 0; t < T; ++t) window[L + t] = xc[t * sx.t];
-      const float* wc = wp + c * W;
       for (int64_t t = 0; t < T; ++t) {
         float acc = bp ? bp[c] : 0.0f;
         for (int64_t k = 0; k < W; ++k) acc += wc[k] * window[L - h + t + k];
