@@ -8,6 +8,7 @@ The operators live in `torch.ops.ssmops`; docs/design.md states their contract.
 
 from ._registry import available_backends, use_backend  # first: registers every operator
 from . import compat
+from .causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from ._native import library_path
 from .integrations.transformers import disable_transformers, enable_transformers
 from .mamba_inner import mamba_inner_fn
@@ -19,6 +20,8 @@ from .state_update import selective_state_update
 
 __all__ = [
     "available_backends",
+    "causal_conv1d_fn",
+    "causal_conv1d_update",
     "compat",
     "disable_transformers",
     "enable_transformers",

@@ -1,10 +1,10 @@
-"""mamba_ssm-shaped entry points, for code that calls the compiled extension directly.
+"""mamba_ssm- and causal-conv1d-shaped entry points, for code that calls their compiled extensions directly.
 
-    # before: import selective_scan_cuda
-    from ssmops.compat import selective_scan_cuda
+    # before: import selective_scan_cuda / import causal_conv1d_cuda
+    from ssmops.compat import causal_conv1d_cuda, selective_scan_cuda
 
-`fwd` and `bwd` take and return what mamba_ssm's `selective_scan_cuda` does, in the
-same order, and run on every device ssmops serves.
+`selective_scan_cuda.fwd` and `.bwd`, and `causal_conv1d_cuda.causal_conv1d_fwd`, `_bwd` and `_update`,
+take and return what the extensions do, in the same order, and run on every device ssmops serves.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .causal_conv1d import causal_conv1d_update
+from .ops.causal_conv1d.checks import check_conv_inputs
 from .ops.selective_scan.checks import check_scan_inputs
 
 
@@ -82,3 +84,43 @@ class _SelectiveScanExtension:
 
 
 selective_scan_cuda = _SelectiveScanExtension()
+
+
+class _CausalConv1dExtension:
+    """Stand-in for the causal-conv1d package's `causal_conv1d_cuda` module (what mamba_ssm's
+    `mamba_inner_fn` calls): x (batch, dim, seqlen), weight (dim, width), `silu_activation` a bool."""
+
+    @staticmethod
+    def causal_conv1d_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, seq_idx: Tensor | None,
+                          initial_states: Tensor | None, final_states_out: Tensor | None,
+                          silu_activation: bool) -> Tensor:
+        """Returns out; writes the final states (batch, dim, width - 1) into `final_states_out` when given."""
+        check_conv_inputs(x, weight, bias, seq_idx, initial_states)
+        out, final_states = torch.ops.ssmops.causal_conv1d_fwd(x, weight, bias, seq_idx, initial_states,
+                                                               silu_activation)
+        if final_states_out is not None:
+            final_states_out.copy_(final_states)
+        return out
+
+    @staticmethod
+    def causal_conv1d_bwd(x: Tensor, weight: Tensor, bias: Tensor | None, dout: Tensor, seq_idx: Tensor | None,
+                          initial_states: Tensor | None, dfinal_states: Tensor | None, dx: Tensor | None,
+                          return_dinitial_states: bool, silu_activation: bool) -> list[Tensor | None]:
+        """Returns `[dx, dweight, dbias, dinitial_states]` (dx written into `dx` when one is passed; dbias
+        None without bias, dinitial_states None unless `return_dinitial_states`)."""
+        check_conv_inputs(x, weight, bias, seq_idx, initial_states)
+        dx_new, dweight, dbias, dinitial_states = torch.ops.ssmops.causal_conv1d_bwd(
+            x, weight, bias, seq_idx, initial_states, dout, dfinal_states, silu_activation)
+        return [dx.copy_(dx_new) if dx is not None else dx_new, dweight, dbias if bias is not None else None,
+                dinitial_states if return_dinitial_states and initial_states is not None else None]
+
+    @staticmethod
+    def causal_conv1d_update(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor | None,
+                             silu_activation: bool, cache_seqlens: Tensor | None,
+                             conv_state_indices: Tensor | None) -> Tensor:
+        """x (batch, dim, seqlen); conv_state updated in place; returns out (batch, dim, seqlen)."""
+        return causal_conv1d_update(x, conv_state, weight, bias, "silu" if silu_activation else None, cache_seqlens,
+                                    conv_state_indices)
+
+
+causal_conv1d_cuda = _CausalConv1dExtension()

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .ops.mamba_step.default import causal_conv1d_update as conv_window_step
+from .causal_conv1d import causal_conv1d_fn, causal_conv1d_update  # noqa: F401 (the mixers' names for them)
 from .selective_scan import selective_scan_fn
 
 
@@ -21,53 +21,10 @@ def causal_conv1d(
     activation: str | None = None,
     seq_idx: Tensor | None = None,
 ) -> Tensor:
-    """Depthwise causal conv1d: x (batch, dim, seqlen), weight (dim, width) or (dim, 1, width);
-    output t sees inputs t-width+1..t. With `seq_idx` (batch, seqlen), output t sees only the
-    inputs of its own sequence (packed sequences do not leak into each other). `activation`
-    is None or "silu"."""
-    _check_activation(activation)
-    if weight.dim() == 3:
-        weight = weight.squeeze(1)
-    width, seqlen = weight.shape[-1], x.shape[-1]
-    if seq_idx is not None and seq_idx.shape != (x.shape[0], seqlen):
-        raise ValueError(f"seq_idx must have shape ({x.shape[0]}, {seqlen}) for x of shape "
-                         f"{tuple(x.shape)}, got {tuple(seq_idx.shape)}")
-    # Shift and add over a time-major view: the mixers pass x as the transpose of in_proj's
-    # (batch, seqlen, dim) output, where this reads contiguous rows (faster than F.conv1d's
-    # depthwise path on that layout, and no transposing copies). Tap k reads input
-    # t - (width - 1 - k); with seq_idx, only when that input is in t's sequence. Every window
-    # has seqlen rows (so export keeps seqlen symbolic), and the taps accumulate in place into
-    # one output (a new (batch, seqlen, dim) tensor per tap cost more in page faults than in
-    # arithmetic).
-    padded = F.pad(x.transpose(1, 2), (0, 0, width - 1, 0))  # (batch, width - 1 + seqlen, dim)
-    if seq_idx is not None:
-        padded_idx = F.pad(seq_idx, (width - 1, 0), value=-1)
-    taps = weight.t().contiguous()  # (width, dim): each tap contiguous, like the rows
-    last = padded[:, width - 1:]  # the current input: always in t's sequence
-    out = last * taps[-1] if bias is None else torch.addcmul(bias, last, taps[-1])
-    for k in range(width - 1):
-        window = padded[:, k:k + seqlen]
-        if seq_idx is not None:
-            window = window * (padded_idx[:, k:k + seqlen] == seq_idx).unsqueeze(-1)
-        out.addcmul_(window, taps[k])
-    out = out.transpose(1, 2)
-    return F.silu(out) if activation is not None else out
-
-
-def causal_conv1d_update(
-    x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str | None = None
-) -> Tensor:
-    """One decoding step of `causal_conv1d`: x (batch, dim) enters the window conv_state
-    (batch, dim, width), which is UPDATED IN PLACE (shifted left by one, x appended); returns
-    the conv's output for x, (batch, dim) in x's dtype."""
-    _check_activation(activation)
-    return conv_window_step(x, conv_state, weight.squeeze(1) if weight.dim() == 3 else weight, bias,
-                            silu=activation is not None)
-
-
-def _check_activation(activation: str | None) -> None:
-    if activation not in (None, "silu", "swish"):
-        raise ValueError(f"activation must be None or 'silu', got {activation!r}")
+    """Depthwise causal conv1d (`ssmops.causal_conv1d_fn`, the `causal_conv1d_fwd` operator): x (batch, dim,
+    seqlen), channel-first or channel-last; weight (dim, width) or (dim, 1, width); output t sees inputs
+    t-width+1..t of its own sequence (`seq_idx` (batch, seqlen)). `activation` is None or "silu"."""
+    return causal_conv1d_fn(x, weight, bias, seq_idx=seq_idx, activation=activation)
 
 
 def _scan_layout(M: Tensor, A: Tensor) -> Tensor:

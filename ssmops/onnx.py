@@ -39,11 +39,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .export import ExportError
-from .ops.linear.default import weight_only_linear
-from .ops.mamba_step.default import mamba_layers_step, mamba_step
-from .ops.selective_scan.onnx import selective_scan_fwd
-from .ops.ssd.onnx import ssd_scan_fwd
-from .ops.state_update.default import multihead_state_update, selective_state_update
+from .ops import FAMILIES
 
 __all__ = ["decompositions", "export", "ONNXExportError"]
 
@@ -54,20 +50,12 @@ class ONNXExportError(ExportError):
 
 def decompositions() -> dict[torch._ops.OpOverload, Callable]:
     """{ssmops operator: its decomposition into aten operators}, for
-    `ExportedProgram.run_decompositions` ahead of `torch.onnx.export`. The decoding steps, the
-    projection and the fused Mamba steps are their `default` kernels (one token, loop-free);
-    the scans are their block-wise forms (ssmops/ops/selective_scan/onnx.py, ops/ssd/onnx.py)."""
-    ops = torch.ops.ssmops
-    table = {
-        ops.selective_scan_fwd.default: selective_scan_fwd,
-        ops.ssd_scan_fwd.default: ssd_scan_fwd,
-        ops.selective_state_update.default: selective_state_update,
-        ops.multihead_state_update.default: multihead_state_update,
-        ops.weight_only_linear.default: weight_only_linear,
-        ops.mamba_step.default: mamba_step,
-        ops.mamba_layers_step.default: mamba_layers_step,
-    }
-    return table
+    `ExportedProgram.run_decompositions` ahead of `torch.onnx.export`: each family's `Operator.onnx`
+    (ssmops/ops/<family>/__init__.py). The decoding steps, the projection, the fused Mamba steps and the
+    causal conv (a shift and add over its few taps) are their `default` kernels (loop-free); the scans
+    are their block-wise forms (ssmops/ops/selective_scan/onnx.py, ops/ssd/onnx.py)."""
+    return {getattr(torch.ops.ssmops, op.name).default: op.onnx
+            for family in FAMILIES for op in family.operators if op.onnx is not None}
 
 
 class _Decomposing(TorchFunctionMode):

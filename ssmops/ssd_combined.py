@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ._registry import triton_op_for
 from .layernorm_gated import rmsnorm_fn
-from .mamba_inner import causal_conv1d
+from .causal_conv1d import causal_conv1d_fn
 from .ops._autograd import contiguous_when_compiling_backward
 from .ops.ssd.checks import FLOAT32_MAX, check_sequence_values, check_ssd_inputs
 
@@ -113,7 +113,7 @@ def mamba_split_conv1d_scan_combined(
     dstate, width) or with a middle 1; D: (nheads, headdim), or (nheads,) with `headdim` given;
     A, dt_bias: (nheads,); rmsnorm_weight: (dim,); outproj_weight: (out_dim, 2 * ...). Computes::
 
-        xBC = act(causal_conv1d(xBC))  (not across seq_idx boundaries);  x, B, C = split(xBC)
+        xBC = act(causal_conv1d_fn(xBC))  (not across seq_idx boundaries);  x, B, C = split(xBC)
         y   = mamba_chunk_scan_combined(x, dt, A, B, C, D, z if no rmsnorm, dt_bias, softplus)
         y   = rmsnorm_fn(y, rmsnorm_weight, z, group_size=dim // ngroups, norm_before_gate)
         out = out_proj(cat([silu(z0) * x0, y]))
@@ -139,8 +139,8 @@ def mamba_split_conv1d_scan_combined(
         raise ValueError(f"zxbcdt's last dimension must be 2 * d_mlp + {dim + conv_dim + nheads} "
                          f"(z, xBC, dt), got {zxbcdt.shape[-1]}")
     zx0, z, xBC, dt = torch.split(zxbcdt, [d_mlp2, dim, conv_dim, nheads], dim=-1)
-    xBC = causal_conv1d(xBC.transpose(1, 2), conv1d_weight, conv1d_bias, activation=activation,
-                        seq_idx=seq_idx).transpose(1, 2)
+    # xBC (batch, seqlen, conv_dim) is the conv's channel-last x: read in place, out in the same layout
+    xBC = causal_conv1d_fn(xBC.mT, conv1d_weight, conv1d_bias, seq_idx=seq_idx, activation=activation).mT
     x, B, C = torch.split(xBC, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
     z = z.unflatten(-1, (nheads, headdim))
     scanned = mamba_chunk_scan_combined(

@@ -186,6 +186,19 @@ def test_frontend_benchmark_runs():
     assert "overhead us" in out.stdout
 
 
+@pytest.mark.slow  # ~7 s of timing
+@pytest.mark.skipif(ssmops.available_backends()["cpu"] != "available", reason="times the native cpu backend")
+def test_conv_benchmark_runs():
+    """benchmarks/conv.py at its smallest: the cpu, default and F.conv1d columns for both mixers' convs."""
+    out = subprocess.run([sys.executable, "benchmarks/conv.py", "--quick"], cwd=REPO, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    for row in ("mamba-130m x       forward ", "mamba-130m x       forward+backward", "mamba2-780m xBC    forward ",
+                "mamba2-780m xBC    forward+backward"):
+        assert row in out.stdout, row
+    assert out.stdout.count("x, ") == 4  # a pair of ratios per row
+
+
 def test_context_parallel_benchmark_counts_constant_state_passing_traffic():
     """benchmarks/context_parallel.py --quick: the bytes its gloo ranks count for the state passing are
     the same for both shard lengths and equal the computed ones; all-to-all's grow with the shard."""

@@ -48,7 +48,8 @@ gpu = pytest.mark.skipif(not (HAS_CUDA and TRITON_AVAILABLE), reason="needs a CU
 # Two processes, each a few files: a process's start (torch, Triton, the test modules' collection) is ~5 s
 # of the interpreter suite's ~3 minutes of CPU, and two keep both of make test's workers busy.
 INTERPRETED_TEST_FILES = {
-    "ops": ["tests/ops/test_selective_scan.py", "tests/ops/test_ssd.py", "tests/ops/test_state_update.py"],
+    "ops": ["tests/ops/test_selective_scan.py", "tests/ops/test_ssd.py", "tests/ops/test_state_update.py",
+            "tests/ops/test_causal_conv1d.py"],
     "properties-and-triton": ["tests/test_properties.py", "tests/test_nonfinite.py", "tests/test_triton.py",
                               "tests/test_fake_strides.py", "tests/test_compat.py"],
 }
@@ -107,7 +108,8 @@ def test_triton_opcheck(case):
 def test_triton_ops_match_main_ops_and_schemas():
     from ssmops.ops import SCHEMAS
 
-    for name in ("selective_scan_fwd", "selective_scan_bwd", "ssd_scan_fwd", "ssd_scan_bwd"):  # (decoding: opcheck)
+    for name in ("selective_scan_fwd", "selective_scan_bwd", "ssd_scan_fwd", "ssd_scan_bwd", "causal_conv1d_fwd",
+                 "causal_conv1d_bwd"):  # (decoding: opcheck)
         schema = SCHEMAS[name]
         # (triton_op infers its schema from type hints: an int argument becomes SymInt)
         triton_schema = str(getattr(torch.ops.ssmops, f"{name}_triton").default._schema).replace("SymInt ", "int ")
@@ -568,6 +570,16 @@ class Steps(torch.nn.Module):  # both decoding steps through the front end, as t
         return y, ssmops.selective_state_update(heads_state, hx, hdt, hA, hB, hC, hD, None, hbias, True)
 
 
+class ConvFwdBwd(torch.nn.Module):
+    def forward(self, xbc, weight, bias, dout):
+        # channel-last: dense when xbc has 64 features, a slice of a wider one else (narrow: CPU-only torch's
+        # indexing and `contiguous` refuse fake CUDA tensors)
+        x = xbc.narrow(2, 0, 64).transpose(1, 2)
+        out, final = ops.causal_conv1d_fwd_triton(x, weight, bias, None, None, True)
+        grads = ops.causal_conv1d_bwd_triton(x, weight, bias, None, None, dout, None, True)
+        return (out, final, *grads)
+
+
 def print_launches(family, module, args):
     print("family", family)
     graph, _ = aot_export_module(module, args, trace_joint=False)
@@ -601,6 +613,11 @@ with FakeTensorMode():
         torch.empty(b, h, p, hn, device="cuda"), torch.empty(b, h, p, **cuda), torch.empty(b, h, **cuda),
         torch.empty(h, device="cuda"), torch.empty(b, 1, hn, **cuda), torch.empty(b, 1, hn, **cuda),
         torch.empty(h, device="cuda"), torch.empty(h, device="cuda")])
+    b, l, d = 2, 100, 64
+    for features in (d, d + 40):
+        print_launches(f"conv{features}", ConvFwdBwd(), [
+            torch.empty(b, l, features, device="cuda"), torch.empty(d, 4, device="cuda"), torch.empty(d, device="cuda"),
+            torch.empty(b, l, d, device="cuda").transpose(1, 2)])
 """
 
 
@@ -616,7 +633,9 @@ def test_triton_ops_trace_into_kernel_launches_on_cuda_tensors():
     (_triton.contiguous_when_traced). The SSD: grids from the sizes (one (headdim, dstate) state tile, 4
     chunks of 64, batch x nheads = 16, batch x ngroups = 4 for C . B^T, 2 blocks of 32 tokens a chunk in the
     backward). The decoding steps, called through the public front end: a launch each, over blocks of 64
-    channels (Mamba-1's tile of 1024 at dstate 16) and per (head, batch)."""
+    channels (Mamba-1's tile of 1024 at dstate 16) and per (head, batch). The conv: a dense channel-last x
+    reaches its launches as it is (no transposing copy); a slice of a wider projection (Mamba-2's xBC) as a
+    dense channel-last copy."""
     proc = run_python(_TRACE_ON_FAKE_CUDA, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = {}
@@ -629,6 +648,11 @@ def test_triton_ops_trace_into_kernel_launches_on_cuda_tensors():
     z_copy = f"copy {(seqlen * dim, 1, dim)} -> {(dim * seqlen, seqlen, 1)}"
     assert lines["scan"] == [z_copy, "launch selective_scan_fwd_kernel [1] [(64, 2, 1)]",
                              z_copy, "launch selective_scan_bwd_kernel [1] [(64, 2, 1)]"], proc.stdout
+    conv = ["launch causal_conv1d_fwd_kernel [4] [(1, 4, 2)]", "launch causal_conv1d_dpre_kernel [4] [(1, 4, 2)]",
+            "launch causal_conv1d_dstream_kernel [4] [(1, 4, 2)]"]
+    assert lines["conv64"] == conv, proc.stdout
+    compaction = f"copy {(seqlen * 104, 104, 1)} -> {(seqlen * dim, dim, 1)}"  # (batch, seqlen, dim), no transpose
+    assert lines["conv104"] == [compaction, conv[0], compaction, *conv[1:]], proc.stdout
     assert lines["ssd"] == [
         "launch ssd_states_fwd_kernel [8] [(1, 16, 1)]", "launch ssd_cb_kernel [4] [(4, 4, 1)]",
         "launch ssd_chunk_scan_kernel [8] [(4, 16, 1)]", "launch ssd_cb_kernel [4] [(4, 4, 1)]",

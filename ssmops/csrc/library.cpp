@@ -56,4 +56,14 @@ STABLE_TORCH_LIBRARY(ssmops, m) {
       "Tensor[] dt_proj_weight, Tensor?[] dt_proj_scale, Tensor?[] dt_proj_bias, Tensor[] A_log, Tensor?[] D, "
       "Tensor[] out_proj_weight, Tensor?[] out_proj_scale, Tensor?[] out_proj_bias, Tensor? final_norm_weight=None) "
       "-> (Tensor, Tensor)");
+  m.def(
+      "causal_conv1d_fwd(Tensor x, Tensor weight, Tensor? bias, Tensor? seq_idx, Tensor? initial_states, "
+      "bool silu) -> (Tensor out, Tensor final_states)");
+  m.def(
+      "causal_conv1d_bwd(Tensor x, Tensor weight, Tensor? bias, Tensor? seq_idx, Tensor? initial_states, "
+      "Tensor dout, Tensor? dfinal_states, bool silu) -> (Tensor dx, Tensor dweight, Tensor dbias, "
+      "Tensor dinitial_states)");
+  m.def(
+      "causal_conv1d_update(Tensor x, Tensor(a!) conv_state, Tensor weight, Tensor? bias, Tensor? cache_seqlens, "
+      "Tensor? conv_state_indices, bool silu) -> Tensor");
 }

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..layernorm_gated import rmsnorm_fn
-from ..mamba_inner import causal_conv1d, causal_conv1d_update
+from ..causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from ..modules.mamba import FUSED_STEP_MAX_BATCH
 from ..selective_scan import selective_scan_fn
 from ..ssd_combined import mamba_chunk_scan_combined
@@ -77,11 +77,11 @@ def _conv(mixer: nn.Module, x: Tensor, cache, conv_state: Tensor | None, seq_idx
     if conv_state is not None and seq_len == 1 and not cache.is_recording_past(mixer.layer_idx):
         return causal_conv1d_update(x[..., 0], conv_state, weight, bias, activation="silu").unsqueeze(-1)
     if cache is None:
-        return causal_conv1d(x, weight, bias, activation="silu", seq_idx=seq_idx)
+        return causal_conv1d_fn(x, weight, bias, seq_idx=seq_idx, activation="silu")
     x = cache.update_conv_state(x, mixer.layer_idx, conv_kernel_size=mixer.conv_kernel_size)
     if seq_idx is not None:
         seq_idx = F.pad(seq_idx, (x.shape[-1] - seq_len, 0), value=0)
-    return causal_conv1d(x, weight, bias, activation="silu", seq_idx=seq_idx)[..., -seq_len:]
+    return causal_conv1d_fn(x, weight, bias, seq_idx=seq_idx, activation="silu")[..., -seq_len:]
 
 
 def _packed_seq_idx(kwargs: dict, batch: int, seq_len: int, device: torch.device) -> Tensor | None:

@@ -17,8 +17,9 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from .. import distributed
+from ..causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from ..distributed._exchange import as_process_group
-from ..mamba_inner import causal_conv1d, causal_conv1d_update, mamba_inner_fn
+from ..mamba_inner import mamba_inner_fn
 from ..selective_scan import selective_scan_fn
 from ..state_update import selective_state_update
 from .linear import Linear, linear
@@ -145,7 +146,7 @@ class Mamba(nn.Module):
         if conv_state is not None:
             # the last d_conv inputs of the conv (zero-padded on the left when seqlen < d_conv)
             conv_state.copy_(F.pad(x, (self.d_conv - seqlen, 0)))
-        conv, scan, sharding = causal_conv1d, selective_scan_fn, {}
+        conv, scan, sharding = causal_conv1d_fn, selective_scan_fn, {}
         if group is not None:
             conv, scan, sharding = distributed.causal_conv1d, distributed.selective_scan_fn, {"group": group}
         x = conv(x, self.conv1d.weight, self.conv1d.bias, activation="silu", **sharding)

@@ -17,11 +17,11 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from .. import distributed
+from ..causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from ..distributed._exchange import as_process_group
 from ..distributed.tensor_parallel import local
 from ..layernorm_gated import RMSNorm as RMSNormGated
 from ..layernorm_gated import rmsnorm_fn
-from ..mamba_inner import causal_conv1d, causal_conv1d_update
 from ..ssd_combined import mamba_chunk_scan_combined, mamba_split_conv1d_scan_combined
 from ..state_update import selective_state_update
 from .linear import Linear
@@ -187,11 +187,12 @@ class Mamba2(nn.Module):
         z0, x0, z, xBC, dt = torch.split(zxbcdt, self._in_proj_split(zxbcdt.shape[-1]), dim=-1)
         if conv_state is not None:
             conv_state.copy_(self._conv_states(xBC, cu_seqlens))
-        conv, scan, sharding = causal_conv1d, mamba_chunk_scan_combined, {}
+        conv, scan, sharding = causal_conv1d_fn, mamba_chunk_scan_combined, {}
         if group is not None:
             conv, scan, sharding = distributed.causal_conv1d, distributed.mamba_chunk_scan_combined, {"group": group}
-        xBC = conv(xBC.transpose(1, 2), local(self.conv1d.weight), local(self.conv1d.bias), activation=self.activation,
-                   seq_idx=seq_idx, **sharding).transpose(1, 2)
+        # channel-last: the conv reads xBC (batch, seqlen, conv_dim) in place and writes that layout
+        xBC = conv(xBC.mT, local(self.conv1d.weight), local(self.conv1d.bias), activation=self.activation,
+                   seq_idx=seq_idx, **sharding).mT
         x, B, C = torch.split(xBC, [self.d_ssm, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
         want_varlen = cu_seqlens is not None and inference_params is not None
         if group is None:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..mamba_inner import causal_conv1d, causal_conv1d_update
+from ..causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from .linear import Linear
 
 
@@ -135,8 +135,7 @@ class MHA(nn.Module):
         if self.d_conv > 0:
             if cache is not None:
                 cache[1].copy_(F.pad(qkv.transpose(1, 2), (self.d_conv - seqlen, 0)))
-            qkv = causal_conv1d(qkv.transpose(1, 2), self.conv1d.weight, self.conv1d.bias,
-                                seq_idx=seq_idx).transpose(1, 2)
+            qkv = causal_conv1d_fn(qkv.mT, self.conv1d.weight, self.conv1d.bias, seq_idx=seq_idx).mT
         q, k, v = self._heads(qkv, torch.arange(seqlen, device=x.device))
         if cache is not None:
             cache[0][:, :seqlen] = torch.stack([k, v], dim=2).to(cache[0].dtype)

@@ -30,7 +30,9 @@ class Operator:
     schema: the full schema string, name first (the C++ library declares the same one);
     fake: its fake (meta) kernel; default: its pure-PyTorch kernel, for every device;
     autograd: for a differentiable operator, `autograd(bwd_op) -> (backward, setup_context)`
-    whose backward calls `bwd_op`, the operator named by `backward` (or its Triton twin).
+    whose backward calls `bwd_op`, the operator named by `backward` (or its Triton twin);
+    onnx: its decomposition into standard operators for ONNX export (`ssmops.onnx` reads it), or
+    None for an operator ONNX export leaves out (a backward).
     """
 
     schema: str
@@ -38,6 +40,7 @@ class Operator:
     default: Callable
     autograd: Callable | None = None
     backward: str | None = None
+    onnx: Callable | None = None
 
     @property
     def name(self) -> str:

@@ -6,4 +6,5 @@ ssmops/csrc/linear/."""
 from .._family import Family, Operator
 from . import default, schema
 
-FAMILY = Family(operators=(Operator(schema.SCHEMA, schema.fake, default.weight_only_linear),))
+FAMILY = Family(operators=(Operator(schema.SCHEMA, schema.fake, default.weight_only_linear,
+                                    onnx=default.weight_only_linear),))

@@ -7,5 +7,6 @@ Files: schema.py, checks.py, reference.py, default.py; the C++ kernel is ssmops/
 from .._family import Family, Operator
 from . import default, schema
 
-FAMILY = Family(operators=(Operator(schema.SCHEMA, schema.fake, default.mamba_step),
-                           Operator(schema.LAYERS_SCHEMA, schema.layers_fake, default.mamba_layers_step)))
+FAMILY = Family(operators=(Operator(schema.SCHEMA, schema.fake, default.mamba_step, onnx=default.mamba_step),
+                           Operator(schema.LAYERS_SCHEMA, schema.layers_fake, default.mamba_layers_step,
+                                    onnx=default.mamba_layers_step)))

@@ -6,21 +6,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..causal_conv1d.default import causal_conv1d_update
 from ..linear.default import weight_only_linear
 from ..state_update.default import selective_state_update
 from .checks import check_mamba_layers_step_inputs, check_mamba_step_inputs, layer_arguments, split_final_norm
-
-
-def causal_conv1d_update(x, conv_state, weight, bias=None, silu: bool = False):
-    """One token through a depthwise causal conv: x (batch, dim) enters the window conv_state
-    (batch, dim, width), which is updated in place (shifted left by one, x appended); returns the
-    conv's output for x, (batch, dim) in x's dtype. weight: (dim, width)."""
-    conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))
-    conv_state[:, :, -1] = x
-    out = torch.sum(conv_state * weight, dim=-1)
-    if bias is not None:
-        out = out + bias
-    return (F.silu(out) if silu else out).to(x.dtype)
 
 
 def mamba_step(hidden_states, conv_state, ssm_state, in_proj_weight, in_proj_scale, in_proj_bias, conv_weight,
@@ -31,7 +20,7 @@ def mamba_step(hidden_states, conv_state, ssm_state, in_proj_weight, in_proj_sca
         x_proj_weight, x_proj_scale, dt_proj_weight, dt_proj_scale, dt_proj_bias, A_log, D, out_proj_weight,
         out_proj_scale, out_proj_bias)
     x, z = weight_only_linear(hidden_states, in_proj_weight, in_proj_scale, in_proj_bias).split(d_inner, dim=-1)
-    x = causal_conv1d_update(x, conv_state, conv_weight, conv_bias, silu=True)
+    x = causal_conv1d_update(x.unsqueeze(-1), conv_state, conv_weight, conv_bias, None, None, True).squeeze(-1)
     dt, B, C = weight_only_linear(x, x_proj_weight, x_proj_scale, None).split([dt_rank, d_state, d_state], dim=-1)
     dt = weight_only_linear(dt, dt_proj_weight, dt_proj_scale, None)
     y = selective_state_update(ssm_state, x, dt, -torch.exp(A_log), B, C, D, z, dt_proj_bias, True)

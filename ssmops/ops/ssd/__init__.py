@@ -4,12 +4,12 @@ contract), reference.py (the oracle, per timestep, and the chunked form), defaul
 (+ triton_kernels.py); the C++ kernels are ssmops/csrc/ssd/."""
 
 from .._family import Family, Operator
-from . import default, schema
+from . import default, onnx, schema
 
 FAMILY = Family(
     operators=(
         Operator(schema.FWD_SCHEMA, schema.fwd_fake, default.ssd_fwd,
-                 autograd=schema.autograd_for, backward="ssd_scan_bwd"),
+                 autograd=schema.autograd_for, backward="ssd_scan_bwd", onnx=onnx.ssd_scan_fwd),
         Operator(schema.BWD_SCHEMA, schema.bwd_fake, default.ssd_bwd),
     ),
     triton="ssmops.ops.ssd.triton",

@@ -7,8 +7,10 @@ from . import default, schema
 
 FAMILY = Family(
     operators=(
-        Operator(schema.SCHEMA, schema.fake, default.selective_state_update),
-        Operator(schema.MULTIHEAD_SCHEMA, schema.multihead_fake, default.multihead_state_update),
+        Operator(schema.SCHEMA, schema.fake, default.selective_state_update,
+                 onnx=default.selective_state_update),
+        Operator(schema.MULTIHEAD_SCHEMA, schema.multihead_fake, default.multihead_state_update,
+                 onnx=default.multihead_state_update),
     ),
     triton="ssmops.ops.state_update.triton",
 )
