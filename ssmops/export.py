@@ -23,12 +23,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ._errors import ExportError
 from .checkpoint import load_state_dict  # noqa: F401  (part of this module's API: the CLI loads with it)
 from .models.generation import InferenceParams, step_logits
-
-
-class ExportError(RuntimeError):
-    """A model could not be exported; the message names the failing submodule and why."""
 
 
 @contextmanager

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .export import ExportError
+from ._errors import ExportError
 from .ops import FAMILIES
 
 __all__ = ["decompositions", "export", "ONNXExportError"]

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..ops.linear.checks import check_linear_inputs
 
 # weights= format -> the weight's storage dtype
 WEIGHT_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
@@ -76,13 +75,3 @@ def linear(x: Tensor, layer: nn.Linear, bias: bool = True) -> Tensor:
         return F.linear(x, weight, b)
     return torch.ops.ssmops.weight_only_linear(x, weight, getattr(layer, "weight_scale", None), b)
 
-
-def weight_only_linear(x: Tensor, weight: Tensor, weight_scale: Tensor | None = None,
-                       bias: Tensor | None = None) -> Tensor:
-    """y = x @ (weight * weight_scale[:, None]).T + bias, in x's dtype, accumulated in float32.
-
-    x: (..., in_features) float32/float16/bfloat16; weight: (out_features, in_features) float32,
-    bfloat16, float16 or int8; weight_scale: (out_features,) float32, for int8 weights only;
-    bias: (out_features,) float32 or x's dtype. Inference only (no autograd)."""
-    check_linear_inputs(x, weight, weight_scale, bias)
-    return torch.ops.ssmops.weight_only_linear(x, weight, weight_scale, bias)
