@@ -309,7 +309,7 @@ def _dt_limit(limit) -> tuple[float, float]:
     return (0.0, float("inf")) if limit is None else (float(limit[0]), float(limit[1]))
 
 
-class _Family(NamedTuple):
+class _MixerFamily(NamedTuple):
     module: str  # transformers' modeling module
     mixer: str  # its SSM mixer class
     forward: object  # the ssmops forward
@@ -319,25 +319,26 @@ class _Family(NamedTuple):
     builder: str | None = None
 
 
-_FAMILIES = {
-    "mamba": _Family("transformers.models.mamba.modeling_mamba", "MambaMixer", _mamba_forward, ("conv1d", "dt_proj")),
-    "falcon_mamba": _Family("transformers.models.falcon_mamba.modeling_falcon_mamba", "FalconMambaMixer",
+_MODEL_TYPES = {
+    "mamba": _MixerFamily("transformers.models.mamba.modeling_mamba", "MambaMixer", _mamba_forward,
+                          ("conv1d", "dt_proj")),
+    "falcon_mamba": _MixerFamily("transformers.models.falcon_mamba.modeling_falcon_mamba", "FalconMambaMixer",
                             _mamba_forward, ("conv1d", "dt_proj")),
-    "mamba2": _Family("transformers.models.mamba2.modeling_mamba2", "Mamba2Mixer", _mamba2_forward, ("conv1d",)),
-    "bamba": _Family("transformers.models.bamba.modeling_bamba", "BambaMixer", _mamba2_forward, ("conv1d",)),
-    "jamba": _Family("transformers.models.jamba.modeling_jamba", "JambaMambaMixer", _mamba_forward,
+    "mamba2": _MixerFamily("transformers.models.mamba2.modeling_mamba2", "Mamba2Mixer", _mamba2_forward, ("conv1d",)),
+    "bamba": _MixerFamily("transformers.models.bamba.modeling_bamba", "BambaMixer", _mamba2_forward, ("conv1d",)),
+    "jamba": _MixerFamily("transformers.models.jamba.modeling_jamba", "JambaMambaMixer", _mamba_forward,
                      ("conv1d", "dt_proj")),
-    "zamba": _Family("transformers.models.zamba.modeling_zamba", "ZambaMambaMixer", _zamba_forward, ("conv1d",)),
-    "zamba2": _Family("transformers.models.zamba2.modeling_zamba2", "Zamba2MambaMixer", _mamba2_forward,
+    "zamba": _MixerFamily("transformers.models.zamba.modeling_zamba", "ZambaMambaMixer", _zamba_forward, ("conv1d",)),
+    "zamba2": _MixerFamily("transformers.models.zamba2.modeling_zamba2", "Zamba2MambaMixer", _mamba2_forward,
                       ("conv1d",)),
-    "falcon_h1": _Family("transformers.models.falcon_h1.modeling_falcon_h1", "FalconH1Mixer", _mamba2_forward,
+    "falcon_h1": _MixerFamily("transformers.models.falcon_h1.modeling_falcon_h1", "FalconH1Mixer", _mamba2_forward,
                          ("conv1d",)),
-    "granitemoehybrid": _Family("transformers.models.granitemoehybrid.modeling_granitemoehybrid",
+    "granitemoehybrid": _MixerFamily("transformers.models.granitemoehybrid.modeling_granitemoehybrid",
                                 "GraniteMoeHybridMambaLayer", _mamba2_forward, ("conv1d",)),
-    "nemotron_h": _Family("transformers.models.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer",
+    "nemotron_h": _MixerFamily("transformers.models.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer",
                           _mamba2_forward, ("conv1d",), builder="NemotronHBlock"),
 }
-FAMILIES = tuple(_FAMILIES)
+MODEL_TYPES = tuple(_MODEL_TYPES)
 
 _mixer_classes: dict[str, type] = {}  # model_type -> the ssmops subclass, built once per process
 _builder_classes: dict[str, type] = {}  # model_type -> the ssmops subclass of its builder, where it has one
@@ -361,12 +362,12 @@ def _transformers():
 
 
 def _check_families(families) -> list[str]:
-    families = list(FAMILIES if families is None else ([families] if isinstance(families, str) else families))
-    unknown = [f for f in families if f not in _FAMILIES]
+    families = list(MODEL_TYPES if families is None else ([families] if isinstance(families, str) else families))
+    unknown = [f for f in families if f not in _MODEL_TYPES]
     if unknown:
         raise UnsupportedTransformersError(
             f"model_type {', '.join(map(repr, unknown))} is not supported by ssmops' transformers integration; "
-            f"supported: {', '.join(FAMILIES)}")
+            f"supported: {', '.join(MODEL_TYPES)}")
     return families
 
 
@@ -376,7 +377,7 @@ def mixer_class(model_type: str) -> type:
     _transformers()
     (model_type,) = _check_families(model_type)
     if model_type not in _mixer_classes:
-        family = _FAMILIES[model_type]
+        family = _MODEL_TYPES[model_type]
         module = importlib.import_module(family.module)
         base, forward = getattr(module, family.mixer), family.forward
         try:  # fire accelerate's hooks (offloading) of the children whose weights the forward reads directly
@@ -417,7 +418,7 @@ def _builder_class(base: type, mixer: type) -> type:
 def __getattr__(name: str) -> type:
     """The mixer classes by name (`ssmops.integrations.transformers.MambaMixer`, ...), built on first
     use: where pickle (`torch.save(model)`) looks for them, in this process or a fresh one."""
-    for model_type, family in _FAMILIES.items():
+    for model_type, family in _MODEL_TYPES.items():
         if name == family.mixer:
             return mixer_class(model_type)
         if name == family.builder:
@@ -435,7 +436,7 @@ def _check_config(mixer: nn.Module) -> None:
 def enable_transformers(families=None) -> "_Enabled":
     """From now on, every model transformers builds (`from_pretrained`, `from_config`,
     `AutoModel*`, or inside `transformers.monkey_patching.apply_patches()`) of these families runs
-    its SSM mixers on ssmops. `families`: model_types among `FAMILIES` (default: all).
+    its SSM mixers on ssmops. `families`: model_types among `MODEL_TYPES` (default: all).
 
     Returns a handle; `with ssmops.enable_transformers(): ...` disables on leaving the block.
     Raises ImportError without transformers, UnsupportedTransformersError for a transformers
@@ -445,9 +446,9 @@ def enable_transformers(families=None) -> "_Enabled":
 
     mapping = {}
     for model_type in _check_families(families):
-        mapping[f"^{_FAMILIES[model_type].mixer}$"] = mixer_class(model_type)
+        mapping[f"^{_MODEL_TYPES[model_type].mixer}$"] = mixer_class(model_type)
         if model_type in _builder_classes:
-            mapping[f"^{_FAMILIES[model_type].builder}$"] = _builder_classes[model_type]
+            mapping[f"^{_MODEL_TYPES[model_type].builder}$"] = _builder_classes[model_type]
     register_patch_mapping(mapping, overwrite=True)
     _registered.extend(key for key in mapping if key not in _registered)
     return _Enabled()
@@ -479,7 +480,7 @@ def to_ssmops(model: nn.Module, families=None) -> nn.Module:
     `DecodingHead` (parameters, tied weights, buffers and hooks untouched). Returns the model.
     Raises UnsupportedTransformersError if the model has no such mixer."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if families is None and model_type in _FAMILIES:
+    if families is None and model_type in _MODEL_TYPES:
         families = [model_type]  # import only the modeling module it needs
     families = _check_families(families)
     switched = 0
@@ -497,7 +498,7 @@ def to_ssmops(model: nn.Module, families=None) -> nn.Module:
         model_type = model_type or type(model).__name__
         raise UnsupportedTransformersError(
             f"{type(model).__name__} (model_type {model_type!r}) has no mixer that ssmops' transformers integration "
-            f"supports; supported model types: {', '.join(FAMILIES)}")
+            f"supports; supported model types: {', '.join(MODEL_TYPES)}")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is nn.Linear:
         head.__class__ = DecodingHead
