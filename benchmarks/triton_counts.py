@@ -7,7 +7,8 @@ must be chosen before the kernels are defined) when `--count` is given or the ke
 
 The interpreter runs every program of a launch with numpy, so its loads, stores, atomics, `tl.dot`s and
 transcendentals can be counted exactly, loop trips and masks included, at a small shape: the scan at
-one channel of one row (two 2048-step chunks, as at the benchmark shape), the SSD scan at one row of
+128 channels of one row (one forward program's channels, so that the B/C loads the program shares
+are counted once for all of them, as at the full shape; two 2048-step chunks, as at the benchmark shape), the SSD scan at one row of
 512 tokens (two 256-token chunks), two heads of one group, Mamba-2's headdim 64 and dstate 128. Per
 launch it records
 
@@ -41,7 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 COUNTS = Path(__file__).with_name("triton_counts.json")
 SOURCES = ("ssmops/ops/selective_scan/triton_kernels.py", "ssmops/ops/selective_scan/triton.py",
            "ssmops/ops/ssd/triton_kernels.py", "ssmops/ops/ssd/triton.py")
-SCAN_SMALL = dict(batch=1, dim=1, seqlen=4096, dstate=16)
+SCAN_SMALL = dict(batch=1, dim=128, seqlen=4096, dstate=16)
 SSD_SMALL = dict(batch=1, seqlen=512, nheads=2, headdim=64, ngroups=1, dstate=128, chunk=256)
 _SFU = ("exp", "exp2", "log", "log2", "sin", "cos", "sqrt", "precise_sqrt", "rsqrt")
 

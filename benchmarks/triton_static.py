@@ -3,8 +3,9 @@
     python benchmarks/triton_static.py                 # batch 8, dim 4096, seqlen 4096, dstate 16, bf16
 
 Compiles the forward and backward launches for sm_90 (ssmops/ops/triton_aot.py) and
-counts the instructions of each kernel's innermost loop, which handles one state over a
-chunk, per (step, state) element. An H100 SM issues at most 4 warp instructions and 16
+counts the instructions of each kernel's innermost loop per (step, state) element: the
+forward's handles a tile of steps of every state of a thread's channel, the backward's one
+state over the steps a thread holds of a chunk. An H100 SM issues at most 4 warp instructions and 16
 ex2 (exp2) results per cycle, so a kernel needs at least
 
     elements * instructions per element / (SMs * 4 * 32 * clock)
@@ -99,8 +100,8 @@ def main(argv=None) -> int:
         compiled = aot.compile_launch(kernel, kernel_args, meta, "sm90")
         usage = aot.resource_usage(compiled)
         loop = aot.innermost_loop(compiled)
-        steps = meta["BLOCK_T"] // (32 * meta["num_warps"])  # consecutive steps a thread holds
-        per_element = {op: count / steps for op, count in loop.items()}
+        steps = _steps_per_thread(meta)
+        per_element = {op: count / (steps * meta.get("STATES", 1)) for op, count in loop.items()}
         instructions = sum(per_element.values())
         t_issue = elements * instructions / issue_rate
         t_ex2 = elements * per_element.get("MUFU", 0.0) / ex2_rate
@@ -113,6 +114,14 @@ def main(argv=None) -> int:
     if not args.no_bounds:
         bounds(args, aot, dict(scan=scan_compiled, ssd=ssd_compiled))
     return 0
+
+
+def _steps_per_thread(meta: dict) -> int:
+    """Consecutive steps a thread takes in one trip of the scan kernel's innermost loop: the forward's
+    tile (all its STATES states), or the backward's share of a chunk (one state)."""
+    if "STATES" in meta:
+        return meta["BLOCK_T"]
+    return meta["BLOCK_T"] // (32 * meta["num_warps"])
 
 
 def _ssd_trips(name: str, meta: dict, shape: dict) -> float:

@@ -367,11 +367,20 @@ def test_triton_kernels_compile_for_gpus_without_spilling(target, case, determin
                                                                          groups=groups, dtype=case.dtype))
     launches += step
     for kernel, args, meta in launches:
-        usage = aot.resource_usage(aot.compile_launch(kernel, args, meta, target))
+        compiled = aot.compile_launch(kernel, args, meta, target)
+        usage = aot.resource_usage(compiled)
         print(kernel.__name__, target, meta.get("BLOCK_T"), meta["num_warps"], usage)
         # rows of a length not divisible by 16 are read element by element, not in vectors, and the
         # backward's addresses then spill a few registers
-        assert usage["spills"] <= (0 if case.seqlen % 16 == 0 else 128), (kernel.__name__, usage)
+        limit = 0 if case.seqlen % 16 == 0 else 128
+        if meta.get("STATE_TILES", 1) > 1:
+            # the forward taking the states a tile at a time parks a few addresses of its walk in local
+            # memory around its loops, never inside the loop over time
+            limit = 128
+            if target.startswith("sm"):
+                loop = aot.innermost_loop(compiled)
+                assert not loop["LDL"] and not loop["STL"], (kernel.__name__, loop)
+        assert usage["spills"] <= limit, (kernel.__name__, usage)
 
 
 # mamba2-2.7b's layer (the benchmark's shape, but for batch and seqlen, which change no compiled code: the
@@ -595,7 +604,8 @@ def test_triton_ops_trace_into_kernel_launches_on_cuda_tensors():
 
     The selective scan: a non-contiguous input (z, transposed) reaches each launch as a contiguous copy:
     the launch's stride numbers are the traced ones, which Inductor does not always keep for a view
-    (_triton.contiguous_when_traced). The SSD: grids from the sizes (one (headdim, dstate) state tile, 4
+    (_triton.contiguous_when_traced); the forward's program takes 64 channels (2 warps) and reads a
+    time-major copy of B and C. The SSD: grids from the sizes (one (headdim, dstate) state tile, 4
     chunks of 64, batch x nheads = 16, 2 blocks of 32 tokens a chunk in the backward)."""
     proc = run_python(_TRACE_ON_FAKE_CUDA, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -605,9 +615,11 @@ def test_triton_ops_trace_into_kernel_launches_on_cuda_tensors():
             family = lines.setdefault(line.split()[1], [])
         elif line.startswith(("launch ", "copy ")):
             family.append(line)
-    dim, seqlen = 64, 100  # z: (batch, dim, seqlen), the transpose of a contiguous (batch, seqlen, dim)
+    dim, seqlen, dstate = 64, 100, 16  # z: (batch, dim, seqlen), the transpose of a contiguous (batch, seqlen, dim)
     z_copy = f"copy {(seqlen * dim, 1, dim)} -> {(dim * seqlen, seqlen, 1)}"
-    assert lines["scan"] == [z_copy, "launch selective_scan_fwd_kernel [1] [(64, 2, 1)]",
+    # the forward reads B and C time-major: (batch, dstate, seqlen) copied to (batch, seqlen, dstate)
+    bc_copy = f"copy {(dstate * seqlen, 1, seqlen)} -> {(seqlen * dstate, dstate, 1)}"
+    assert lines["scan"] == [z_copy, bc_copy, bc_copy, "launch selective_scan_fwd_kernel [2] [(1, 2, 1)]",
                              z_copy, "launch selective_scan_bwd_kernel [1] [(64, 2, 1)]"], proc.stdout
     assert lines["ssd"] == [
         "launch ssd_states_fwd_kernel [8] [(1, 16, 1)]", "launch ssd_chunk_scan_kernel [8] [(4, 16, 1)]",
