@@ -67,7 +67,13 @@ def _states(decay, drive, h0, tt):
 @triton.jit
 def _load_dt(delta_row, bias, t, mask, s_dt, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
     """(dt_raw, dt) as float32 (BLOCK_T,); dt is 0 where masked, so decay = 1 and drive = 0 there."""
-    dt_raw = tl.load(delta_row + t * s_dt, mask=mask, other=0.0).to(tl.float32)
+    return _dt(tl.load(delta_row + t * s_dt, mask=mask, other=0.0), bias, mask, HAS_BIAS, SOFTPLUS)
+
+
+@triton.jit
+def _dt(delta, bias, mask, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
+    """(dt_raw, dt) as float32 from loaded delta; dt is 0 where masked."""
+    dt_raw = delta.to(tl.float32)
     if HAS_BIAS:
         dt_raw = dt_raw + bias
     dt = dt_raw
@@ -226,17 +232,30 @@ def selective_scan_fwd_kernel(
             C_const = tl.load(C_rows[:, None] + n[None, :] * s_Cn, mask=mask_dn, other=0.0)
         dt_total = tl.zeros([BLOCK_D], dtype=tl.float32)
         last_tile = s == STATE_TILES - 1
+        # u, delta and z of a tile are loaded while the tile before it is computed (bytes in flight)
+        mask = mask_d[:, None] & (tt < seqlen)[None, :]
+        u_next = tl.load(u_rows[:, None] + tt[None, :] * s_ut, mask=mask, other=0.0)
+        delta_next = tl.load(delta_rows[:, None] + tt[None, :] * s_dt, mask=mask, other=0.0)
+        z_next = u_next
+        if HAS_Z:
+            z_next = tl.load(z_rows[:, None] + tt[None, :] * s_zt, mask=mask & last_tile, other=0.0)
         for c in range(0, n_chunks):
             for t0 in range(c * CHUNK, tl.minimum(seqlen, (c + 1) * CHUNK), BLOCK_T):
                 t = t0 + tt
                 mask = mask_d[:, None] & (t < seqlen)[None, :]
-                u = tl.load(u_rows[:, None] + t[None, :] * s_ut, mask=mask, other=0.0).to(tl.float32)
-                _, dt = _load_dt(delta_rows[:, None], bias[:, None], t[None, :], mask, s_dt, HAS_BIAS, SOFTPLUS)
+                u = u_next.to(tl.float32)
+                _, dt = _dt(delta_next, bias[:, None], mask, HAS_BIAS, SOFTPLUS)
+                gate = z_next.to(tl.float32)
+                if HAS_Z:
+                    gate = gate * tl.sigmoid(gate)
+                t_next = t + BLOCK_T
+                mask_next = mask_d[:, None] & (t_next < seqlen)[None, :]
+                u_next = tl.load(u_rows[:, None] + t_next[None, :] * s_ut, mask=mask_next, other=0.0)
+                delta_next = tl.load(delta_rows[:, None] + t_next[None, :] * s_dt, mask=mask_next, other=0.0)
+                if HAS_Z:
+                    z_next = tl.load(z_rows[:, None] + t_next[None, :] * s_zt, mask=mask_next & last_tile, other=0.0)
                 dtu = dt * u
                 dt_total += tl.sum(dt, axis=1)
-                if HAS_Z:  # (read with u and delta: loaded after the scan, ptxas keeps more registers live)
-                    zv = tl.load(z_rows[:, None] + t[None, :] * s_zt, mask=mask & last_tile, other=0.0).to(tl.float32)
-                    gate = zv * tl.sigmoid(zv)
                 y_at = row[:, None] * seqlen + t[None, :]
                 y = tl.zeros([BLOCK_D, BLOCK_T], dtype=tl.float32)
                 if STATE_TILES > 1:
