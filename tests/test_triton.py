@@ -179,6 +179,27 @@ def test_triton_variable_dB_dC_summed_over_channel_blocks(deterministic, monkeyp
             assert torch.equal(first[name], second[name]), name
 
 
+@needs_interpreter
+@pytest.mark.parametrize("dim, dtype", [(128, torch.float32), (66, torch.bfloat16)], ids=["shared", "split"])
+def test_triton_forward_blocks_of_channels(dim, dtype, monkeypatch):
+    """The forward over several programs' blocks of channels (64 a program here): B/C groups of 64
+    channels that each block loads once a step for all its channels ("shared"), and groups of 33 that
+    split blocks, the last block 2 channels of 64 ("split"); a sequence that ends inside a tile."""
+    from ssmops.ops.selective_scan import triton as scan_triton
+
+    monkeypatch.setattr(scan_triton, "FORWARD_WARPS", 2)
+    case = Case(batch=2, dim=dim, seqlen=37, dstate=4, dtype=dtype, B="g2", C="g2", initial_state=True)
+    kw, args = make_inputs(case), _fwd_args(case)
+    assert scan_triton._forward_config(dim, 4, kw["u"].element_size())["BLOCK_D"] == 64
+    out, x, out_z, last = scan_triton.selective_scan_fwd(*args)
+    y_ref, last_ref = ssmops.selective_scan_ref(**kw, return_last_state=True)
+    assert_close(out_z, y_ref, TOLERANCES[dtype], "out")
+    assert_close(last, last_ref, TOLERANCES[torch.float32], "last_state")
+    with ssmops.use_backend("default"):
+        x_ref = torch.ops.ssmops.selective_scan_fwd(*args)[1]
+    assert_close(x, x_ref, TOLERANCES[torch.float32], "scan_intermediates")
+
+
 def _ssd_args(batch=2, seqlen=37, nheads=4, headdim=8, ngroups=2, dstate=16, chunk=16, dtype=torch.float32,
               seq_idx=False, varlen=False, seed=0) -> tuple:
     """Arguments of `ssmops::ssd_scan_fwd` with every optional input (D per channel, z, dt_bias,
@@ -505,8 +526,9 @@ def test_triton_kernels_write_only_flat_buffers_of_their_own():
                            "tl.gather across lanes, 18.75 shuffles per element (issue 42)")
 def test_triton_static_estimate_shows_time_inside_the_threads():
     """benchmarks/triton_static.py runs without a GPU. Its lane-shuffle counts guard the kernels'
-    layout: with time inside the threads the forward's loop needs under 4 shuffles per (step,
-    state) and the backward's under 12 (with time across lanes they were 14 and 43)."""
+    layout: the forward's loop over time, a thread's channel with its states in registers, needs no
+    shuffle, and the backward's, with time inside the threads, under 12 (with time across lanes it
+    needed 43)."""
     proc = subprocess.run([sys.executable, "benchmarks/triton_static.py", "--no-bounds"], cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -514,8 +536,9 @@ def test_triton_static_estimate_shows_time_inside_the_threads():
                                                                                                      "backward"))}
     header = next(line.split() for line in proc.stdout.splitlines() if line.startswith("pass"))
     shuffles = header.index("shfl/elt")
-    assert float(rows["forward"][shuffles]) < 4 and float(rows["backward"][shuffles]) < 12, proc.stdout
-    assert rows["forward"][header.index("spill")] == rows["backward"][header.index("spill")] == "0", proc.stdout
+    assert float(rows["forward"][shuffles]) == 0 and float(rows["backward"][shuffles]) < 12, proc.stdout
+    # (the forward parks a few addresses outside its loop over time: test_triton_kernels_compile_for_gpus...)
+    assert rows["backward"][header.index("spill")] == "0", proc.stdout
 
 
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")

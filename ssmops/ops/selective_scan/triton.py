@@ -51,11 +51,12 @@ def _config(seqlen: int, dstate: int, backward: bool) -> dict:
 # channel, so a program of FORWARD_WARPS warps takes 32 * FORWARD_WARPS channels of one batch row and loads
 # each step's B and C once for all of them. A thread keeps up to FORWARD_STATES states in registers (more
 # are taken in turns, a pass over the sequence each) and walks the sequence a tile of steps at a time, a
-# tile holding FORWARD_TILE (step, state) pairs: ptxas computes a tile's decays ahead of the recurrence
-# that needs them, a register each (at 128 it spills).
+# tile holding at most FORWARD_TILE (step, state) pairs: ptxas computes a tile's decays ahead of the
+# recurrence that needs them, a register each (128, 8 steps of 16 states, fit in its 255 registers with
+# nothing spilled in the loop over time, and each row's loads and stores are then 16 bytes).
 FORWARD_WARPS = 4
 FORWARD_STATES = 16
-FORWARD_TILE = 64
+FORWARD_TILE = 128
 
 
 def _forward_config(dim: int, dstate: int, element_size: int) -> dict:
@@ -65,8 +66,9 @@ def _forward_config(dim: int, dstate: int, element_size: int) -> dict:
     # (at least 2 warps: with one, Triton lays the state tiles out so that ptxas spills in the walk)
     block_d = _triton.pow2_tile(dim, 64, 32 * FORWARD_WARPS)
     states = _triton.pow2_tile(dstate, 1, FORWARD_STATES)
-    steps = max(1, min(16 // element_size, FORWARD_TILE // states))
     tiles = -(-dstate // states)
+    # (several state tiles: half the steps, as the partial sums' loads and stores take registers too)
+    steps = max(1, min(16 // element_size, FORWARD_TILE // states // (2 if tiles > 1 else 1)))
     return dict(BLOCK_D=block_d, BLOCK_T=steps, STATES=states, STATE_TILES=tiles,
                 PADDED_STATES=tiles * states != dstate, CHUNK=CHUNK_LEN, num_warps=block_d // 32)
 
