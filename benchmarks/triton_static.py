@@ -261,10 +261,10 @@ def bounds(args, aot, compiled: dict) -> None:
     def launch_rows(family: str, full_args: tuple, units: float, issue_of) -> list:
         family_counts = counts[family]
         full = tc.recorded(family, full_args)
-        scale = units / family_counts["units"]
         rows = []
         for i, ((kernel, grid, kargs, meta), counted, info) in enumerate(zip(full, family_counts["launches"],
                                                                               compiled[family])):
+            scale = units / counted.get("units", family_counts["units"])  # (each launch at its own small shape)
             assert tc.launch_name(kernel, meta) == counted["name"], (tc.launch_name(kernel, meta), counted["name"])
             programs = int(torch.tensor(grid).prod())
             shared = info["compiled"].metadata.shared
