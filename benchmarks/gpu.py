@@ -13,7 +13,8 @@ compiled reference unrolls one step per timestep, so it is compiled and timed at
 Goals (issue 42): forward >= 50% of copy bandwidth, forward+backward >= 25%. Then Mamba-1's
 decoding step (`selective_state_update`, dim 5120, dstate 16, float32 state) at batch 1 and 64,
 eager and replayed from a CUDA graph, against mamba_ssm's Triton step. `--sweep` times the
-scan kernels with other warp counts in place of the launchers' choice, to retune it.
+scan kernels with other warp counts and forward tiles in place of the launchers' choice, to retune
+them (`python benchmarks/gpu.py --sweep --skip-baselines`).
 
 Then Mamba-2's SSD scan at the three shapes of issue 41 (SSD_SHAPES: mamba2-2.7b's layer at batch 8,
 seqlen 4096; mamba2-130m's at batch 1, seqlen 2048; 64 heads of 8 groups at batch 2, seqlen 8192; chunk
@@ -249,28 +250,37 @@ def decode_step(args, bw: float) -> None:
 
 
 SWEEP_WARPS = (1, 2, 4, 8, 16)
+SWEEP_FORWARD_TILES = (16, 32, 64)
 
 
 def sweep_tiles(fwd, bwd, repeats: int) -> None:
-    """Forward and backward ms with each warp count of SWEEP_WARPS in place of the launchers'
-    choice (the first row): the 2048-step tile then gives each thread 2048 / (32 warps) steps."""
+    """Forward and backward ms with each warp count of SWEEP_WARPS in place of the launchers' choice
+    (the first row): the forward's program then takes 32 channels a warp (FORWARD_WARPS), the
+    backward's 2048-step tile gives each thread 2048 / (32 warps) steps. Then the forward with each
+    FORWARD_TILE of SWEEP_FORWARD_TILES ((step, state) pairs a thread's tile of steps holds)."""
     from ssmops.ops.selective_scan import triton as ops
 
-    chosen = ops._config
+    chosen, chosen_warps, chosen_tile = ops._config, ops.FORWARD_WARPS, ops.FORWARD_TILE
+
+    def cell(fn) -> str:
+        try:
+            return f"{cuda_time(fn, repeats) * 1e3:.3f}"
+        except Exception as err:  # e.g. triton's OutOfResources
+            return type(err).__name__
+
     print("warps                      forward ms  backward ms")
-    print(f"{'chosen by ops._config':<26} {cuda_time(fwd, repeats) * 1e3:11.3f} {cuda_time(bwd, repeats) * 1e3:12.3f}")
+    print(f"{'chosen by the launchers':<26} {cell(fwd):>11} {cell(bwd):>12}")
     try:
         for warps in SWEEP_WARPS:
             ops._config = lambda *a, warps=warps, **k: {**chosen(*a, **k), "num_warps": warps}
-            cells = []
-            for fn in (fwd, bwd):
-                try:
-                    cells.append(f"{cuda_time(fn, repeats) * 1e3:.3f}")
-                except Exception as err:  # e.g. triton's OutOfResources
-                    cells.append(type(err).__name__)
-            print(f"{warps:<26} {cells[0]:>11} {cells[1]:>12}")
+            ops.FORWARD_WARPS = warps
+            print(f"{warps:<26} {cell(fwd):>11} {cell(bwd):>12}")
+        ops.FORWARD_WARPS = chosen_warps
+        for tile in SWEEP_FORWARD_TILES:
+            ops.FORWARD_TILE = tile
+            print(f"{'FORWARD_TILE ' + str(tile):<26} {cell(fwd):>11}")
     finally:
-        ops._config = chosen
+        ops._config, ops.FORWARD_WARPS, ops.FORWARD_TILE = chosen, chosen_warps, chosen_tile
 
 
 SSD_LAYER = dict(nheads=80, headdim=64, ngroups=1, dstate=128, chunk=256)  # mamba2-2.7b

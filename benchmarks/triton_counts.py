@@ -6,8 +6,10 @@ benchmarks/triton_static.py reads the counts; it reruns this (in a child process
 must be chosen before the kernels are defined) when `--count` is given or the kernels' source changed.
 
 The interpreter runs every program of a launch with numpy, so its loads, stores, atomics, `tl.dot`s and
-transcendentals can be counted exactly, loop trips and masks included, at a small shape: the scan at
-one channel of one row (two 2048-step chunks, as at the benchmark shape), the SSD scan at one row of
+transcendentals can be counted exactly, loop trips and masks included, at a small shape: the scan's forward at
+128 channels of one row (one program's channels, so that the B/C loads the program shares are
+counted once for all of them, as at the full shape) and its backward, a program per channel, at
+one channel (two 2048-step chunks each, as at the benchmark shape), the SSD scan at one row of
 512 tokens (two 256-token chunks), two heads of one group, Mamba-2's headdim 64 and dstate 128. Per
 launch it records
 
@@ -20,8 +22,8 @@ launch it records
   least, once per buffer),
 - FLOPs of `tl.dot` (2 M N K) and the transcendental results (exp, exp2, log, ...: SFU work),
 
-and the work units the counts scale by: (batch * dim * seqlen) for the scan, (batch * nheads * seqlen)
-for the SSD scan. Every kernel's work here is per token and channel/head (the state passes walk the
+and the work units the counts scale by (per launch, as its shape has them): (batch * dim * seqlen) for
+the scan, (batch * nheads * seqlen) for the SSD scan. Every kernel's work here is per token and channel/head (the state passes walk the
 chunks, the chunk kernels take them in parallel), so those counts scale by the units.
 """
 
@@ -41,7 +43,8 @@ REPO = Path(__file__).resolve().parents[1]
 COUNTS = Path(__file__).with_name("triton_counts.json")
 SOURCES = ("ssmops/ops/selective_scan/triton_kernels.py", "ssmops/ops/selective_scan/triton.py",
            "ssmops/ops/ssd/triton_kernels.py", "ssmops/ops/ssd/triton.py")
-SCAN_SMALL = dict(batch=1, dim=1, seqlen=4096, dstate=16)
+SCAN_SMALL = dict(batch=1, dim=128, seqlen=4096, dstate=16)
+SCAN_BACKWARD_SMALL = dict(SCAN_SMALL, dim=1)
 SSD_SMALL = dict(batch=1, seqlen=512, nheads=2, headdim=64, ngroups=1, dstate=128, chunk=256)
 _SFU = ("exp", "exp2", "log", "log2", "sin", "cos", "sqrt", "precise_sqrt", "rsqrt")
 
@@ -205,8 +208,8 @@ class _Counter:
                 for ptr, (i, nbytes) in sorted(storages.items(), key=lambda kv: kv[1][0])]
 
 
-# Launches whose work is per group of heads (C . B^T, shared by a group's heads), not per head: their counts
-# scale by (batch * ngroups * seqlen), which their row's `units` holds.
+# Launches whose work is per group of heads (C . B^T, shared by a group's heads), not per head: their row's
+# `units` is (batch * ngroups * seqlen), and `per_group` says so.
 PER_GROUP = ("ssd_cb_kernel",)
 
 
@@ -216,21 +219,26 @@ def count(dtype=torch.bfloat16) -> dict:
 
     if not _triton.INTERPRETED:
         raise RuntimeError("run under TRITON_INTERPRET=1")
+    # per family, (shape, its inputs, channels, which of the recorded launches are counted at it)
     families = {
-        "scan": (SCAN_SMALL, scan_inputs(**SCAN_SMALL, dtype=dtype), SCAN_SMALL["dim"]),
-        "ssd": (SSD_SMALL, ssd_inputs(**SSD_SMALL, dtype=dtype), SSD_SMALL["nheads"]),
+        "scan": [(SCAN_SMALL, scan_inputs(**SCAN_SMALL, dtype=dtype), SCAN_SMALL["dim"], slice(0, 1)),
+                 (SCAN_BACKWARD_SMALL, scan_inputs(**SCAN_BACKWARD_SMALL, dtype=dtype), 1, slice(1, None))],
+        "ssd": [(SSD_SMALL, ssd_inputs(**SSD_SMALL, dtype=dtype), SSD_SMALL["nheads"], slice(None))],
     }
     result = dict(sources=source_hash(), dtype=str(dtype).removeprefix("torch."))
-    for family, (shape, fwd_args, channels) in families.items():
+    for family, parts in families.items():
         rows = []
-        for kernel, grid, args, meta in recorded(family, fwd_args):
-            with _Counter() as counter:
-                kernel[grid](*args, **meta)
-            per_group = kernel.__name__ in PER_GROUP
-            rows.append(dict(name=launch_name(kernel, meta), programs=int(np.prod(grid)), **counter.counts,
-                             buffers=counter.buffers(args),
-                             **({"units": shape["batch"] * shape["ngroups"] * shape["seqlen"]} if per_group else {})))
-            print(f"{family}: {rows[-1]['name']}: {dict(counter.counts)}", file=sys.stderr, flush=True)
+        for shape, fwd_args, channels, launches in parts:
+            for kernel, grid, args, meta in recorded(family, fwd_args)[launches]:
+                with _Counter() as counter:
+                    kernel[grid](*args, **meta)
+                per_group = kernel.__name__ in PER_GROUP
+                units = shape["batch"] * (shape["ngroups"] if per_group else channels) * shape["seqlen"]
+                rows.append(dict(name=launch_name(kernel, meta), programs=int(np.prod(grid)), units=units,
+                                 **({"per_group": True} if per_group else {}), **counter.counts,
+                                 buffers=counter.buffers(args)))
+                print(f"{family}: {rows[-1]['name']}: {dict(counter.counts)}", file=sys.stderr, flush=True)
+        shape, _, channels, _ = parts[0]
         result[family] = dict(shape=shape, units=shape["batch"] * channels * shape["seqlen"], launches=rows)
     return result
 

@@ -182,6 +182,27 @@ def test_triton_variable_dB_dC_summed_over_channel_blocks(deterministic, monkeyp
             assert torch.equal(first[name], second[name]), name
 
 
+@needs_interpreter
+@pytest.mark.parametrize("dim, dtype", [(128, torch.float32), (66, torch.bfloat16)], ids=["shared", "split"])
+def test_triton_forward_blocks_of_channels(dim, dtype, monkeypatch):
+    """The forward over several programs' blocks of channels (64 a program here): B/C groups of 64
+    channels that each block loads once a step for all its channels ("shared"), and groups of 33 that
+    split blocks, the last block 2 channels of 64 ("split"); a sequence that ends inside a tile."""
+    from ssmops.ops.selective_scan import triton as scan_triton
+
+    monkeypatch.setattr(scan_triton, "FORWARD_WARPS", 2)
+    case = Case(batch=2, dim=dim, seqlen=37, dstate=4, dtype=dtype, B="g2", C="g2", initial_state=True)
+    kw, args = make_inputs(case), _fwd_args(case)
+    assert scan_triton._forward_config(dim, 4, kw["u"].element_size())["BLOCK_D"] == 64
+    out, x, out_z, last = scan_triton.selective_scan_fwd(*args)
+    y_ref, last_ref = ssmops.selective_scan_ref(**kw, return_last_state=True)
+    assert_close(out_z, y_ref, TOLERANCES[dtype], "out")
+    assert_close(last, last_ref, TOLERANCES[torch.float32], "last_state")
+    with ssmops.use_backend("default"):
+        x_ref = torch.ops.ssmops.selective_scan_fwd(*args)[1]
+    assert_close(x, x_ref, TOLERANCES[torch.float32], "scan_intermediates")
+
+
 def _ssd_args(batch=2, seqlen=37, nheads=4, headdim=8, ngroups=2, dstate=16, chunk=16, dtype=torch.float32,
               seq_idx=False, varlen=False, seed=0) -> tuple:
     """Arguments of `ssmops::ssd_scan_fwd` with every optional input (D per channel, z, dt_bias,
@@ -370,11 +391,22 @@ def test_triton_kernels_compile_for_gpus_without_spilling(target, case, determin
                                                                          groups=groups, dtype=case.dtype))
     launches += step
     for kernel, args, meta in launches:
-        usage = aot.resource_usage(aot.compile_launch(kernel, args, meta, target))
+        compiled = aot.compile_launch(kernel, args, meta, target)
+        usage = aot.resource_usage(compiled)
         print(kernel.__name__, target, meta.get("BLOCK_T"), meta["num_warps"], usage)
         # rows of a length not divisible by 16 are read element by element, not in vectors, and the
         # backward's addresses then spill a few registers
-        assert usage["spills"] <= (0 if case.seqlen % 16 == 0 else 128), (kernel.__name__, usage)
+        limit = 0 if case.seqlen % 16 == 0 else 128
+        if kernel.__name__ == "selective_scan_fwd_kernel":
+            # the forward's walk takes every register ptxas allows (its next tile's loads in flight, a
+            # tile's decays computed ahead) and parks a few of its addresses in local memory around its
+            # loops; inside the loop over time at most 1 instruction in 100 touches local memory (none
+            # on sm_90; one load and one store of ~900 instructions on sm_80 with 4 state tiles)
+            limit = 256
+            if target.startswith("sm"):
+                loop = aot.innermost_loop(compiled)
+                assert loop["LDL"] + loop["STL"] <= sum(loop.values()) // 100, (kernel.__name__, loop)
+        assert usage["spills"] <= limit, (kernel.__name__, usage)
 
 
 # mamba2-2.7b's layer (the benchmark's shape, but for batch and seqlen, which change no compiled code: the
@@ -497,8 +529,9 @@ def test_triton_kernels_write_only_flat_buffers_of_their_own():
                            "tl.gather across lanes, 18.75 shuffles per element (issue 42)")
 def test_triton_static_estimate_shows_time_inside_the_threads():
     """benchmarks/triton_static.py runs without a GPU. Its lane-shuffle counts guard the kernels'
-    layout: with time inside the threads the forward's loop needs under 4 shuffles per (step,
-    state) and the backward's under 12 (with time across lanes they were 14 and 43)."""
+    layout: the forward's loop over time, a thread's channel with its states in registers, needs no
+    shuffle, and the backward's, with time inside the threads, under 12 (with time across lanes it
+    needed 43)."""
     proc = subprocess.run([sys.executable, "benchmarks/triton_static.py", "--no-bounds"], cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -506,8 +539,9 @@ def test_triton_static_estimate_shows_time_inside_the_threads():
                                                                                                      "backward"))}
     header = next(line.split() for line in proc.stdout.splitlines() if line.startswith("pass"))
     shuffles = header.index("shfl/elt")
-    assert float(rows["forward"][shuffles]) < 4 and float(rows["backward"][shuffles]) < 12, proc.stdout
-    assert rows["forward"][header.index("spill")] == rows["backward"][header.index("spill")] == "0", proc.stdout
+    assert float(rows["forward"][shuffles]) == 0 and float(rows["backward"][shuffles]) < 12, proc.stdout
+    # (the forward parks a few addresses outside its loop over time: test_triton_kernels_compile_for_gpus...)
+    assert rows["backward"][header.index("spill")] == "0", proc.stdout
 
 
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
@@ -630,7 +664,8 @@ def test_triton_ops_trace_into_kernel_launches_on_cuda_tensors():
 
     The selective scan: a non-contiguous input (z, transposed) reaches each launch as a contiguous copy:
     the launch's stride numbers are the traced ones, which Inductor does not always keep for a view
-    (_triton.contiguous_when_traced). The SSD: grids from the sizes (one (headdim, dstate) state tile, 4
+    (_triton.contiguous_when_traced); the forward's program takes 64 channels (2 warps) and reads a
+    time-major copy of B and C. The SSD: grids from the sizes (one (headdim, dstate) state tile, 4
     chunks of 64, batch x nheads = 16, batch x ngroups = 4 for C . B^T, 2 blocks of 32 tokens a chunk in the
     backward). The decoding steps, called through the public front end: a launch each, over blocks of 64
     channels (Mamba-1's tile of 1024 at dstate 16) and per (head, batch). The conv: a dense channel-last x
@@ -644,9 +679,11 @@ def test_triton_ops_trace_into_kernel_launches_on_cuda_tensors():
             family = lines.setdefault(line.split()[1], [])
         elif line.startswith(("launch ", "copy ")):
             family.append(line)
-    dim, seqlen = 64, 100  # z: (batch, dim, seqlen), the transpose of a contiguous (batch, seqlen, dim)
+    dim, seqlen, dstate = 64, 100, 16  # z: (batch, dim, seqlen), the transpose of a contiguous (batch, seqlen, dim)
     z_copy = f"copy {(seqlen * dim, 1, dim)} -> {(dim * seqlen, seqlen, 1)}"
-    assert lines["scan"] == [z_copy, "launch selective_scan_fwd_kernel [1] [(64, 2, 1)]",
+    # the forward reads B and C time-major: (batch, dstate, seqlen) copied to (batch, seqlen, dstate)
+    bc_copy = f"copy {(dstate * seqlen, 1, seqlen)} -> {(seqlen * dstate, dstate, 1)}"
+    assert lines["scan"] == [z_copy, bc_copy, bc_copy, "launch selective_scan_fwd_kernel [2] [(1, 2, 1)]",
                              z_copy, "launch selective_scan_bwd_kernel [1] [(64, 2, 1)]"], proc.stdout
     conv = ["launch causal_conv1d_fwd_kernel [4] [(1, 4, 2)]", "launch causal_conv1d_dpre_kernel [4] [(1, 4, 2)]",
             "launch causal_conv1d_dstream_kernel [4] [(1, 4, 2)]"]

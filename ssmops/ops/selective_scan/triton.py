@@ -16,6 +16,8 @@ registers the launchers as the GPU kernels of the main operators.
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
+import triton
 from torch import Tensor
 from torch.library import triton_op
 
@@ -37,16 +39,53 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 
 def _config(seqlen: int, dstate: int, backward: bool) -> dict:
-    """The time tile is the 2048-step chunk, or the whole sequence when shorter, spread over
-    the warps so that a thread holds 16 consecutive steps in the forward and 8 in the
-    backward, whose dozen live tiles would spill at 16. (From the sm_90 compiler's output:
-    fewer steps a thread cost more instructions per (step, state) in the scan; see
-    benchmarks/triton_static.py. tests/test_triton.py compiles the launches and checks for spills.)"""
+    """The backward's tiles: the 2048-step chunk, or the whole sequence when shorter, spread over
+    the warps so that a thread holds 8 consecutive steps (its dozen live tiles would spill at 16;
+    see benchmarks/triton_static.py. tests/test_triton.py compiles the launches and checks for spills.)"""
     block_t = _triton.pow2_tile(seqlen, 16, CHUNK_LEN)
-    steps_per_thread = 8 if backward else 16
     return dict(BLOCK_T=block_t, BLOCK_N=_triton.pow2_tile(dstate, 2, _triton.NO_CAP), CHUNK=CHUNK_LEN,
-                num_warps=min(8, max(1, block_t // (32 * steps_per_thread))))
+                num_warps=min(8, max(1, block_t // (32 * 8))))
 
+
+# The forward's tile sizes (the speed knobs a GPU run tunes: benchmarks/gpu.py --sweep). A thread scans one
+# channel, so a program of FORWARD_WARPS warps takes 32 * FORWARD_WARPS channels of one batch row and loads
+# each step's B and C once for all of them. A thread keeps up to FORWARD_STATES states in registers (more
+# are taken in turns, a pass over the sequence each) and walks the sequence a tile of steps at a time, a
+# tile holding at most FORWARD_TILE (step, state) pairs: ptxas computes a tile's decays ahead of the
+# recurrence that needs them, a register each (128, 8 steps of 16 states, fit in its 255 registers with
+# nothing spilled in the loop over time, and each row's loads and stores are then 16 bytes).
+FORWARD_WARPS = 4
+FORWARD_STATES = 16
+FORWARD_TILE = 128
+
+
+def _forward_config(dim: int, dstate: int, element_size: int) -> dict:
+    """A tile's steps are at most one 16-byte vector load per row, so that Triton's layout keeps them
+    inside the thread: the recurrence along them is plain arithmetic in registers, and a step's
+    column of the (channels, steps) tiles is a register."""
+    # (at least 2 warps: with one, Triton lays the state tiles out so that ptxas spills in the walk)
+    block_d = _triton.pow2_tile(dim, 64, 32 * FORWARD_WARPS)
+    states = _triton.pow2_tile(dstate, 1, FORWARD_STATES)
+    tiles = -(-dstate // states)
+    # (several state tiles: half the steps, as the partial sums' loads and stores take registers too)
+    steps = max(1, min(16 // element_size, FORWARD_TILE // states // (2 if tiles > 1 else 1)))
+    return dict(BLOCK_D=block_d, BLOCK_T=steps, STATES=states, STATE_TILES=tiles,
+                PADDED_STATES=tiles * states != dstate, CHUNK=CHUNK_LEN, num_warps=block_d // 32)
+
+
+def _time_major(M: Tensor, cfg: dict) -> Tensor:
+    """A variable B or C as the forward reads it: float32, time-major ((batch, [groups,] steps, states):
+    a step's states are one vector load), with zeros past seqlen and dstate to whole tiles, so that its
+    loads need no masks. Every thread of a block reads each value, and widening a 16-bit one would cost
+    it an instruction or two per value, as much as the recurrence's own arithmetic. (A copy about 1/dim
+    the size of u.) Returned as a (..., states, steps) view, the layout the kernel's strides describe."""
+    *_, dstate, seqlen = M.shape
+    steps = -(-seqlen // cfg["BLOCK_T"]) * cfg["BLOCK_T"]
+    # (clone, not contiguous, which refuses fake CUDA tensors in CPU-only torch; pad returns its input
+    # where there is nothing to pad)
+    time_major = M.transpose(-1, -2).float().clone(memory_format=torch.contiguous_format)
+    padded = F.pad(time_major, (0, cfg["STATES"] * cfg["STATE_TILES"] - dstate, 0, steps - seqlen))
+    return padded.transpose(-1, -2)
 
 
 def _bc_strides(M: Tensor) -> tuple:
@@ -92,7 +131,8 @@ def selective_scan_fwd(
     u, delta, A, B, C, D, z, delta_bias, initial_state = _triton.contiguous_when_traced(
         u, delta, A, B, C, D, z, delta_bias, initial_state)
     batch, dim, seqlen, dstate, _ = dims
-    cfg = _config(seqlen, dstate, backward=False)
+    cfg = _forward_config(dim, dstate, u.element_size())
+    B, C = (_time_major(M, cfg) if M.dim() > 2 else M for M in (B, C))
     n_chunks = num_chunks(seqlen)
     # every buffer a kernel writes is 1-D, viewed as its shape after the launch (_triton.output)
     out_shape, x_shape, last_shape = (batch, dim, seqlen), (batch, dim, n_chunks * 2 * dstate), (batch, dim, dstate)
@@ -100,19 +140,23 @@ def selective_scan_fwd(
     out_z = _triton.output(out_shape, u.dtype, u.device) if z is not None else u.new_empty(0)
     x = _triton.output(x_shape, torch.float32, u.device)
     last = _triton.output(last_shape, torch.float32, u.device)
-    grid = (dim, batch)
+    # the partial sums over the states of the earlier state tiles, when the states take several
+    y_partial = _triton.output(out_shape, torch.float32, u.device) if cfg["STATE_TILES"] > 1 else None
+    # a variable B/C is loaded once per step for the whole block where the block lies in one group
+    shared = {f"{name}_SHARED": M.dim() == 3 or (M.dim() == 4 and (dim // M.shape[1]) % cfg["BLOCK_D"] == 0)
+              for name, M in (("B", B), ("C", C))}
+    grid = (triton.cdiv(dim, cfg["BLOCK_D"]), batch)
     _triton.launch(selective_scan_fwd_kernel, grid, (
         u, delta, A, B, C, D if D is not None else A, z if z is not None else u,
         delta_bias if delta_bias is not None else A,
         initial_state if initial_state is not None else A,
-        out, out_z if z is not None else out, x, last,
+        out, out_z if z is not None else out, x, last, y_partial if y_partial is not None else x,
         dim, seqlen, dstate, n_chunks, dim // _groups(B), dim // _groups(C),
         *u.stride(), *delta.stride(), *_strides3(z),
         *A.stride(),
         *_bc_strides(B), *_bc_strides(C),
         *_strides3(initial_state),
-        dim * seqlen, seqlen, x_shape[1] * x_shape[2], x_shape[2], dim * dstate, dstate,
-    ), dict(**_flags(B, C, D, z, delta_bias, initial_state, delta_softplus), **cfg))
+    ), dict(**_flags(B, C, D, z, delta_bias, initial_state, delta_softplus), **shared, **cfg))
     return out.view(out_shape), x.view(x_shape), out_z.view(out_shape) if z is not None else out_z, \
         last.view(last_shape)
 

@@ -1,21 +1,28 @@
 """Triton kernels of the selective scan, forward and backward.
 
-Layout of the work (mamba_ssm's CUDA kernels divide it the same way): a program owns one
-channel of one batch row and walks the sequence one 2048-step chunk at a time; a chunk is
-one tile of `BLOCK_T` time steps spread over the program's threads, each thread holding a
-few consecutive steps. The states are taken one at a time (`for n in range(dstate)`):
-for state n the recurrence `h_t = decay_t * h_{t-1} + drive_t` over the chunk is a
-first-order linear recurrence, so it is an inclusive `tl.associative_scan` along time of
-the affine maps `(decay_t, drive_t)` (combine: `(a1, b1), (a2, b2) -> (a1 a2, a2 b1 + b2)`),
-with the chunk-start state entering through the first step's drive (`_states`). With time inside
-the threads the scan is mostly sequential arithmetic in registers (few lane shuffles), and
-the sum over states of the output, `y_t = sum_n h_t[n] C_t[n]`, is a plain accumulation
-in registers. u, delta, z and dout are read once per chunk, coalesced; B and C once per
-state; all arithmetic is float32 whatever the input dtype.
+Forward: a program takes BLOCK_D channels of one batch row (a thread one channel) and walks the
+sequence a tile of BLOCK_T steps at a time, each thread keeping its channel's states h[n] (STATES of
+them: larger dstates are taken a tile of states at a time, the partial sums of y over the earlier
+state tiles parked in a float32 buffer) and A[n] in registers. A tile is at most one 16-byte vector
+load per row, so Triton's layout keeps its steps inside the thread: the recurrence
+`h = exp2(dt_t A log2(e)) h + dt_t u_t B_t` runs a step at a time over the states at once, plain
+arithmetic in registers with no lane shuffles, and `y_t = sum_n h[n] C_t[n]` is a sum inside the thread.
+A variable B/C is read once per step for the whole block where the block lies in one group (its
+(dstate,) row is the same for every channel), from a float32, time-major copy the launcher makes, so
+that a thread loads a step's states in vectors and widens nothing. All arithmetic is float32 whatever
+the input dtype. At the end of each 2048-step chunk, the state and the cumulative decay since t = 0
+go to mamba_ssm's `x` (`scan_intermediates`): `x[c][2n + 1]` and `x[c][2n]`; the last chunk's state
+is `last_state`.
 
-Forward: per chunk and state, the chunk-end state and the cumulative decay since t=0 go to
-mamba_ssm's `x` (`scan_intermediates`): `x[c][2n]` and `x[c][2n+1]`. The next chunk starts
-from `x[c][2n+1]`, and the last chunk's states are copied to `last_state`.
+The backward's layout is mamba_ssm's CUDA kernels': a program owns one channel of one batch row and
+walks the sequence one 2048-step chunk at a time; a chunk is one tile of `BLOCK_T` time steps spread
+over the program's threads, each thread holding a few consecutive steps. The states are taken one
+at a time (`for n in range(dstate)`): for state n the recurrence `h_t = decay_t * h_{t-1} + drive_t`
+over the chunk is a first-order linear recurrence, so it is an inclusive `tl.associative_scan`
+along time of the affine maps `(decay_t, drive_t)` (combine: `(a1, b1), (a2, b2) -> (a1 a2, a2 b1 +
+b2)`), with the chunk-start state entering through the first step's drive (`_states`). With time
+inside the threads the scan is mostly sequential arithmetic in registers (few lane shuffles). u,
+delta, z and dout are read once per chunk, coalesced; B and C once per state.
 
 Backward: chunks are walked last to first, and each starts from its saved start state (the
 previous chunk's `x`, or initial_state), so nothing is replayed. Per state, the forward scan
@@ -60,7 +67,13 @@ def _states(decay, drive, h0, tt):
 @triton.jit
 def _load_dt(delta_row, bias, t, mask, s_dt, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
     """(dt_raw, dt) as float32 (BLOCK_T,); dt is 0 where masked, so decay = 1 and drive = 0 there."""
-    dt_raw = tl.load(delta_row + t * s_dt, mask=mask, other=0.0).to(tl.float32)
+    return _dt(tl.load(delta_row + t * s_dt, mask=mask, other=0.0), bias, mask, HAS_BIAS, SOFTPLUS)
+
+
+@triton.jit
+def _dt(delta, bias, mask, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
+    """(dt_raw, dt) as float32 from loaded delta; dt is 0 where masked."""
+    dt_raw = delta.to(tl.float32)
     if HAS_BIAS:
         dt_raw = dt_raw + bias
     dt = dt_raw
@@ -126,59 +139,151 @@ def _channel(pid_b, d64, u_ptr, delta_ptr, z_ptr, A_ptr, init_ptr, B_ptr, C_ptr,
 
 
 @triton.jit
+def _column(x, cols, j: tl.constexpr):
+    """x[:, j] of a tile whose columns each thread holds in full: with j a constant the select is a
+    choice of register (-0.0, the sum's identity, adds nothing), so it costs no instruction."""
+    return tl.sum(tl.where(cols[None, :] == j, x, -0.0), axis=1)
+
+
+@triton.jit
+def _with_column(x, cols, j: tl.constexpr, value):
+    """x with its column j replaced by value (a register choice, like _column)."""
+    return tl.where(cols[None, :] == j, value[:, None], x)
+
+
+@triton.jit
+def _bc_rows(ptr, pid_b, dd, d_first, dpg, s_b, s_g, VAR: tl.constexpr, SHARED: tl.constexpr):
+    """Where B or C starts for the block's channels: if it varies with time and the block lies in one
+    group (SHARED), that group's (seqlen, dstate) rows, one address for all; if it varies, each
+    channel's group's rows; else each channel's (dstate,) row."""
+    if VAR:
+        if SHARED:
+            rows = ptr + pid_b * s_b + (d_first // dpg) * s_g
+        else:
+            rows = ptr + pid_b * s_b + (dd // dpg) * s_g
+    else:
+        rows = ptr + dd * s_g
+    return rows
+
+
+@triton.jit
+def _bc_step(rows, n, t, s_n, s_t, SHARED: tl.constexpr):
+    """A variable B or C at step t for the tile's states n, float32, from the launcher's copy padded
+    with zeros past seqlen and dstate (no masks): (1, STATES) if the block shares it (a thread loads
+    each step once for all its channels), else (BLOCK_D, STATES)."""
+    if SHARED:
+        value = tl.load(rows + t * s_t + n * s_n)[None, :]
+    else:
+        value = tl.load(rows[:, None] + t * s_t + n[None, :] * s_n)
+    return value
+
+
+@triton.jit
 def selective_scan_fwd_kernel(
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, init_ptr,
-    out_ptr, out_z_ptr, x_ptr, last_ptr,
+    out_ptr, out_z_ptr, x_ptr, last_ptr, y_ptr,
     dim, seqlen, dstate, n_chunks, dpg_B, dpg_C,
     s_ub, s_ud, s_ut, s_db, s_dd, s_dt, s_zb, s_zd, s_zt,
     s_Ad, s_An,
     s_Bb, s_Bg, s_Bn, s_Bt, s_Cb, s_Cg, s_Cn, s_Ct,
     s_ib, s_id, s_in,
-    s_ob, s_od, s_xb, s_xd, s_lb, s_ld,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr,
-    SOFTPLUS: tl.constexpr, B_VAR: tl.constexpr, C_VAR: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+    SOFTPLUS: tl.constexpr, B_VAR: tl.constexpr, C_VAR: tl.constexpr, B_SHARED: tl.constexpr,
+    C_SHARED: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, STATES: tl.constexpr,
+    STATE_TILES: tl.constexpr, PADDED_STATES: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    d64 = tl.program_id(0).to(tl.int64)
+    """A program takes BLOCK_D channels of one batch row, a thread one channel (see the module's
+    docstring). B and C are float32, a variable one laid out (batch, [groups,] seqlen, dstate).
+    Outputs, 1-D and contiguous: out and out_z (batch, dim, seqlen); x (batch, dim, n_chunks, dstate,
+    2); last (batch, dim, dstate); y (batch, dim, seqlen) float32, the partial sums over the states
+    of the earlier state tiles (only when STATE_TILES > 1)."""
     pid_b = tl.program_id(1).to(tl.int64)
+    d_first = tl.program_id(0).to(tl.int64) * BLOCK_D
+    dd = d_first + tl.arange(0, BLOCK_D)
+    mask_d = dd < dim
     tt = tl.arange(0, BLOCK_T)
-    u_row, delta_row, z_row, A_row, init_row, B_base, C_base, bias, Dv = _channel(
-        pid_b, d64, u_ptr, delta_ptr, z_ptr, A_ptr, init_ptr, B_ptr, C_ptr, bias_ptr, D_ptr,
-        dpg_B, dpg_C, s_ub, s_ud, s_db, s_dd, s_zb, s_zd, s_Ad, s_ib, s_id, s_Bb, s_Bg, s_Cb, s_Cg,
-        HAS_BIAS, HAS_D, B_VAR, C_VAR)
-    x_row = x_ptr + pid_b * s_xb + d64 * s_xd
-    out_row = out_ptr + pid_b * s_ob + d64 * s_od
-    out_z_row = out_z_ptr + pid_b * s_ob + d64 * s_od
+    cols = tl.arange(0, STATES)
+    bias = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + dd, mask=mask_d, other=0.0)
+    Dv = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if HAS_D:
+        Dv = tl.load(D_ptr + dd, mask=mask_d, other=0.0)
+    u_rows = u_ptr + pid_b * s_ub + dd * s_ud
+    delta_rows = delta_ptr + pid_b * s_db + dd * s_dd
+    z_rows = z_ptr + pid_b * s_zb + dd * s_zd
+    B_rows = _bc_rows(B_ptr, pid_b, dd, d_first, dpg_B, s_Bb, s_Bg, B_VAR, B_SHARED)
+    C_rows = _bc_rows(C_ptr, pid_b, dd, d_first, dpg_C, s_Cb, s_Cg, C_VAR, C_SHARED)
+    row = pid_b * dim + dd  # of the (batch, dim, ...) outputs
 
-    dt_total = 0.0
-    for c in range(0, n_chunks):
-        t = c * CHUNK + tt
-        mask = t < seqlen
-        u = tl.load(u_row + t * s_ut, mask=mask, other=0.0).to(tl.float32)
-        _, dt = _load_dt(delta_row, bias, t, mask, s_dt, HAS_BIAS, SOFTPLUS)
-        dtu = dt * u
-        dt_total += tl.sum(dt, axis=0)
-        y = Dv * u
-        x_prev = x_row + (c - 1) * 2 * dstate
-        x_chunk = x_row + c * 2 * dstate
-        tl.debug_barrier()  # the previous chunk's states, read below, were written by other threads
-        for n in range(0, dstate):
-            A2 = tl.load(A_row + n * s_An) * LOG2E  # decay = exp2(dt * A * log2(e))
-            h0 = _start_state(x_prev, init_row, c, n, s_in, HAS_INIT)
-            decay = tl.exp2(dt * A2)
-            hs = _states(decay, dtu * _load_bc(B_base, n, t, mask, s_Bn, s_Bt, B_VAR), h0, tt)
-            # (past seqlen decay is 1 and drive 0: the tile's end holds the last state)
-            y += hs * _load_bc(C_base, n, t, mask, s_Cn, s_Ct, C_VAR)
-            tl.store(x_chunk + 2 * n, tl.exp2(dt_total * A2))
-            _store_at(x_chunk + 2 * n + 1, hs, tt, BLOCK_T - 1)
-        tl.store(out_row + t, y.to(out_ptr.dtype.element_ty), mask=mask)
+    for s in range(0, STATE_TILES):
+        n = s * STATES + cols
+        mask_dn = mask_d[:, None] & (n < dstate)[None, :]
+        # a thread keeps its channel's states of the tile, and A * log2(e) (decay = exp2(dt * A * log2(e)))
+        A2 = tl.load(A_ptr + dd[:, None] * s_Ad + n[None, :] * s_An, mask=mask_dn, other=0.0) * LOG2E
+        h = tl.zeros([BLOCK_D, STATES], dtype=tl.float32)
+        if HAS_INIT:
+            h = tl.load(init_ptr + pid_b * s_ib + dd[:, None] * s_id + n[None, :] * s_in, mask=mask_dn, other=0.0)
+        B_const = h  # (a constant B or C, loaded here for the whole walk; a variable one, at each step)
+        if not B_VAR:
+            B_const = tl.load(B_rows[:, None] + n[None, :] * s_Bn, mask=mask_dn, other=0.0)
+        C_const = h
+        if not C_VAR:
+            C_const = tl.load(C_rows[:, None] + n[None, :] * s_Cn, mask=mask_dn, other=0.0)
+        dt_total = tl.zeros([BLOCK_D], dtype=tl.float32)
+        last_tile = s == STATE_TILES - 1
+        # u, delta and z of a tile are loaded while the tile before it is computed (bytes in flight)
+        mask = mask_d[:, None] & (tt < seqlen)[None, :]
+        u_next = tl.load(u_rows[:, None] + tt[None, :] * s_ut, mask=mask, other=0.0)
+        delta_next = tl.load(delta_rows[:, None] + tt[None, :] * s_dt, mask=mask, other=0.0)
+        z_next = u_next
         if HAS_Z:
-            zv = tl.load(z_row + t * s_zt, mask=mask, other=0.0).to(tl.float32)
-            tl.store(out_z_row + t, (y * zv * tl.sigmoid(zv)).to(out_z_ptr.dtype.element_ty), mask=mask)
-    tl.debug_barrier()
-    n = tl.arange(0, BLOCK_N)
-    last = tl.load(x_row + (n_chunks - 1) * 2 * dstate + 2 * n + 1, mask=n < dstate)
-    tl.store(last_ptr + pid_b * s_lb + d64 * s_ld + n, last, mask=n < dstate)
+            z_next = tl.load(z_rows[:, None] + tt[None, :] * s_zt, mask=mask & last_tile, other=0.0)
+        for c in range(0, n_chunks):
+            for t0 in range(c * CHUNK, tl.minimum(seqlen, (c + 1) * CHUNK), BLOCK_T):
+                t = t0 + tt
+                mask = mask_d[:, None] & (t < seqlen)[None, :]
+                u = u_next.to(tl.float32)
+                _, dt = _dt(delta_next, bias[:, None], mask, HAS_BIAS, SOFTPLUS)
+                gate = z_next.to(tl.float32)
+                if HAS_Z:
+                    gate = gate * tl.sigmoid(gate)
+                t_next = t + BLOCK_T
+                mask_next = mask_d[:, None] & (t_next < seqlen)[None, :]
+                u_next = tl.load(u_rows[:, None] + t_next[None, :] * s_ut, mask=mask_next, other=0.0)
+                delta_next = tl.load(delta_rows[:, None] + t_next[None, :] * s_dt, mask=mask_next, other=0.0)
+                if HAS_Z:
+                    z_next = tl.load(z_rows[:, None] + t_next[None, :] * s_zt, mask=mask_next & last_tile, other=0.0)
+                dtu = dt * u
+                dt_total += tl.sum(dt, axis=1)
+                y_at = row[:, None] * seqlen + t[None, :]
+                y = tl.zeros([BLOCK_D, BLOCK_T], dtype=tl.float32)
+                if STATE_TILES > 1:
+                    y = tl.load(y_ptr + y_at, mask=mask & (s > 0), other=0.0)
+                # the recurrence, a step at a time, over the tile's states at once (past seqlen decay is 1
+                # and drive 0, and B, C are 0: the last state is the sequence's)
+                for k in tl.static_range(BLOCK_T):
+                    B_t = B_const
+                    if B_VAR:
+                        B_t = _bc_step(B_rows, n, t0 + k, s_Bn, s_Bt, B_SHARED)
+                    C_t = C_const
+                    if C_VAR:
+                        C_t = _bc_step(C_rows, n, t0 + k, s_Cn, s_Ct, C_SHARED)
+                    h = tl.exp2(_column(dt, tt, k)[:, None] * A2) * h + _column(dtu, tt, k)[:, None] * B_t
+                    if PADDED_STATES:  # a padding state stays 0 (an infinite dt or u would make it NaN)
+                        h = tl.where(mask_dn, h, 0.0)
+                    y = _with_column(y, tt, k, _column(y, tt, k) + tl.sum(h * C_t, axis=1))
+                if STATE_TILES > 1:
+                    tl.store(y_ptr + y_at, y, mask=mask & (s < STATE_TILES - 1))
+                y += Dv[:, None] * u
+                tl.store(out_ptr + y_at, y.to(out_ptr.dtype.element_ty), mask=mask & last_tile)
+                if HAS_Z:
+                    tl.store(out_z_ptr + y_at, (y * gate).to(out_z_ptr.dtype.element_ty), mask=mask & last_tile)
+            # mamba_ssm's x: per state, the decay since t = 0 and the chunk's last state
+            x_at = (row[:, None] * n_chunks + c) * 2 * dstate + 2 * n[None, :]
+            tl.store(x_ptr + x_at, tl.exp2(dt_total[:, None] * A2), mask=mask_dn)
+            tl.store(x_ptr + x_at + 1, h, mask=mask_dn)
+        tl.store(last_ptr + row[:, None] * dstate + n[None, :], h, mask=mask_dn)
 
 
 @triton.jit
