@@ -2,7 +2,7 @@
 
     python benchmarks/triton_static.py                 # batch 8, dim 4096, seqlen 4096, dstate 16, bf16
 
-Compiles the forward and backward launches for sm_90 (ssmops/ops/triton_aot.py) and
+Compiles the forward and backward launches for sm_90 (benchmarks/triton_aot.py) and
 counts the instructions of each kernel's innermost loop per (step, state) element: the
 forward's handles a tile of steps of every state of a thread's channel, the backward's one
 state over the steps a thread holds of a chunk. An H100 SM issues at most 4 warp instructions and 16
@@ -75,7 +75,7 @@ def mamba_args(dim: int, seqlen: int, dstate: int, dtype) -> tuple:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        from ssmops.ops import triton_aot as aot
+        import triton_aot as aot
     except ImportError as err:
         print(f"needs triton: {err}", file=sys.stderr)
         return 2

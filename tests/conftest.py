@@ -400,6 +400,16 @@ def interpreter_examples(n: int):
     return settings(max_examples=n) if interpreting() else (lambda test: test)
 
 
+def benchmark_module(name: str):
+    """A module of benchmarks/ that the tests share (triton_aot, triton_counts), imported by name with
+    benchmarks/ on the path only meanwhile (its names, e.g. models, are the tests' own too)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
+
+
 def run_python(code: str, env: dict | None = None, timeout: float = 600, cwd=REPO,
                args: list[str] = ()) -> subprocess.CompletedProcess:
     """Runs code in a fresh interpreter (so a crash or a different import-time setting is

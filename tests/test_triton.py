@@ -24,8 +24,8 @@ from ssmops.ops.selective_scan.checks import CHUNK_LEN
 from ssmops._registry import interpreting
 
 from conftest import (
-    REPO, STATE_UPDATE_CASES, TOLERANCES, Case, assert_close, make_inputs, rel_err, run_pytest, run_python,
-    run_scan_with_grads, state_update_case_id, state_update_inputs,
+    REPO, STATE_UPDATE_CASES, TOLERANCES, Case, assert_close, benchmark_module, make_inputs, rel_err, run_pytest,
+    run_python, run_scan_with_grads, state_update_case_id, state_update_inputs,
 )
 
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
@@ -379,7 +379,7 @@ def _compile_params():
 @pytest.mark.skipif(interpreting(), reason="compiles the JIT kernels, which the interpreter replaces")
 @pytest.mark.parametrize("target, case, deterministic", list(_compile_params()))
 def test_triton_kernels_compile_for_gpus_without_spilling(target, case, deterministic):
-    from ssmops.ops import triton_aot as aot
+    aot = benchmark_module("triton_aot")
     from ssmops.ops.state_update import triton as state_update_triton
 
     launches = aot.record_scan(_fwd_args(case), deterministic)
@@ -447,7 +447,7 @@ def test_triton_ssd_kernels_compile_for_gpus_without_spilling(target, name):
     """The SSD scan's forward and backward launches, and the multi-head decoding step's at the same
     sizes, compiled for a GPU: no register spills at the benchmark's shape. (The varlen case's
     seq_idx, fp16 and per-channel D cost a few: 32 bytes in gfx942's output kernel.)"""
-    from ssmops.ops import triton_aot as aot
+    aot = benchmark_module("triton_aot")
 
     from ssmops.ops.state_update import triton as state_update_triton
 
@@ -470,7 +470,7 @@ def test_triton_ssd_kernels_compile_for_gpus_without_spilling(target, name):
 def _recorded_launches_of_every_family() -> list:
     """(kernel, args, meta, input tensors) of the launches of every Triton operator, forward and backward,
     with every optional input and without (the decoding steps: with the state they update in place)."""
-    from ssmops.ops import triton_aot as aot
+    aot = benchmark_module("triton_aot")
     from ssmops.ops.state_update import triton as state_update_triton
     from ops.test_state_update import multihead_inputs
 
@@ -504,7 +504,7 @@ def test_triton_kernels_write_only_flat_buffers_of_their_own():
     of different lengths (pytorch#181735, the Mamba-1 scan's backward at batch 1 or one B/C group). So
     every tensor a launch writes is a 1-D buffer its launcher allocated, or the state a decoding step
     updates in place."""
-    from ssmops.ops import triton_aot as aot
+    aot = benchmark_module("triton_aot")
 
     seen = set()
     for kernel, args, meta, inputs in _recorded_launches_of_every_family():
@@ -551,11 +551,7 @@ def test_triton_counts_match_the_launchers():
     shapes, as the estimate records them (no GPU, no compile: cheap)."""
     import json
 
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import triton_counts as tc
-    finally:
-        sys.path.pop(0)
+    tc = benchmark_module("triton_counts")
     counts = json.loads(tc.COUNTS.read_text())
     full = {"scan": tc.scan_inputs(2, 64, 4096, 16, torch.bfloat16, device="meta"),
             "ssd": tc.ssd_inputs(2, 1024, 8, 64, 1, 128, 256, torch.bfloat16, device="meta")}

@@ -26,8 +26,9 @@ INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("
 def launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
     """Launches a GPU kernel: directly in eager mode, through `wrap_triton` while something traces (torch.compile,
     export, make_fx: `traced`), so that the tracer records the launch itself; under the interpreter, directly;
-    refuses CPU tensors otherwise. (The one place kernels are launched: `triton_aot.recorded_launches` replaces
-    it to compile the exact launches for GPU targets ahead of time, without a GPU; call it as `_triton.launch`.)"""
+    refuses CPU tensors otherwise. (The one place kernels are launched: benchmarks/triton_aot.py's
+    `recorded_launches` replaces it to compile the exact launches for GPU targets ahead of time, without a GPU;
+    call it as `_triton.launch`.)"""
     if INTERPRETED:  # nothing traces an interpreted kernel (keep_opaque_on_cpu), and torch <= 2.11's
         kernel[grid](*args, **meta)  # wrap_triton takes JIT functions only
         return

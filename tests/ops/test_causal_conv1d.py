@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import ssmops
-from conftest import GRID_DEVICES, TOLERANCES, assert_close, backend_params
+from conftest import GRID_DEVICES, TOLERANCES, assert_close, backend_params, benchmark_module
 from ssmops._registry import interpreting
 from ssmops.ops.causal_conv1d.reference import causal_conv1d_ref, causal_conv1d_update_ref
 
@@ -407,7 +407,7 @@ def test_triton_opcheck(case):
 
 def _recorded_conv_launches(case: Conv) -> list:
     """(kernel, args, meta, inputs) of the conv's forward, backward and decoding-step launches."""
-    from ssmops.ops import triton_aot as aot
+    aot = benchmark_module("triton_aot")
     from ssmops.ops.causal_conv1d import triton as conv_triton
 
     args = _fwd_args(case)
@@ -436,7 +436,7 @@ def test_conv_kernels_compile_for_sm90_without_spills_writing_only_their_own_buf
     """Each launch compiled for an H100 (no GPU needed): no register spills; and what torch's analysis finds
     each kernel writes is a 1-D buffer of its launcher (the state for the decoding step), never an input
     (tests/test_triton.py says why)."""
-    from ssmops.ops import triton_aot as aot
+    aot = benchmark_module("triton_aot")
 
     names = []
     for kernel, args, meta, inputs in _recorded_conv_launches(case):

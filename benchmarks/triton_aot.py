@@ -5,7 +5,8 @@ NVIDIA's `cuobjdump`. This records the launches the families' launchers (`<famil
 inputs (their argument dtypes, tile sizes and warps) instead of running them, compiles each
 one as Triton's launcher would, and reads off the result: registers, spills and, for
 NVIDIA, the instructions of the innermost loop. tests/test_triton.py checks the kernels
-with it; benchmarks/triton_static.py estimates their speed from it.
+with it; benchmarks/triton_static.py estimates their speed from it. (A tool of the tests and the
+benchmarks, outside the package: it patches the package's launch site.)
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
-from . import _triton
-from .selective_scan import triton as scan_triton
-from .ssd import triton as ssd_triton
+from ssmops.ops import _triton
+from ssmops.ops.selective_scan import triton as scan_triton
+from ssmops.ops.ssd import triton as ssd_triton
 
 TARGETS = {"sm90": ("cuda", 90, 32), "sm80": ("cuda", 80, 32), "gfx942": ("hip", "gfx942", 64)}
 _POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int32: "*i32",
