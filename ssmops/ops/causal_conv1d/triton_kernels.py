@@ -28,6 +28,16 @@ def _seq(seq_ptr, b, tau, seqlen, s_sb, s_st):
 
 
 @triton.jit
+def _tap_of(x_ptr, init_ptr, seq_ptr, b, d, tau, own, mask_d, seqlen, s_xb, s_xd, s_xt, s_ib, s_id, s_it,
+            s_sb, s_st, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr, WIDTH: tl.constexpr):
+    """_tap, zero where input time tau is not in sequence `own` (BLOCK_T,)."""
+    v = _tap(x_ptr, init_ptr, b, d, tau, mask_d, seqlen, s_xb, s_xd, s_xt, s_ib, s_id, s_it, HAS_INIT, WIDTH)
+    if HAS_SEQ:
+        v = tl.where((_seq(seq_ptr, b, tau, seqlen, s_sb, s_st) == own)[None, :], v, 0.0)
+    return v
+
+
+@triton.jit
 def _pre_activation(x_ptr, w_ptr, bias_ptr, init_ptr, seq_ptr, b, d, t, mask_d, seqlen,
                     s_xb, s_xd, s_xt, s_wd, s_wk, s_bias, s_ib, s_id, s_it, s_sb, s_st,
                     HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_INIT: tl.constexpr, WIDTH: tl.constexpr,
@@ -36,13 +46,13 @@ def _pre_activation(x_ptr, w_ptr, bias_ptr, init_ptr, seq_ptr, b, d, t, mask_d, 
     acc = tl.zeros((BLOCK_D, BLOCK_T), dtype=tl.float32)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + d * s_bias, mask=mask_d, other=0.0).to(tl.float32)[:, None]
+    own = 0
     if HAS_SEQ:
         own = _seq(seq_ptr, b, t, seqlen, s_sb, s_st)
     for k in tl.static_range(WIDTH):
         tau = t + k - (WIDTH - 1)
-        v = _tap(x_ptr, init_ptr, b, d, tau, mask_d, seqlen, s_xb, s_xd, s_xt, s_ib, s_id, s_it, HAS_INIT, WIDTH)
-        if HAS_SEQ:
-            v = tl.where((_seq(seq_ptr, b, tau, seqlen, s_sb, s_st) == own)[None, :], v, 0.0)
+        v = _tap_of(x_ptr, init_ptr, seq_ptr, b, d, tau, own, mask_d, seqlen, s_xb, s_xd, s_xt, s_ib, s_id, s_it,
+                    s_sb, s_st, HAS_INIT, HAS_SEQ, WIDTH)
         w = tl.load(w_ptr + d * s_wd + k * s_wk, mask=mask_d, other=0.0).to(tl.float32)
         acc += w[:, None] * v
     return acc
@@ -73,10 +83,11 @@ def causal_conv1d_fwd_kernel(
         if tl.program_id(1) == 0:
             j = tl.arange(0, BLOCK_H)
             tau = seqlen - (WIDTH - 1) + j
-            v = _tap(x_ptr, init_ptr, b, d, tau, mask_d, seqlen, s_xb, s_xd, s_xt, s_ib, s_id, s_it, HAS_INIT, WIDTH)
+            last = 0
             if HAS_SEQ:
                 last = _seq(seq_ptr, b, seqlen - 1 + j * 0, seqlen, s_sb, s_st)
-                v = tl.where((_seq(seq_ptr, b, tau, seqlen, s_sb, s_st) == last)[None, :], v, 0.0)
+            v = _tap_of(x_ptr, init_ptr, seq_ptr, b, d, tau, last, mask_d, seqlen, s_xb, s_xd, s_xt, s_ib, s_id,
+                        s_it, s_sb, s_st, HAS_INIT, HAS_SEQ, WIDTH)
             tl.store(final_ptr + (b * dim + d[:, None]) * (WIDTH - 1) + j[None, :],
                      v.to(final_ptr.dtype.element_ty), mask=mask_d[:, None] & (j < WIDTH - 1)[None, :])
 
@@ -108,13 +119,13 @@ def causal_conv1d_dpre_kernel(
     part = (b * tl.num_programs(1) + tl.program_id(1)) * dim + d  # this tile's partial row
     if HAS_BIAS:
         tl.store(db_ptr + part, tl.sum(g, axis=1), mask=mask_d)
+    own = 0
     if HAS_SEQ:
         own = _seq(seq_ptr, b, t, seqlen, s_sb, s_st)
     for k in tl.static_range(WIDTH):
         tau = t + k - (WIDTH - 1)
-        v = _tap(x_ptr, init_ptr, b, d, tau, mask_d, seqlen, s_xb, s_xd, s_xt, s_ib, s_id, s_it, HAS_INIT, WIDTH)
-        if HAS_SEQ:
-            v = tl.where((_seq(seq_ptr, b, tau, seqlen, s_sb, s_st) == own)[None, :], v, 0.0)
+        v = _tap_of(x_ptr, init_ptr, seq_ptr, b, d, tau, own, mask_d, seqlen, s_xb, s_xd, s_xt, s_ib, s_id, s_it,
+                    s_sb, s_st, HAS_INIT, HAS_SEQ, WIDTH)
         tl.store(dw_ptr + part * WIDTH + k, tl.sum(g * v, axis=1), mask=mask_d)
 
 
