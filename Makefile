@@ -114,4 +114,4 @@ sanitize: install-test
 		-k "(cpu or test_native) and not million"
 	cd build/sanitize && $(SANITIZE_ENV) ../../$(PY) -m pytest -q -p no:cacheprovider -x \
 		../../tests/ops/test_linear.py ../../tests/ops/test_state_update.py ../../tests/ops/test_mamba_step.py \
-		-k "cpu and not compile"
+		../../tests/ops/test_causal_conv1d.py -k "cpu and not compile and not export"
