@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from ..layernorm_gated import rmsnorm_fn
 from ..causal_conv1d import causal_conv1d_fn, causal_conv1d_update
-from ..modules.mamba import FUSED_STEP_MAX_BATCH
+from ..ops.mamba_step.packing import FUSED_STEP_MAX_BATCH, fused_step_serves, step_arguments
 from ..selective_scan import selective_scan_fn
 from ..ssd_combined import mamba_chunk_scan_combined
 from ..state_update import selective_state_update
@@ -184,8 +184,7 @@ def _fused_step_args(mixer: nn.Module, hidden_states: Tensor, cache, conv_state:
     ~6 ms of a 43 ms token at mamba-130m."""
     if torch.compiler.is_compiling() or torch.compiler.is_exporting():  # graphs get the operators it fuses
         return None
-    if (conv_state is None or ssm_state is None or hidden_states.shape[1] != 1 or attention_mask is not None
-            or hidden_states.device.type != "cpu" or hidden_states.shape[0] > FUSED_STEP_MAX_BATCH):
+    if conv_state is None or ssm_state is None or hidden_states.shape[1] != 1 or attention_mask is not None:
         return None
     modules = mixer._modules
     if "b_layernorm" in modules or hasattr(mixer.config, "_is_quantized"):
@@ -193,17 +192,17 @@ def _fused_step_args(mixer: nn.Module, hidden_states: Tensor, cache, conv_state:
     projections = [modules[name] for name in ("in_proj", "x_proj", "dt_proj", "out_proj")]
     if not all(_plain_linear(layer) for layer in projections):
         return None  # PEFT's LoRA, a quantized or hooked projection: called as modules
-    if cache.is_recording_past(mixer.layer_idx) or (
-            torch.is_grad_enabled() and any(p.requires_grad for p in mixer.parameters())):
+    if cache.is_recording_past(mixer.layer_idx):
         return None
-    in_proj, x_proj, dt_proj, out_proj = (layer._parameters for layer in projections)
+    in_proj, x_proj, dt_proj, out_proj = ((p["weight"], None, p.get("bias")) for p in
+                                          (layer._parameters for layer in projections))
     conv, own = modules["conv1d"]._parameters, mixer._parameters
-    args = (conv_state, ssm_state, in_proj["weight"], None, in_proj.get("bias"), conv["weight"].squeeze(1),
-            conv.get("bias"), x_proj["weight"], None, dt_proj["weight"], None, dt_proj.get("bias"), own["A_log"],
-            own["D"], out_proj["weight"], None, out_proj.get("bias"))
-    if hidden_states.dtype != torch.float32 or any(t is not None and t.dtype != torch.float32 for t in args):
+    # (every parameter float32 here: transformers' projections have no weight formats)
+    small = (conv["weight"], conv.get("bias"), own["A_log"], own["D"], *in_proj, *x_proj, *dt_proj, *out_proj)
+    if not fused_step_serves(hidden_states, (conv_state, ssm_state), small, mixer.parameters()):
         return None
-    return args
+    return (conv_state, ssm_state, *step_arguments(in_proj, conv["weight"].squeeze(1), conv.get("bias"), x_proj,
+                                                   dt_proj, own["A_log"], own["D"], out_proj))
 
 
 def _mamba_forward(self, hidden_states: Tensor, cache=None, attention_mask: Tensor | None = None, **kwargs) -> Tensor:

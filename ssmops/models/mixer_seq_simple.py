@@ -156,7 +156,7 @@ class MixerModel(nn.Module):
                     or norm.eps != eps or norm.weight.dtype != torch.float32):
                 return None
             conv_state, ssm_state = mixer._get_states_from_cache(inference_params, hidden_states.shape[0])
-            if not mixer._fused_step_serves(hidden_states, conv_state, ssm_state):
+            if not mixer.fused_step_serves(hidden_states, conv_state, ssm_state):
                 return None
             conv_states.append(conv_state)
             ssm_states.append(ssm_state)

@@ -20,6 +20,7 @@ from .. import distributed
 from ..causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from ..distributed._exchange import as_process_group
 from ..mamba_inner import mamba_inner_fn
+from ..ops.mamba_step.packing import fused_step_serves, step_arguments
 from ..selective_scan import selective_scan_fn
 from ..state_update import selective_state_update
 from .linear import Linear, linear
@@ -169,7 +170,7 @@ class Mamba(nn.Module):
         (out (batch, 1, d_model), conv_state, ssm_state)."""
         if hidden_states.dim() != 3 or hidden_states.shape[1] != 1:
             raise ValueError(f"step takes one token, (batch, 1, d_model); got {tuple(hidden_states.shape)}")
-        if self._fused_step_serves(hidden_states, conv_state, ssm_state):
+        if self.fused_step_serves(hidden_states, conv_state, ssm_state):
             out = torch.ops.ssmops.mamba_step(hidden_states.squeeze(1), conv_state, ssm_state, *self.step_parameters())
             return out.unsqueeze(1), conv_state, ssm_state
         xz = self.in_proj(hidden_states.squeeze(1))  # (batch, 2 * d_inner)
@@ -184,27 +185,16 @@ class Mamba(nn.Module):
         return self.out_proj(y).unsqueeze(1), conv_state, ssm_state
 
     def step_parameters(self) -> tuple:
-        """The block's parameters as `torch.ops.ssmops.mamba_step` takes them after the states: each
-        projection's (weight, int8 scale or None, bias or None) (x_proj without a bias), the conv's
-        (d_inner, d_conv) weight and bias, A_log and D."""
-        return (
-            *_projection(self.in_proj), self.conv1d.weight.squeeze(1), self.conv1d.bias,
-            *_projection(self.x_proj)[:2], *_projection(self.dt_proj), self.A_log.float(),
-            self.D.float(), *_projection(self.out_proj),
-        )
+        """The block's parameters as `torch.ops.ssmops.mamba_step` takes them after the states."""
+        return step_arguments(_projection(self.in_proj), self.conv1d.weight.squeeze(1), self.conv1d.bias,
+                              _projection(self.x_proj), _projection(self.dt_proj), self.A_log.float(), self.D.float(),
+                              _projection(self.out_proj))
 
-    def _fused_step_serves(self, hidden_states: Tensor, conv_state: Tensor, ssm_state: Tensor) -> bool:
-        """Whether `step` runs as one `mamba_step` call: on CPU (elsewhere the operators it fuses
-        have kernels of their own, and torch.compile fuses the rest) with float32 activations,
-        states and small parameters (the projections' weights in any format), up to
-        FUSED_STEP_MAX_BATCH sequences, and outside autograd (the operator has none)."""
-        if hidden_states.device.type != "cpu" or hidden_states.shape[0] > FUSED_STEP_MAX_BATCH:
-            return False
-        if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
-            return False
-        small = (hidden_states, conv_state, ssm_state, self.conv1d.weight, self.conv1d.bias, self.in_proj.bias,
-                 self.dt_proj.bias, self.out_proj.bias, self.D)
-        return all(t is None or t.dtype == torch.float32 for t in small)
+    def fused_step_serves(self, hidden_states: Tensor, conv_state: Tensor, ssm_state: Tensor) -> bool:
+        """Whether `step` runs as one `mamba_step` call (ops/mamba_step/packing.fused_step_serves)."""
+        small = (self.conv1d.weight, self.conv1d.bias, self.in_proj.bias, self.dt_proj.bias, self.out_proj.bias,
+                 self.D)
+        return fused_step_serves(hidden_states, (conv_state, ssm_state), small, self.parameters())
 
     def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, ssm_state_dtype=None,
                                  **kwargs):
@@ -221,11 +211,6 @@ class Mamba(nn.Module):
 
     def _get_states_from_cache(self, inference_params, batch_size: int, initialize_states: bool = False):
         return states_from_cache(self, inference_params, batch_size, initialize_states)
-
-
-# Beyond this many sequences a decoding step's projections are matmuls (weight_only_linear streams
-# the weights for up to 16 rows of activations), so the unfused step serves them.
-FUSED_STEP_MAX_BATCH = 16
 
 
 def _projection(layer: nn.Linear) -> tuple:

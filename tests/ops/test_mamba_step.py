@@ -180,7 +180,7 @@ def _decode(block, tokens, fused: bool):
     conv_state, ssm_state = block.allocate_inference_cache(tokens.shape[0], 1)
     outs = []
     for t in range(tokens.shape[1]):
-        assert block._fused_step_serves(tokens[:, t:t + 1], conv_state, ssm_state) == fused
+        assert block.fused_step_serves(tokens[:, t:t + 1], conv_state, ssm_state) == fused
         outs.append(block.step(tokens[:, t:t + 1], conv_state, ssm_state)[0])
     return torch.cat(outs, dim=1), conv_state, ssm_state
 
@@ -194,7 +194,7 @@ def test_block_step_is_one_fused_call_on_cpu_and_matches_the_unfused_step(weight
     tokens = torch.randn(3, 4, 32)
     with torch.no_grad():
         fused = _decode(block, tokens, fused=True)
-        monkeypatch.setattr(Mamba, "_fused_step_serves", lambda *args: False)
+        monkeypatch.setattr(Mamba, "fused_step_serves", lambda *args: False)
         unfused = _decode(block, tokens, fused=False)
     for name, a, b in zip(("out", "conv_state", "ssm_state"), fused, unfused):
         assert_close(a, b, 1e-5, name)
@@ -204,11 +204,11 @@ def test_block_step_unfused_where_the_operator_does_not_serve():
     block = Mamba(d_model=16, d_state=4, layer_idx=0)
     token = torch.randn(17, 1, 16)
     conv_state, ssm_state = block.allocate_inference_cache(17, 1)
-    assert not block._fused_step_serves(token, conv_state, ssm_state)  # past 16 sequences: matmuls
-    assert not block._fused_step_serves(token[:2], conv_state[:2].bfloat16(), ssm_state[:2])
-    assert not block._fused_step_serves(token[:2], conv_state[:2], ssm_state[:2])  # autograd: parameters need grads
+    assert not block.fused_step_serves(token, conv_state, ssm_state)  # past 16 sequences: matmuls
+    assert not block.fused_step_serves(token[:2], conv_state[:2].bfloat16(), ssm_state[:2])
+    assert not block.fused_step_serves(token[:2], conv_state[:2], ssm_state[:2])  # autograd: parameters need grads
     with torch.no_grad():
-        assert block._fused_step_serves(token[:2], conv_state[:2], ssm_state[:2])
+        assert block.fused_step_serves(token[:2], conv_state[:2], ssm_state[:2])
 
 
 @pytest.mark.parametrize("backend", backend_params(names=("cpu",)))
