@@ -101,17 +101,28 @@ class _Launch:
     def state_grid(self, tiles: dict, rows: int) -> tuple:
         return (triton.cdiv(self.headdim, tiles["BLOCK_P"]) * triton.cdiv(self.dstate, tiles["BLOCK_N"]), rows)
 
-    def chunk_scan(self, states: Tensor, out: Tensor, dout: Optional[Tensor]) -> None:
-        """out = the scan's output, or with dout, the gradient of z: C . B^T of each chunk's blocks once per
-        group, then the output by blocks of tokens and channels of each head."""
-        cfg = self.cfg
-        blocks = triton.cdiv(self.chunk_size, cfg["BLOCK_T"])
-        side = blocks * cfg["BLOCK_T"]
-        cb = _triton.output((self.batch, self.nchunks, self.ngroups, side, side), torch.float32, out.device)
+    def cb_side(self) -> int:
+        """The side of each chunk's C . B^T in cb_tiles' buffer: the chunk in whole blocks of the forward's tokens."""
+        return triton.cdiv(self.chunk_size, self.cfg["BLOCK_T"]) * self.cfg["BLOCK_T"]
+
+    def cb_tiles(self) -> Tensor:
+        """C . B^T of each chunk's blocks (the lower block triangle), once per group of heads: float32
+        (batch, nchunks, ngroups, cb_side, cb_side), for the output kernel and the backward's dX pass."""
+        cfg, side = self.cfg, self.cb_side()
+        blocks = side // cfg["BLOCK_T"]
+        cb = _triton.output((self.batch, self.nchunks, self.ngroups, side, side), torch.float32,
+                            self.inputs["x"].device)
         _triton.launch(ssd_cb_kernel, (self.nchunks * blocks, self.batch * self.ngroups), (
             self.ptr("B"), self.ptr("C"), cb, self.seqlen, self.ngroups, self.chunk_size, self.nchunks, blocks,
             *self.token_strides("B", "C"), self.dstate,
         ), dict(DOT_F32=self.flags["DOT_F32"], BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"], num_warps=4))
+        return cb
+
+    def chunk_scan(self, states: Tensor, cb: Tensor, out: Tensor, dout: Optional[Tensor]) -> None:
+        """out = the scan's output, or with dout, the gradient of z, by blocks of tokens and channels of each
+        head, reading cb (cb_tiles)."""
+        cfg = self.cfg
+        blocks = triton.cdiv(self.chunk_size, cfg["BLOCK_T"])
         D = self.inputs["D"]
         grid = (self.nchunks * blocks, self.batch * self.nheads, triton.cdiv(self.headdim, cfg["BLOCK_P"]))
         _triton.launch(ssd_chunk_scan_kernel, grid, (
@@ -145,7 +156,7 @@ def ssd_fwd(
     ), dict(HAS_INIT=initial_states is not None, **run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles,
             num_warps=STATE_WARPS))
     out = _triton.output(x.shape, x.dtype, x.device)
-    run.chunk_scan(states, out, None)
+    run.chunk_scan(states, run.cb_tiles(), out, None)
     varlen = x.new_empty(0, dtype=torch.float32)
     if cu_seqlens is not None:
         varlen = _triton.output((run.nseq, nheads, headdim, dstate), **f32)
@@ -177,10 +188,11 @@ def ssd_bwd(
     dvarlen = dvarlen_states.contiguous() if dvarlen_states is not None and cu_seqlens is not None else None
     firsts = _varlen_firsts(cu_seqlens, nchunks, chunk_size) if dvarlen is not None else None
     varlen_args = (dvarlen, cu_seqlens, firsts) if dvarlen is not None else (states, states, states)
+    cb = run.cb_tiles()  # (for dz's recomputed output and the dX pass)
     dz = x.new_empty(0, dtype=torch.float32)
     if z is not None:  # the gradient of the gate needs the output before it: recomputed
         dz = _triton.output(x.shape, z.dtype, x.device)
-        run.chunk_scan(states, dz, dout)
+        run.chunk_scan(states, cb, dz, dout)
 
     # the gradient of the state after each chunk, walking the chunks back
     # every buffer a kernel writes is 1-D (contiguous), viewed as its shape after the launch (_triton.output)
@@ -213,8 +225,9 @@ def ssd_bwd(
     strides = (*run.token_strides("x", "dt", "B", "C", "z"), *dout.stride(), *run.token_strides("seq"))
     for mode in ("dC", "dX", "dB"):
         _triton.launch(ssd_bwd_block_kernel, grid, (
-            *(run.ptr(n) for n in ("x", "dt", "A", "B", "C", "D", "z", "bias", "seq")), states, dends, dout,
-            *varlen_args, dx, dB_heads, dC_heads, dD_part, dlB, dlC, R, xdx, *run.sizes, blocks, *strides,
+            *(run.ptr(n) for n in ("x", "dt", "A", "B", "C", "D", "z", "bias", "seq")), states, dends, cb, dout,
+            *varlen_args, dx, dB_heads, dC_heads, dD_part, dlB, dlC, R, xdx, *run.sizes, blocks, run.cb_side(),
+            *strides,
             D.stride(0) if D is not None else 0,
         ), dict(MODE=mode, **run.d_flags, HAS_Z=z is not None, HAS_DVARLEN=dvarlen is not None, **run.flags, **cfg,
                 num_warps=BWD_WARPS))

@@ -22,7 +22,7 @@ forward
     chunks' own states in one kernel, writes them out and passes them in another; here they
     never leave registers. The final state is the last one.
   `ssd_cb_kernel`: C @ B^T of each chunk, once per group of heads, into a float32 (chunk, chunk)
-    buffer per (batch, chunk, group) (the lower block triangle).
+    buffer per (batch, chunk, group) (the lower block triangle); the backward's dX pass reads it too.
   `ssd_chunk_scan_kernel`: a program owns a block of BLOCK_T tokens of one chunk and a block of
     channels: y = w (C @ S^T) + ((C @ B^T) * decay mask) @ (dt x), reading C @ B^T's tiles, D and
     the silu(z) gate fused. (Computing C @ B^T here instead, per head and channel block, took
@@ -536,9 +536,9 @@ def _dC_rows(t0, i, Q, seqlen, nheads, headdim, dstate, x_row, dt_row, B_row, C_
 
 @triton.jit
 def ssd_bwd_block_kernel(
-    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, seq_ptr, states_ptr, dends_ptr, dout_ptr,
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, seq_ptr, states_ptr, dends_ptr, cb_ptr, dout_ptr,
     dvarlen_ptr, cu_ptr, first_ptr, dx_ptr, dB_ptr, dC_ptr, dD_ptr, dlB_ptr, dlC_ptr, R_ptr, xdx_ptr,
-    seqlen, nheads, headdim, dstate, Q, nchunks, heads_per_group, lo, hi, blocks_per_chunk,
+    seqlen, nheads, headdim, dstate, Q, nchunks, heads_per_group, lo, hi, blocks_per_chunk, cb_side,
     s_xb, s_xt, s_xh, s_xp, s_dtb, s_dtt, s_dth, s_Bb, s_Bt, s_Bg, s_Bn, s_Cb, s_Ct, s_Cg, s_Cn,
     s_zb, s_zt, s_zh, s_zp, s_gb, s_gt, s_gh, s_gp, s_seqb, s_seqt, s_Dh,
     MODE: tl.constexpr, HAS_D: tl.constexpr, D_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr,
@@ -614,6 +614,7 @@ def ssd_bwd_block_kernel(
             else:
                 acc += _dot(op, dV, DOT_F32) * v_e[:, None]
     # (tiles used once are read again rather than kept: registers are this kernel's limit)
+    cb_rows = cb_ptr + ((b * nchunks + c) * (nheads // heads_per_group) + h // heads_per_group) * cb_side * cb_side
     between = 0.0  # the sum of a from this block's start to the row block's
     for i in range(j, nblocks):
         t_l, valid_l = _block(t0, i, Q, seqlen, BLOCK_T)
@@ -623,11 +624,13 @@ def ssd_bwd_block_kernel(
         between += tl.sum(a_l, axis=0)
         dy_l = _operand(_dy(dout_row, z_row, t_l, valid_l, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z), x_ptr,
                         DOT_F32)
-        C_l = _operand(_tile(C_row, t_l, valid_l, s_Ct, nn, dstate, s_Cn), x_ptr, DOT_F32)
-        if DX:
-            M = _decayed(_dot(C_l, tl.trans(op), DOT_F32), L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l, seq_s, False)
+        if DX:  # C_l . B_s from ssd_cb_kernel's tiles
+            CB = tl.load(cb_rows + (t_l - t0)[:, None] * cb_side + (t_s - t0)[None, :],
+                         mask=valid_l[:, None] & valid_s[None, :], other=0.0)
+            M = _decayed(CB, L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l, seq_s, False)
             acc += _dot(tl.trans(_operand(M, x_ptr, DOT_F32)), dy_l, DOT_F32)
         else:  # without the diagonal l = s, added below (see _dC_rows)
+            C_l = _operand(_tile(C_row, t_l, valid_l, s_Ct, nn, dstate, s_Cn), x_ptr, DOT_F32)
             dM = _decayed(_dot(dy_l, tl.trans(op), DOT_F32), L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l, seq_s, True)
             acc += _dot(tl.trans(_operand(dM, x_ptr, DOT_F32)), C_l, DOT_F32)
     if DX:
