@@ -16,6 +16,7 @@ import subprocess
 import sys
 import zipfile
 
+import numpy as np
 import pytest
 import torch
 
@@ -88,6 +89,47 @@ OPCHECK_CASES = [
     Case(B="const", C="var", D=False, z=False, delta_bias=False, softplus=False),
     Case(dtype=torch.bfloat16, B="var", C="const", batch=1, dim=2, dstate=2, seqlen=5),
 ]
+
+
+def _outside_buffers(accesses: list, args: tuple) -> int:
+    """How many of (addresses, element size) `accesses` fall outside every tensor argument's storage."""
+    spans = sorted((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in args
+                   if isinstance(t, torch.Tensor))
+    starts = np.array([start for start, _ in spans], dtype=np.uint64)
+    ends = np.array([start + nbytes for start, nbytes in spans], dtype=np.uint64)
+    outside = 0
+    for addresses, size in accesses:
+        owner = np.searchsorted(starts, addresses, side="right") - 1
+        inside = (owner >= 0) & (addresses + np.uint64(size) <= ends[np.maximum(owner, 0)])
+        outside += int((~inside).sum())
+    return outside
+
+
+@needs_interpreter
+def test_triton_launches_touch_only_their_buffers():
+    """Every unmasked load and store of every launch of the scan's and the SSD's forward and backward stays
+    inside the launch's tensor arguments, at shapes that leave partial blocks everywhere: channels past dim
+    in a block, B/C groups a block splits, sequences ending mid-tile and mid-chunk. (The Mamba-1 forward's
+    unmasked B/C loads once read groups past the buffer for a block's channels past dim: a GPU may fault
+    there, and the interpreter crashed now and then.)"""
+    tc = benchmark_module("triton_counts")
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    batch, dim, seqlen, dstate = 2, 3, 13, 5
+    bf16 = torch.bfloat16
+    scan = (randn(batch, dim, seqlen, dtype=bf16), randn(batch, dim, seqlen, dtype=bf16), -torch.rand(dim, dstate),
+            randn(batch, dim, dstate, seqlen, dtype=bf16), randn(batch, dim, dstate, seqlen, dtype=bf16), randn(dim),
+            randn(batch, dim, seqlen, dtype=bf16), randn(dim), randn(batch, dim, dstate), True)
+    ssd = tc.ssd_inputs(2, 45, 4, 16, 2, 8, 16, bf16)
+    for family, fwd_args in (("scan", scan), ("ssd", ssd)):
+        for kernel, grid, args, meta in tc.recorded(family, fwd_args):
+            with tc._Counter() as counter:
+                kernel[grid](*args, **meta)
+            stray = _outside_buffers(counter.read + counter.written, args)
+            assert stray == 0, f"{family}: {tc.launch_name(kernel, meta)} touched {stray} elements outside its buffers"
 
 
 @needs_interpreter

@@ -212,8 +212,11 @@ def selective_scan_fwd_kernel(
     u_rows = u_ptr + pid_b * s_ub + dd * s_ud
     delta_rows = delta_ptr + pid_b * s_db + dd * s_dd
     z_rows = z_ptr + pid_b * s_zb + dd * s_zd
-    B_rows = _bc_rows(B_ptr, pid_b, dd, d_first, dpg_B, s_Bb, s_Bg, B_VAR, B_SHARED)
-    C_rows = _bc_rows(C_ptr, pid_b, dd, d_first, dpg_C, s_Cb, s_Cg, C_VAR, C_SHARED)
+    # (a channel past dim reads the last one's group: B/C's loads have no masks, and its group could be past
+    # the buffer's end; what it computes is never stored)
+    d_real = tl.minimum(dd, dim - 1)
+    B_rows = _bc_rows(B_ptr, pid_b, d_real, d_first, dpg_B, s_Bb, s_Bg, B_VAR, B_SHARED)
+    C_rows = _bc_rows(C_ptr, pid_b, d_real, d_first, dpg_C, s_Cb, s_Cg, C_VAR, C_SHARED)
     row = pid_b * dim + dd  # of the (batch, dim, ...) outputs
 
     for s in range(0, STATE_TILES):
