@@ -44,8 +44,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ssmops import distributed as cp  # noqa: E402
-from ssmops import mamba_chunk_scan_combined  # noqa: E402
-from ssmops.mamba_inner import causal_conv1d  # noqa: E402
+from ssmops import causal_conv1d_fn, mamba_chunk_scan_combined  # noqa: E402
 
 LAYER = dict(nheads=80, headdim=64, dstate=128, ngroups=1, d_conv=4)  # mamba2-2.7b
 QUICK_LAYER = dict(nheads=8, headdim=16, dstate=16, ngroups=1, d_conv=4)
@@ -202,7 +201,7 @@ def print_scaling(layer: dict, total: int, repeats: int) -> None:
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
-        _context_parallel_layer(layer, total, seed=0, conv=causal_conv1d, scan=mamba_chunk_scan_combined)
+        _context_parallel_layer(layer, total, seed=0, conv=causal_conv1d_fn, scan=mamba_chunk_scan_combined)
         times.append(time.perf_counter() - start)
     print(f"{'no CP':>6} {total:>13} {statistics.median(times[1:]) * 1e3:>14.1f} ms")
     world = 1

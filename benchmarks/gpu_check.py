@@ -31,8 +31,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # the tests that run on a GPU: the selection keeps their CUDA and Triton cases (the CPU ones run in CI)
 GPU_TESTS = ["tests/ops/test_selective_scan.py", "tests/ops/test_ssd.py", "tests/ops/test_state_update.py",
-             "tests/ops/test_causal_conv1d.py", "tests/test_nonfinite.py", "tests/test_properties.py", "tests/test_triton.py",
-             "tests/test_gpu_training.py", "tests/test_transformers.py", "tests/test_compat.py"]
+             "tests/ops/test_causal_conv1d.py", "tests/test_nonfinite.py", "tests/test_properties.py",
+             "tests/test_triton.py", "tests/test_gpu_training.py", "tests/test_transformers.py", "tests/test_compat.py"]
 SELECTION = "(cuda or triton or gpu) and not interpreter_suite and not without_spilling"
 
 

@@ -23,8 +23,9 @@ launch it records
 - FLOPs of `tl.dot` (2 M N K) and the transcendental results (exp, exp2, log, ...: SFU work),
 
 and the work units the counts scale by (per launch, as its shape has them): (batch * dim * seqlen) for
-the scan, (batch * nheads * seqlen) for the SSD scan. Every kernel's work here is per token and channel/head (the state passes walk the
-chunks, the chunk kernels take them in parallel), so those counts scale by the units.
+the scan, (batch * nheads * seqlen) for the SSD scan, (batch * ngroups * seqlen) for its C . B^T. Every
+kernel's work here is per token and channel, head or group (the state passes walk the chunks, the chunk
+kernels take them in parallel), so those counts scale by the units.
 """
 
 from __future__ import annotations

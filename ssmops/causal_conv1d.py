@@ -10,7 +10,7 @@ from ._registry import triton_op_for
 from .ops.causal_conv1d.checks import check_activation, check_conv_inputs, check_state_indices, check_update_inputs
 
 
-def _taps(weight: Tensor) -> Tensor:
+def conv_taps(weight: Tensor) -> Tensor:
     """weight (dim, width), or nn.Conv1d's depthwise (dim, 1, width) as the mixers hold it."""
     return weight.squeeze(1) if isinstance(weight, Tensor) and weight.dim() == 3 and weight.shape[1] == 1 else weight
 
@@ -42,7 +42,7 @@ def causal_conv1d_fn(
     and any layout takes them. Differentiable in x, weight, bias and initial_states.
     """
     silu = check_activation(activation)
-    weight = _taps(weight)
+    weight = conv_taps(weight)
     check_conv_inputs(x, weight, bias, seq_idx, initial_states)
     # GPU tensors call the Triton operator itself, so compiled graphs launch its kernels
     forward = triton_op_for("causal_conv1d_fwd", x) or torch.ops.ssmops.causal_conv1d_fwd
@@ -75,7 +75,7 @@ def causal_conv1d_update(
     dtype. Inference only (no autograd).
     """
     silu = check_activation(activation)
-    weight = _taps(weight)
+    weight = conv_taps(weight)
     squeeze = isinstance(x, Tensor) and x.dim() == 2
     if squeeze:
         x = x.unsqueeze(-1)

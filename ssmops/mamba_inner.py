@@ -10,21 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .causal_conv1d import causal_conv1d_fn, causal_conv1d_update  # noqa: F401 (the mixers' names for them)
+from .causal_conv1d import causal_conv1d_fn
 from .selective_scan import selective_scan_fn
-
-
-def causal_conv1d(
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None = None,
-    activation: str | None = None,
-    seq_idx: Tensor | None = None,
-) -> Tensor:
-    """Depthwise causal conv1d (`ssmops.causal_conv1d_fn`, the `causal_conv1d_fwd` operator): x (batch, dim,
-    seqlen), channel-first or channel-last; weight (dim, width) or (dim, 1, width); output t sees inputs
-    t-width+1..t of its own sequence (`seq_idx` (batch, seqlen)). `activation` is None or "silu"."""
-    return causal_conv1d_fn(x, weight, bias, seq_idx=seq_idx, activation=activation)
 
 
 def _scan_layout(M: Tensor, A: Tensor) -> Tensor:
@@ -75,7 +62,7 @@ def mamba_inner_fn(
     dt_rank = delta_proj_weight.shape[1]
     d_state = A.shape[-1] * (2 if A.is_complex() else 1)
     x, z = xz.chunk(2, dim=1)
-    x = causal_conv1d(x, conv1d_weight, conv1d_bias, activation="silu")
+    x = causal_conv1d_fn(x, conv1d_weight, conv1d_bias, activation="silu")
     x_dbl = F.linear(x.transpose(1, 2), x_proj_weight)  # (batch, seqlen, dt_rank + 2 * d_state)
     delta = F.linear(x_dbl[..., :dt_rank], delta_proj_weight).transpose(1, 2)  # (batch, d_inner, seqlen)
     if B is None:

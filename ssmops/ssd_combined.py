@@ -10,10 +10,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._registry import triton_op_for
-from .layernorm_gated import rmsnorm_fn
 from .causal_conv1d import causal_conv1d_fn
+from .layernorm_gated import rmsnorm_fn
 from .ops._autograd import contiguous_when_compiling_backward
 from .ops.ssd.checks import FLOAT32_MAX, check_sequence_values, check_ssd_inputs
+
 
 def _limit_arg(dt_limit: tuple[float, float]) -> list[float]:
     """The operator's dt_limit: [] for no clamp (mamba_ssm's default (0, inf)), else finite bounds

@@ -22,6 +22,11 @@ def _layout(state, state_batch_indices) -> str:
     return "mamba1"
 
 
+# the operators a step calls where neither the Triton operator nor a direct launch serves it
+_OPERATORS = {"selective_state_update": torch.ops.ssmops.selective_state_update.default,
+              "multihead_state_update": torch.ops.ssmops.multihead_state_update.default}
+
+
 def _step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices) -> Tensor:
     """The operator call of the step's layout, the arguments as they are (each kernel checks them); in eager
     mode on a GPU, the Triton launcher called directly where the operator's route adds nothing
@@ -39,10 +44,6 @@ def _step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices
         return direct(*args, dt_softplus)
     step = triton_op_for(name, x) or _OPERATORS[name]
     return step(*args, dt_softplus)
-
-
-_OPERATORS = {"selective_state_update": torch.ops.ssmops.selective_state_update.default,
-              "multihead_state_update": torch.ops.ssmops.multihead_state_update.default}
 
 
 def _check(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices) -> None:

@@ -23,7 +23,7 @@ import ssmops
 from ssmops import distributed as cp
 from ssmops.distributed import parallelize_mamba2
 from ssmops.distributed.tensor_parallel import _rank_major_rows
-from ssmops.mamba_inner import causal_conv1d
+from ssmops import causal_conv1d_fn
 from ssmops.models.config_mamba import MambaConfig
 from ssmops.models.mixer_seq_simple import MambaLMHeadModel
 from ssmops.modules import Mamba2
@@ -206,7 +206,7 @@ def _check_conv(rank, world):
     for seq_idx in (None, _seq_idx([2, 9, 10, 12])):
         inputs = dict(x=_randn(gen, b, d, L), weight=_randn(gen, d, 4), bias=_randn(gen, d), seq_idx=seq_idx)
         check_against_one_process(
-            rank, world, causal_conv1d, cp.causal_conv1d, inputs,
+            rank, world, causal_conv1d_fn, cp.causal_conv1d, inputs,
             lambda k, t, s, e: None if k in ("weight", "bias") else t[..., s:e], activation="silu")
 
 

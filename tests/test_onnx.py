@@ -104,7 +104,7 @@ class Mamba1Ops(nn.Module):
         xz = self.in_proj(u.transpose(1, 2)).transpose(1, 2)
         outs.append(ssmops.mamba_inner_fn(xz, self.conv_w, self.conv_b, self.x_proj, self.dt_proj, self.out_proj,
                                           None, self.A, D=self.D, delta_bias=self.bias))
-        outs.append(ssmops.mamba_inner.causal_conv1d(u, self.conv_w, self.conv_b, "silu"))
+        outs.append(ssmops.causal_conv1d_fn(u, self.conv_w, self.conv_b, activation="silu"))
         outs.append(ssmops.layernorm_gated.rmsnorm_fn(u.transpose(1, 2), self.norm_w, z=z.transpose(1, 2),
                                                       group_size=dim // 2))
         return tuple(outs)

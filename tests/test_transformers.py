@@ -341,7 +341,8 @@ def test_export_forward(family, device, request):
     seqlen = torch.export.Dim("seqlen", min=2, max=64)
     model.config.use_cache = False  # not as a keyword: Granite's forward takes it in **kwargs, which export refuses
     program = torch.export.export(model, (_prompt(device=device),), dynamic_shapes={"input_ids": {1: seqlen}})
-    ops = [str(n.target) for n in program.graph.nodes if n.op == "call_function" and str(n.target).startswith("ssmops.")]
+    ops = [str(n.target) for n in program.graph.nodes
+           if n.op == "call_function" and str(n.target).startswith("ssmops.")]
     mixers = [m for m in model.modules() if type(m) in integration._mixer_classes.values()]
     scans, convs = [op for op in ops if "scan" in op], [op for op in ops if "causal_conv1d" in op]
     assert len(scans) == len(convs) == len(mixers) > 0 and len(ops) == 2 * len(mixers), \

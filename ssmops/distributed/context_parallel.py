@@ -22,10 +22,12 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from .. import mamba_inner, selective_scan, ssd_combined
+from .. import selective_scan, ssd_combined
+from ..causal_conv1d import causal_conv1d_fn, conv_taps
+from ..ops.causal_conv1d.checks import check_conv_inputs
 from ..ops.selective_scan.checks import check_scan_inputs
 from ..ops.ssd.checks import check_sequence_values, check_ssd_inputs
-from ..ops.ssd.reference import _discretize_dt
+from ..ops.ssd.default import discretize_dt
 from ._exchange import (
     all_gather_stacked, as_process_group, check_group_arguments, group_rank_and_size, pass_states, previous_tail,
 )
@@ -74,7 +76,7 @@ def mamba_chunk_scan_combined(
     local_seq_idx = continues = None
     initial = initial_states if rank == 0 else None
     # (b, l, h): how much of the shard's initial state is left at each token, and after the shard
-    reach = torch.exp(A.float() * _discretize_dt(dt.float(), dt_bias, dt_softplus, dt_limit).cumsum(1))
+    reach = torch.exp(A.float() * discretize_dt(dt, dt_bias, dt_softplus, dt_limit).cumsum(1))
     decay = reach[:, -1]
     if seq_idx is not None:
         ends = all_gather_stacked(torch.stack([seq_idx[:, 0], seq_idx[:, -1]], -1).to(torch.int64), group)
@@ -148,7 +150,7 @@ def causal_conv1d(
     *,
     group: ProcessGroup | DeviceMesh | None = None,
 ) -> Tensor:
-    """`ssmops.mamba_inner.causal_conv1d` on this rank's shard (the last dimension of x, the
+    """`ssmops.causal_conv1d_fn` on this rank's shard (the last dimension of x, the
     second of seq_idx): the previous rank's last width - 1 inputs (and their sequence ids) are
     prepended, so every shard must be at least width - 1 long. Collective."""
     group = as_process_group(group)
@@ -156,10 +158,10 @@ def causal_conv1d(
     halo = width - 1
     check_group_arguments(group, x.shape[-1], {
         "x": (x, -1), "weight": (weight, None), "bias": (bias, None), "seq_idx": (seq_idx, 1)},
-        lambda: _check_conv_inputs(x, weight, seq_idx),
+        lambda: check_conv_inputs(x, conv_taps(weight), bias, seq_idx, None),
         min_seqlen=max(halo, 1), min_seqlen_reason=f" (the conv's halo, width - 1 = {halo})")
     if halo == 0:
-        return mamba_inner.causal_conv1d(x, weight, bias, activation, seq_idx)
+        return causal_conv1d_fn(x, weight, bias, seq_idx=seq_idx, activation=activation)
     rank, _ = group_rank_and_size(group)
     # joined and cut time-major (so are the gradients): the layout the mixers pass (in_proj's output
     # transposed), which the conv reads fastest; the other one made its backward 4x slower
@@ -168,17 +170,5 @@ def causal_conv1d(
         tails = all_gather_stacked(seq_idx[:, -halo:], group)
         # rank 0's halo is zeros: its ids do not matter
         seq_idx = torch.cat([tails[rank - 1] if rank > 0 else seq_idx[:, :1].expand(-1, halo), seq_idx], -1)
-    return mamba_inner.causal_conv1d(x, weight, bias, activation, seq_idx).transpose(1, 2)[:, halo:].transpose(1, 2)
-
-
-
-def _check_conv_inputs(x: Tensor, weight: Tensor, seq_idx: Tensor | None) -> None:
-    """What the halo needs of the conv's arguments (the conv checks the rest, on every rank alike)."""
-    if x.dim() != 3:
-        raise ValueError(f"x must be (batch, dim, seqlen), got shape {tuple(x.shape)}")
-    if weight.dim() not in (2, 3) or weight.shape[0] != x.shape[1]:
-        raise ValueError(f"weight must be (dim, width) or (dim, 1, width) with dim {x.shape[1]}, got shape "
-                         f"{tuple(weight.shape)}")
-    if seq_idx is not None and seq_idx.shape != (x.shape[0], x.shape[-1]):
-        raise ValueError(f"seq_idx must have shape ({x.shape[0]}, {x.shape[-1]}) for x of shape "
-                         f"{tuple(x.shape)}, got {tuple(seq_idx.shape)}")
+    out = causal_conv1d_fn(x, weight, bias, seq_idx=seq_idx, activation=activation)
+    return out.transpose(1, 2)[:, halo:].transpose(1, 2)

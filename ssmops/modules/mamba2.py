@@ -195,14 +195,14 @@ class Mamba2(nn.Module):
                    seq_idx=seq_idx, **sharding).mT
         x, B, C = torch.split(xBC, [self.d_ssm, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
         want_varlen = cu_seqlens is not None and inference_params is not None
-        if group is None:
-            sharding = {"cu_seqlens": cu_seqlens, "return_varlen_states": want_varlen}
+        # (the group where sharded; the varlen states where not: context parallelism refuses cu_seqlens)
+        scan_options = sharding if group is not None else dict(cu_seqlens=cu_seqlens, return_varlen_states=want_varlen)
         scanned = scan(
             x.unflatten(-1, (self.nheads, self.headdim)), dt, A, B.unflatten(-1, (self.ngroups, self.d_state)),
             C.unflatten(-1, (self.ngroups, self.d_state)), self.chunk_size, D=D,
             z=None if self.rmsnorm else z.unflatten(-1, (self.nheads, self.headdim)), dt_bias=local(self.dt_bias),
             dt_softplus=True, seq_idx=seq_idx, dt_limit=self.dt_limit, return_final_states=ssm_state is not None,
-            **sharding,
+            **scan_options,
         )
         if ssm_state is not None:
             y, last_state, *varlen = scanned

@@ -15,7 +15,7 @@ import torch
 
 import ssmops
 from conftest import assert_close, backend_params, run_in_threads
-from ssmops.mamba_inner import causal_conv1d_update
+from ssmops import causal_conv1d_update
 from ssmops.modules import Mamba
 from ssmops.modules.linear import quantize_int8
 from ssmops.ops.mamba_step.reference import mamba_layers_step_ref, mamba_step_ref

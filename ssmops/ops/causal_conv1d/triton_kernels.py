@@ -101,8 +101,8 @@ def causal_conv1d_dpre_kernel(
     WIDTH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """The backward's first pass over a (BLOCK_D, BLOCK_T) tile: dpre = dout * silu'(pre), float32
-    (batch, dim, seqlen) in x's layout (strides s_p*), and this tile's sums of dweight (dim, WIDTH) and dbias (dim,) into row
-    (batch row, time block) of their partial sums (summed by the launcher, in a fixed order)."""
+    (batch, dim, seqlen) in x's layout (strides s_p*), and this tile's sums of dweight (dim, WIDTH) and dbias
+    (dim,) into row (batch row, time block) of their partial sums (summed by the launcher, in a fixed order)."""
     d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     b = tl.program_id(2).to(tl.int64)
