@@ -196,17 +196,19 @@ if load_triton() is not None and env_backend() == "triton":
 # --- selection -------------------------------------------------------------------------
 
 
-def triton_op_for(name: str, t: torch.Tensor):
-    """The Triton operator `ssmops::{name}_triton` when it serves t's device natively, else None.
+def operator_for(name: str, t: torch.Tensor):
+    """The operator a front end calls for `ssmops::{name}` on t's device: the one way a backend is chosen.
 
-    Front ends call it instead of the device-dispatched main operator, so that torch.compile
-    and AOTInductor trace into the Triton kernels.
+    Where the Triton backend serves t's device natively, its twin `ssmops::{name}_triton` (the same
+    launcher, registered as a `torch.library.triton_op`, so that torch.compile and AOTInductor trace into
+    its kernels instead of calling an opaque operator); everywhere else, and under an explicit
+    `use_backend` in eager mode, the operator itself, whose dispatcher picks the backend by device.
     """
     op = _triton_ops.get(name)
     if op is None or t.device.type not in GPU_DEVICES:
-        return None
+        return getattr(torch.ops.ssmops, name).default
     if not torch.compiler.is_compiling() and selected_backend() not in (None, "triton"):
-        return None  # an explicit `use_backend` wins in eager mode
+        return getattr(torch.ops.ssmops, name).default  # an explicit `use_backend` wins in eager mode
     return op
 
 

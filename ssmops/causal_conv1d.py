@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._registry import triton_op_for
+from ._registry import operator_for
+from .ops._checks import checked_call
 from .ops.causal_conv1d.checks import check_activation, check_conv_inputs, check_state_indices, check_update_inputs
 
 
@@ -42,11 +43,10 @@ def causal_conv1d_fn(
     and any layout takes them. Differentiable in x, weight, bias and initial_states.
     """
     silu = check_activation(activation)
-    weight = conv_taps(weight)
-    check_conv_inputs(x, weight, bias, seq_idx, initial_states)
-    # GPU tensors call the Triton operator itself, so compiled graphs launch its kernels
-    forward = triton_op_for("causal_conv1d_fwd", x) or torch.ops.ssmops.causal_conv1d_fwd
-    out, final_states = forward(x, weight, bias, seq_idx, initial_states, silu)
+    inputs = (x, conv_taps(weight), bias, seq_idx, initial_states)
+    # (on GPUs the Triton operator itself, so that compiled graphs launch its kernels)
+    out, final_states = checked_call(lambda: operator_for("causal_conv1d_fwd", x)(*inputs, silu),
+                                     lambda: check_conv_inputs(*inputs))
     if not return_final_states:
         return out
     if final_states_out is not None:
@@ -79,9 +79,12 @@ def causal_conv1d_update(
     squeeze = isinstance(x, Tensor) and x.dim() == 2
     if squeeze:
         x = x.unsqueeze(-1)
-    check_update_inputs(x, conv_state, weight, bias, cache_seqlens, conv_state_indices)
-    if not torch.compiler.is_compiling():  # it reads the indices: eager only (the kernels check too)
-        check_state_indices(conv_state_indices, conv_state.shape[0])
-    step = triton_op_for("causal_conv1d_update", x) or torch.ops.ssmops.causal_conv1d_update.default
-    out = step(x, conv_state, weight, bias, cache_seqlens, conv_state_indices, silu)
+    inputs = (x, conv_state, weight, bias, cache_seqlens, conv_state_indices)
+
+    def check():
+        check_update_inputs(*inputs)
+        if not torch.compiler.is_compiling():  # it reads the indices: eager only (the kernels check too)
+            check_state_indices(conv_state_indices, conv_state.shape[0])
+
+    out = checked_call(lambda: operator_for("causal_conv1d_update", x)(*inputs, silu), check)
     return out.squeeze(-1) if squeeze else out

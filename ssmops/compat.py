@@ -9,11 +9,12 @@ take and return what the extensions do, in the same order, and run on every devi
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._registry import operator_for
 from .causal_conv1d import causal_conv1d_update
+from .ops._checks import checked_call
 from .ops.causal_conv1d.checks import check_conv_inputs
 from .ops.selective_scan.checks import check_scan_inputs
 
@@ -38,10 +39,9 @@ class _SelectiveScanExtension:
         x: (batch, dim, n_chunks, 2 * dstate) with 2048-step chunks, float32, or complex64
         when A is (as mamba_ssm's); the last state is `x[:, :, -1, 1::2]`.
         """
-        check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, None)
-        out, x, out_z, _ = torch.ops.ssmops.selective_scan_fwd(
-            u, delta, A, B, C, D, z, delta_bias, None, delta_softplus
-        )
+        inputs = (u, delta, A, B, C, D, z, delta_bias, None)
+        out, x, out_z, _ = checked_call(lambda: operator_for("selective_scan_fwd", u)(*inputs, delta_softplus),
+                                        lambda: check_scan_inputs(*inputs))
         x = x.view(x.shape[0], x.shape[1], -1, 2 * A.shape[1])
         return [out, x] if z is None else [out, x, out_z]
 
@@ -65,10 +65,10 @@ class _SelectiveScanExtension:
         """Returns `[du, ddelta, dA, dB, dC, dD, ddelta_bias]` (None for absent D/delta_bias),
         then `dz` when z is given (written into `dz` when one is passed), then `out_z`
         when `recompute_out_z`. `dout` is the gradient of `out_z` when z is given."""
-        check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, None)
-        du, ddelta, dA, dB, dC, dD, ddelta_bias, dz_new, _ = torch.ops.ssmops.selective_scan_bwd(
-            u, delta, A, B, C, D, z, delta_bias, None, dout, x.flatten(2), None, delta_softplus
-        )
+        inputs = (u, delta, A, B, C, D, z, delta_bias, None)
+        du, ddelta, dA, dB, dC, dD, ddelta_bias, dz_new, _ = checked_call(
+            lambda: operator_for("selective_scan_bwd", u)(*inputs, dout, x.flatten(2), None, delta_softplus),
+            lambda: check_scan_inputs(*inputs))
         grads = [
             du, ddelta, dA, dB, dC,
             dD if D is not None else None,
@@ -95,9 +95,9 @@ class _CausalConv1dExtension:
                           initial_states: Tensor | None, final_states_out: Tensor | None,
                           silu_activation: bool) -> Tensor:
         """Returns out; writes the final states (batch, dim, width - 1) into `final_states_out` when given."""
-        check_conv_inputs(x, weight, bias, seq_idx, initial_states)
-        out, final_states = torch.ops.ssmops.causal_conv1d_fwd(x, weight, bias, seq_idx, initial_states,
-                                                               silu_activation)
+        inputs = (x, weight, bias, seq_idx, initial_states)
+        out, final_states = checked_call(lambda: operator_for("causal_conv1d_fwd", x)(*inputs, silu_activation),
+                                         lambda: check_conv_inputs(*inputs))
         if final_states_out is not None:
             final_states_out.copy_(final_states)
         return out
@@ -108,9 +108,10 @@ class _CausalConv1dExtension:
                           return_dinitial_states: bool, silu_activation: bool) -> list[Tensor | None]:
         """Returns `[dx, dweight, dbias, dinitial_states]` (dx written into `dx` when one is passed; dbias
         None without bias, dinitial_states None unless `return_dinitial_states`)."""
-        check_conv_inputs(x, weight, bias, seq_idx, initial_states)
-        dx_new, dweight, dbias, dinitial_states = torch.ops.ssmops.causal_conv1d_bwd(
-            x, weight, bias, seq_idx, initial_states, dout, dfinal_states, silu_activation)
+        inputs = (x, weight, bias, seq_idx, initial_states)
+        dx_new, dweight, dbias, dinitial_states = checked_call(
+            lambda: operator_for("causal_conv1d_bwd", x)(*inputs, dout, dfinal_states, silu_activation),
+            lambda: check_conv_inputs(*inputs))
         return [dx.copy_(dx_new) if dx is not None else dx_new, dweight, dbias if bias is not None else None,
                 dinitial_states if return_dinitial_states and initial_states is not None else None]
 

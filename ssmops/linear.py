@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
+from ._registry import operator_for
+from .ops._checks import checked_call
 from .ops.linear.checks import check_linear_inputs
 
 
@@ -15,5 +16,5 @@ def weight_only_linear(x: Tensor, weight: Tensor, weight_scale: Tensor | None = 
     x: (..., in_features) float32/float16/bfloat16; weight: (out_features, in_features) float32,
     bfloat16, float16 or int8; weight_scale: (out_features,) float32, for int8 weights only;
     bias: (out_features,) float32 or x's dtype. Inference only (no autograd)."""
-    check_linear_inputs(x, weight, weight_scale, bias)
-    return torch.ops.ssmops.weight_only_linear(x, weight, weight_scale, bias)
+    inputs = (x, weight, weight_scale, bias)
+    return checked_call(lambda: operator_for("weight_only_linear", x)(*inputs), lambda: check_linear_inputs(*inputs))

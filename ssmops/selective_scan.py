@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._registry import triton_op_for
+from ._registry import operator_for
 from .ops._autograd import contiguous_when_compiling_backward
+from .ops._checks import checked_call
 from .ops.selective_scan.checks import check_scan_inputs
 
 
@@ -37,11 +38,13 @@ def selective_scan_fn(
     imaginary parts of each step, interleaved), and y = 2 Re(sum_n h[n] C[n]) + D u.
     The cpu and default backends serve it; the Triton kernels do not (NotImplementedError).
     """
-    check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
-    # GPU tensors call the Triton operator itself, so compiled graphs launch its kernels
-    forward = triton_op_for("selective_scan_fwd", u) or torch.ops.ssmops.selective_scan_fwd
-    u, delta, A, B, C, D, z, delta_bias, initial_state = contiguous_when_compiling_backward(
-        u, delta, A, B, C, D, z, delta_bias, initial_state)
-    out, _, out_z, last_state = forward(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus)
+    inputs = (u, delta, A, B, C, D, z, delta_bias, initial_state)
+
+    def scan():
+        # (on GPUs the Triton operator itself, so that compiled graphs launch its kernels)
+        forward = operator_for("selective_scan_fwd", u)
+        return forward(*contiguous_when_compiling_backward(*inputs), delta_softplus)
+
+    out, _, out_z, last_state = checked_call(scan, lambda: check_scan_inputs(*inputs))
     y = out_z if z is not None else out
     return (y, last_state) if return_last_state else y

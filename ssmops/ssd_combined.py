@@ -9,10 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._registry import triton_op_for
+from ._registry import operator_for
 from .causal_conv1d import causal_conv1d_fn
 from .layernorm_gated import rmsnorm_fn
 from .ops._autograd import contiguous_when_compiling_backward
+from .ops._checks import checked_call
 from .ops.ssd.checks import FLOAT32_MAX, check_sequence_values, check_ssd_inputs
 
 
@@ -69,15 +70,20 @@ def mamba_chunk_scan_combined(
     if not return_varlen_states:
         cu_seqlens = None  # as mamba_ssm: only the varlen states read it
     limit = _limit_arg(dt_limit)
-    check_ssd_inputs(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, limit)
-    if not torch.compiler.is_compiling():  # reads seq_idx and cu_seqlens: eager only (the kernels check too)
-        check_sequence_values(x.shape[1], seq_idx, cu_seqlens)
-    # on GPUs the Triton operator itself, so that torch.compile and AOTInductor trace into its kernels
-    scan = triton_op_for("ssd_scan_fwd", x) or torch.ops.ssmops.ssd_scan_fwd
-    x, dt, A, B, C, D, z, dt_bias, initial_states = contiguous_when_compiling_backward(
-        x, dt, A, B, C, D, z, dt_bias, initial_states)
-    out, final_states, _, varlen_states = scan(
-        x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_softplus, limit)
+    inputs = (x, dt, A, B, C, D, z, dt_bias, initial_states)
+
+    def scan():
+        # (on GPUs the Triton operator itself, so that torch.compile and AOTInductor trace into its kernels)
+        forward = operator_for("ssd_scan_fwd", x)
+        return forward(*contiguous_when_compiling_backward(*inputs), seq_idx, cu_seqlens, chunk_size, dt_softplus,
+                       limit)
+
+    def check():
+        check_ssd_inputs(*inputs, seq_idx, cu_seqlens, chunk_size, limit)
+        if not torch.compiler.is_compiling():  # reads seq_idx and cu_seqlens: eager only (the kernels check too)
+            check_sequence_values(x.shape[1], seq_idx, cu_seqlens)
+
+    out, final_states, _, varlen_states = checked_call(scan, check)
     returned = (out,) + ((final_states,) if return_final_states else ()) + \
         ((varlen_states,) if return_varlen_states else ())
     return returned[0] if len(returned) == 1 else returned

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._registry import direct_triton_kernel, triton_op_for
-from .ops._checks import INPUT_DTYPES
+from ._registry import direct_triton_kernel, operator_for
+from .ops._checks import INPUT_DTYPES, checked_call
 from .ops.state_update.checks import check_multihead_inputs, check_state_batch_indices, check_state_update_inputs
 
 
@@ -20,11 +20,6 @@ def _layout(state, state_batch_indices) -> str:
                                                            state_batch_indices is not None):
         return "mamba1_as_heads"
     return "mamba1"
-
-
-# the operators a step calls where neither the Triton operator nor a direct launch serves it
-_OPERATORS = {"selective_state_update": torch.ops.ssmops.selective_state_update.default,
-              "multihead_state_update": torch.ops.ssmops.multihead_state_update.default}
 
 
 def _step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices) -> Tensor:
@@ -42,8 +37,7 @@ def _step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices
         if not torch.is_inference_mode_enabled():  # the operator's in-place update bumps the state's version
             torch._C._increment_version((state,))  # (a tensor alone would be iterated: a bump a row)
         return direct(*args, dt_softplus)
-    step = triton_op_for(name, x) or _OPERATORS[name]
-    return step(*args, dt_softplus)
+    return operator_for(name, x)(*args, dt_softplus)
 
 
 def _check(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices) -> None:
@@ -99,16 +93,5 @@ def selective_state_update(
     Inference only: not differentiable (no autograd is registered).
     """
     args = (state, x, dt, A, B, C, D, z, dt_bias)
-    if torch.compiler.is_compiling():  # checked while tracing, which costs nothing at run time
-        _check(*args, state_batch_indices)
-        return _step(*args, dt_softplus, state_batch_indices)
-    # Eager: a decoding step runs per layer per token, and checking in Python first would cost more
-    # than the step at batch 1. Every backend's kernel checks its arguments itself, so the Python
-    # checks run only after a failure, to raise the error that names the argument as a TypeError or
-    # ValueError (the C++ library's checks raise RuntimeError).
-    try:
-        return _step(*args, dt_softplus, state_batch_indices)
-    except Exception as failure:
-        error = failure
-    _check(*args, state_batch_indices)  # outside the `except`: its error is not chained to the kernel's
-    raise error
+    return checked_call(lambda: _step(*args, dt_softplus, state_batch_indices),
+                        lambda: _check(*args, state_batch_indices))

@@ -173,11 +173,11 @@ def test_triton_is_the_gpu_kernel_of_the_main_ops():
         for key in ("CUDA", "XPU"):
             assert torch._C._dispatch_has_kernel_for_dispatch_key(op, key), (op, key)
         # CPU keeps its own kernel (the C++ library or default), not Triton
-    from ssmops._registry import triton_op_for
+    from ssmops._registry import operator_for
 
     for name in ("selective_scan_fwd", "selective_state_update", "ssd_scan_fwd"):
-        assert triton_op_for(name, torch.empty(1, device="meta")) is None
-        assert triton_op_for(name, torch.empty(1)) is None
+        for device in ("meta", "cpu"):
+            assert operator_for(name, torch.empty(1, device=device)) is getattr(torch.ops.ssmops, name).default
 
 
 @needs_interpreter

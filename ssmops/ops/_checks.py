@@ -3,12 +3,21 @@ backends all call them.
 
 Each failure names the argument, what it got and what was expected: TypeError for a
 wrong type or dtype, ValueError for a wrong rank, shape or device.
+
+The checking policy (docs/design.md, "Checking arguments"): every kernel checks its own arguments,
+since an operator is also called directly and from C++ programs with no Python; a front end calls the
+operator first and runs its family's Python checks only where the call fails (`checked_call`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 from torch import Tensor
+
+T = TypeVar("T")
 
 INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_DSTATE = 256
@@ -54,3 +63,21 @@ def check_A(A, dim: int, device, like: str = "u", dtypes=(torch.float32,)) -> in
         raise ValueError(f"A must have 1 <= dstate <= {MAX_DSTATE}, got dstate={dstate}")
     check_tensor("A", A, dtypes, (dim, dstate), device, like=like)
     return dstate
+
+
+def checked_call(call: Callable[[], T], check: Callable[[], object]) -> T:
+    """`call()`, a front end's operator call; where it raises, `check()` first, the family's Python checks,
+    so that the error a user sees names the argument as a TypeError or ValueError whichever backend ran
+    (the C++ kernels raise RuntimeError). The checks run once, and only for a call that fails: kernels
+    check their arguments themselves, and a decoding step at batch 1 costs less than its checks in Python.
+    While torch.compile or export traces, `check()` runs first instead: kernels do not run then, and a
+    check at trace time costs nothing when the graph runs."""
+    if torch.compiler.is_compiling():
+        check()
+        return call()
+    try:
+        return call()
+    except Exception as failure:
+        error = failure
+    check()  # outside the `except`: its error is not chained to the kernel's
+    raise error
