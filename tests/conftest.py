@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import fcntl
 import importlib.util
@@ -31,6 +32,7 @@ os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import ssmops
 from ssmops._registry import interpreting
@@ -445,3 +447,15 @@ try:  # hypothesis profiles: a short one for CI, `HYPOTHESIS_PROFILE=long` for l
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 except ImportError:  # pragma: no cover - hypothesis is a test extra
     pass
+
+
+class CountOps(TorchDispatchMode):
+    """How many times each operator ran under it (by name: "ssmops.mamba_step", "aten.mm", ...)."""
+
+    def __enter__(self):
+        self.counts = collections.Counter()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[f"{func.namespace}.{func._opname}"] += 1
+        return func(*args, **(kwargs or {}))

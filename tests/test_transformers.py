@@ -6,7 +6,6 @@ kernels) and, where a GPU is present, on CUDA (its Triton kernels, against trans
 
 from __future__ import annotations
 
-import collections
 import copy
 import functools
 import pickle
@@ -21,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 import ssmops  # noqa: E402
 from ssmops.integrations import transformers as integration  # noqa: E402
 
-from conftest import GRID_DEVICES, REPO  # noqa: E402
+from conftest import GRID_DEVICES, REPO, CountOps  # noqa: E402
 
 try:
     integration._transformers()
@@ -145,27 +144,15 @@ def test_decoding_step_logits_match(family, device):
                                        rtol=1e-4, atol=1e-5)
 
 
-class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
-    """How many times each operator ran under it (by name: "ssmops.mamba_step", "aten.mm", ...)."""
-
-    def __enter__(self):
-        self.counts = collections.Counter()
-        return super().__enter__()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[f"{func.namespace}.{func._opname}"] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_mamba_decoding_token_is_one_fused_call_a_layer():
     """On CPU a Mamba decoding token runs each layer's mixer as one `ssmops::mamba_step` and the output
     head on `weight_only_linear`; a prompt runs the scan."""
     _, model = _inference_pair("mamba")
     ids = _prompt(length=8)
     with torch.no_grad():
-        with _CountOps() as prompt_ops:
+        with CountOps() as prompt_ops:
             cache = model(ids[:, :7], use_cache=True).cache
-        with _CountOps() as token_ops:
+        with CountOps() as token_ops:
             model(ids[:, 7:], cache=cache, use_cache=True)
     assert token_ops.counts["ssmops.mamba_step"] == model.config.num_hidden_layers
     assert token_ops.counts["ssmops.weight_only_linear"] == 1

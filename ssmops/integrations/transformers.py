@@ -35,10 +35,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._registry import operator_for
 from ..layernorm_gated import rmsnorm_fn
 from ..causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from ..ops.mamba_step.packing import FUSED_STEP_MAX_BATCH, fused_step_serves, step_arguments
 from ..selective_scan import selective_scan_fn
+from ..linear import weight_only_linear
 from ..ssd_combined import mamba_chunk_scan_combined
 from ..state_update import selective_state_update
 
@@ -156,7 +158,7 @@ def _weight_only_serves(layer: nn.Module, x: Tensor) -> bool:
 def _linear(layer: nn.Module, x: Tensor) -> Tensor:
     """`layer(x)`, on `weight_only_linear` where `_weight_only_serves`."""
     if _weight_only_serves(layer, x):
-        return torch.ops.ssmops.weight_only_linear(x, layer.weight, None, layer.bias)
+        return weight_only_linear(x, layer.weight, None, layer.bias)
     return layer(x)
 
 
@@ -167,7 +169,7 @@ class DecodingHead(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         if _weight_only_serves(self, x):
-            return torch.ops.ssmops.weight_only_linear(x, self.weight, None, self.bias)
+            return weight_only_linear(x, self.weight, None, self.bias)
         return super().forward(x)
 
 
@@ -213,7 +215,7 @@ def _mamba_forward(self, hidden_states: Tensor, cache=None, attention_mask: Tens
     conv_state, ssm_state = _states(self, cache)
     fused = _fused_step_args(self, hidden_states, cache, conv_state, ssm_state, attention_mask)
     if fused is not None:
-        return torch.ops.ssmops.mamba_step(hidden_states[:, 0], *fused).unsqueeze(1)
+        return operator_for("mamba_step", hidden_states)(hidden_states[:, 0], *fused).unsqueeze(1)
 
     hidden_states = _apply_mask(hidden_states, attention_mask)
     x, gate = _linear(self.in_proj, hidden_states).transpose(1, 2).chunk(2, dim=1)  # (batch, d_inner, seqlen) each

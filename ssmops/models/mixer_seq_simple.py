@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
+from .._registry import operator_for
 from ..checkpoint import load_state_dict
 from ..layernorm_gated import rmsnorm_fn
 from ..modules.linear import WEIGHT_FORMATS, Linear
@@ -128,7 +129,7 @@ class MixerModel(nn.Module):
     def _layers_step(self, hidden_states: Tensor, *arguments) -> Tensor:
         """One token (batch, d_model) through every layer by one `mamba_layers_step` call with the rest
         of `_layers_step_arguments`, and norm_f: the normed output, (batch, d_model)."""
-        hidden_states, residual = torch.ops.ssmops.mamba_layers_step(hidden_states, *arguments)
+        hidden_states, residual = operator_for("mamba_layers_step", hidden_states)(hidden_states, *arguments)
         if arguments[-1] is not None:  # final_norm_weight: norm_f applied by the operator
             return hidden_states
         return self._final_norm(hidden_states, residual)

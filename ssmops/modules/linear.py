@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..linear import weight_only_linear
+
 
 # weights= format -> the weight's storage dtype
 WEIGHT_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
@@ -73,5 +75,5 @@ def linear(x: Tensor, layer: nn.Linear, bias: bool = True) -> Tensor:
     # a DTensor weight (tensor parallelism) takes F.linear, which DTensor shards
     if (needs_grad or hasattr(weight, "to_local")) and weight.dtype == x.dtype:
         return F.linear(x, weight, b)
-    return torch.ops.ssmops.weight_only_linear(x, weight, getattr(layer, "weight_scale", None), b)
+    return weight_only_linear(x, weight, getattr(layer, "weight_scale", None), b)
 

@@ -17,6 +17,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from .. import distributed
+from .._registry import operator_for
 from ..causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from ..distributed._exchange import as_process_group
 from ..mamba_inner import mamba_inner_fn
@@ -171,7 +172,8 @@ class Mamba(nn.Module):
         if hidden_states.dim() != 3 or hidden_states.shape[1] != 1:
             raise ValueError(f"step takes one token, (batch, 1, d_model); got {tuple(hidden_states.shape)}")
         if self.fused_step_serves(hidden_states, conv_state, ssm_state):
-            out = torch.ops.ssmops.mamba_step(hidden_states.squeeze(1), conv_state, ssm_state, *self.step_parameters())
+            step = operator_for("mamba_step", hidden_states)
+            out = step(hidden_states.squeeze(1), conv_state, ssm_state, *self.step_parameters())
             return out.unsqueeze(1), conv_state, ssm_state
         xz = self.in_proj(hidden_states.squeeze(1))  # (batch, 2 * d_inner)
         x, z = xz.chunk(2, dim=-1)

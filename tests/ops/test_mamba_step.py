@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ssmops
-from conftest import assert_close, backend_params, run_in_threads
+from conftest import CountOps, assert_close, backend_params, run_in_threads
 from ssmops import causal_conv1d_update
 from ssmops.modules import Mamba
 from ssmops.modules.linear import quantize_int8
@@ -391,11 +391,9 @@ def test_lm_decoding_token_is_one_layers_call_and_matches_the_layer_by_layer_ste
     from ssmops.models.mixer_seq_simple import MixerModel
 
     model, prompt = _lm(weights), torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
-    calls = []
-    layers_step = torch.ops.ssmops.mamba_layers_step
-    monkeypatch.setattr(torch.ops.ssmops, "mamba_layers_step", lambda *a: calls.append(1) or layers_step(*a))
-    fused = model.generate(prompt, max_length=12, return_dict_in_generate=True, output_scores=True)
-    assert len(calls) == 6  # the tokens after the first: one call each
+    with CountOps() as ops:
+        fused = model.generate(prompt, max_length=12, return_dict_in_generate=True, output_scores=True)
+    assert ops.counts["ssmops.mamba_layers_step"] == 6  # the tokens after the first: one call each
     monkeypatch.setattr(MixerModel, "_layers_step_arguments", lambda *a: None)
     by_layer = model.generate(prompt, max_length=12, return_dict_in_generate=True, output_scores=True)
     assert torch.equal(fused.sequences, by_layer.sequences)
