@@ -48,9 +48,16 @@ gpu = pytest.mark.skipif(not (HAS_CUDA and TRITON_AVAILABLE), reason="needs a CU
 
 # Two processes, each a few files: a process's start (torch, Triton, the test modules' collection) is ~5 s
 # of the interpreter suite's ~3 minutes of CPU, and two keep both of make test's workers busy.
+def _triton_family_folders() -> list[str]:
+    """The folder names (`ssmops/ops/<folder>/`) of the families with Triton kernels, read from FAMILIES."""
+    from ssmops.ops import FAMILIES
+
+    return [family.triton.split(".")[-2] for family in FAMILIES if family.triton is not None]
+
+
+# every family's test module (tests/ops/test_<folder>.py), found from FAMILIES, then the cross-cutting files
 INTERPRETED_TEST_FILES = {
-    "ops": ["tests/ops/test_selective_scan.py", "tests/ops/test_ssd.py", "tests/ops/test_state_update.py",
-            "tests/ops/test_causal_conv1d.py"],
+    "ops": [f"tests/ops/test_{folder}.py" for folder in _triton_family_folders()],
     "properties-and-triton": ["tests/test_properties.py", "tests/test_nonfinite.py", "tests/test_triton.py",
                               "tests/test_fake_strides.py", "tests/test_compat.py"],
 }
@@ -514,6 +521,7 @@ def _recorded_launches_of_every_family() -> list:
     with every optional input and without (the decoding steps: with the state they update in place)."""
     aot = benchmark_module("triton_aot")
     from ssmops.ops.state_update import triton as state_update_triton
+    from ops.test_causal_conv1d import COMPILE_CASES as CONV_CASES, _recorded_conv_launches
     from ops.test_state_update import multihead_inputs
 
     recorded = []
@@ -531,7 +539,23 @@ def _recorded_launches_of_every_family() -> list:
             heads["dt_softplus"])
     for launch, kw in zip(launches, (single, heads)):
         recorded.append((*launch, tuple(v for k, v in kw.items() if k != "state")))
-    return recorded
+    return recorded + [launch for case in CONV_CASES for launch in _recorded_conv_launches(case)]
+
+
+def _kernels_of_every_family() -> set[str]:
+    """The names of the Triton kernels (the public JIT functions of `ssmops/ops/<folder>/triton_kernels.py`)
+    of every family in FAMILIES."""
+    import importlib
+
+    import triton
+
+    names = set()
+    for folder in _triton_family_folders():
+        module = importlib.import_module(f"ssmops.ops.{folder}.triton_kernels")
+        names |= {name for name, value in vars(module).items()
+                  if isinstance(value, triton.runtime.jit.JITFunction) and not name.startswith("_")
+                  and value.fn.__module__ == module.__name__}  # (not the shared helpers it imports)
+    return names
 
 
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
@@ -556,11 +580,12 @@ def test_triton_kernels_write_only_flat_buffers_of_their_own():
         for name in written:
             t = by_name[name]
             assert not any(t is i for i in inputs if isinstance(i, torch.Tensor)), (kernel.__name__, name)
-            if kernel.__name__.endswith("state_update_kernel") and name == "state_ptr":
-                continue
+            if kernel.__name__.endswith("update_kernel") and name == "state_ptr":
+                continue  # a decoding step's state, updated in place
             assert t.dim() == 1 and t._base is None, (kernel.__name__, name, tuple(t.shape))
         seen.add(kernel.__name__)
-    assert len(seen) == 11, seen
+    # a family's kernels are all seen here, read from FAMILIES: a new family's launches must be recorded above
+    assert seen == _kernels_of_every_family(), _kernels_of_every_family() ^ seen
 
 
 @pytest.mark.slow  # compiles every launch for sm_90

@@ -432,22 +432,15 @@ COMPILE_CASES = [Conv(dtype=torch.bfloat16, channel_last=True, batch=1, dim=5376
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 @pytest.mark.skipif(interpreting(), reason="compiles the JIT kernels, which the interpreter replaces")
 @pytest.mark.parametrize("case", COMPILE_CASES, ids=str)
-def test_conv_kernels_compile_for_sm90_without_spills_writing_only_their_own_buffers(case):
-    """Each launch compiled for an H100 (no GPU needed): no register spills; and what torch's analysis finds
-    each kernel writes is a 1-D buffer of its launcher (the state for the decoding step), never an input
-    (tests/test_triton.py says why)."""
+def test_conv_kernels_compile_for_sm90_without_spills(case):
+    """Each launch compiled for an H100 (no GPU needed): no register spills. (What each writes:
+    tests/test_triton.py's test_triton_kernels_write_only_flat_buffers_of_their_own, for every family.)"""
     aot = benchmark_module("triton_aot")
 
     names = []
-    for kernel, args, meta, inputs in _recorded_conv_launches(case):
+    for kernel, args, meta, _ in _recorded_conv_launches(case):
         usage = aot.resource_usage(aot.compile_launch(kernel, args, meta, "sm90"))
         assert usage["spills"] == 0, (kernel.__name__, usage)
-        by_name = dict(zip(kernel.arg_names, args))
-        for name in aot.written_arguments(kernel, args, meta):
-            if (kernel.__name__, name) == ("causal_conv1d_update_kernel", "state_ptr"):
-                continue
-            t = by_name[name]
-            assert t.dim() == 1 and t._base is None and not any(t is i for i in inputs), (kernel.__name__, name)
         names.append(kernel.__name__)
     assert names == ["causal_conv1d_fwd_kernel", "causal_conv1d_dpre_kernel", "causal_conv1d_dstream_kernel",
                      "causal_conv1d_update_kernel"]
