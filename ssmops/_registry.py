@@ -175,6 +175,7 @@ for _op in _operators:  # every schema first: an autograd formula names another 
         _lib.define(_op.schema)
 for _op in _operators:
     _register(_op, _lib)
+_main_ops = {op.name: getattr(torch.ops.ssmops, op.name).default for op in _operators}  # what operator_for returns
 
 
 def load_triton() -> str | None:
@@ -206,9 +207,9 @@ def operator_for(name: str, t: torch.Tensor):
     """
     op = _triton_ops.get(name)
     if op is None or t.device.type not in GPU_DEVICES:
-        return getattr(torch.ops.ssmops, name).default
+        return _main_ops[name]
     if not torch.compiler.is_compiling() and selected_backend() not in (None, "triton"):
-        return getattr(torch.ops.ssmops, name).default  # an explicit `use_backend` wins in eager mode
+        return _main_ops[name]  # an explicit `use_backend` wins in eager mode
     return op
 
 
