@@ -13,7 +13,7 @@ float32 state) it times, in microseconds per call, each stage from the bare laun
 * launcher: the family's Triton launcher (checks, tiles, output buffer, launch; ops/state_update/triton.py);
 * triton operator: `torch.ops.ssmops.<op>_triton`, the dispatcher's route to the launcher (torch's
   custom-operator layers), which eager calls took before issue 57;
-* front end: `ssmops.selective_state_update`, as users and the blocks call it;
+* front end: `ssmops.selective_state_update` (`ssmops.causal_conv1d_update`), as users and the blocks call it;
 
 under `torch.inference_mode()` (as ssmops' generate decodes) and in plain grad mode (as benchmarks/gpu.py
 times the step), with the front end's cost over the bare launch and as a multiple of it, the launches
@@ -61,7 +61,8 @@ def fake_a_gpu() -> None:
 
 
 def layouts(batch: int, device: str) -> dict:
-    """name -> (operator name, its arguments as the front end takes them): issue 57's two layouts."""
+    """name -> (operator name, its arguments, the front end's call): issue 57's two layouts, and the conv's
+    step of a Mamba-2 2.7b layer (its xBC: 5376 channels, width 4), which a decoding token runs beside each."""
     g = torch.Generator(device=device).manual_seed(0)
 
     def randn(*shape, dtype=torch.bfloat16):
@@ -79,22 +80,32 @@ def layouts(batch: int, device: str) -> dict:
     tied = (*heads, dt[..., None].expand(batch, h, p), A[:, None, None].expand(h, p, n), B, C,
             D[:, None].expand(h, p), None, bias[:, None].expand(h, p), True)
     per_head = (*heads, dt, A, B, C, D, None, bias, True)
-    return {f"Mamba-1, dim {d}, dstate 16, batch {batch}": ("selective_state_update", mamba1),
-            f"Mamba-2, 80 x 64 heads, dstate 128, tied as stride-0 views (mamba_ssm's Mamba2.step), batch {batch}":
-                ("multihead_state_update", tied),
-            f"Mamba-2, the same per head (ssmops' Mamba2.step), batch {batch}": ("multihead_state_update", per_head)}
+    conv_dim = 5376
+    conv = (randn(batch, conv_dim), randn(batch, conv_dim, 4), randn(conv_dim, 4), randn(conv_dim))
 
+    def state_step(args: tuple):  # the operators' argument order: the multi-head one takes state_batch_indices
+        name = "selective_state_update" if args[0].dim() == 3 else "multihead_state_update"
+        op_args = args if name == "selective_state_update" else (*args[:9], None, args[9])
+        return name, op_args, lambda: ssmops.selective_state_update(*args)
 
-def stages(op_name: str, args: tuple) -> dict:
-    """stage name -> a call of it with the layout's arguments."""
     import ssmops
-    from ssmops.ops.state_update import triton as state_update_triton
 
-    launcher = state_update_triton.KERNELS[op_name]
-    operator = getattr(torch.ops.ssmops, f"{op_name}_triton").default
-    # the operators' argument order: the multi-head one takes state_batch_indices before dt_softplus
-    op_args = args if op_name == "selective_state_update" else (*args[:9], None, args[9])
+    return {f"Mamba-1, dim {d}, dstate 16, batch {batch}": state_step(mamba1),
+            f"Mamba-2, 80 x 64 heads, dstate 128, tied as stride-0 views (mamba_ssm's Mamba2.step), batch {batch}":
+                state_step(tied),
+            f"Mamba-2, the same per head (ssmops' Mamba2.step), batch {batch}": state_step(per_head),
+            f"causal conv step, {conv_dim} channels, width 4, silu, batch {batch}":
+                ("causal_conv1d_update", (conv[0][..., None], *conv[1:], None, None, True),
+                 lambda: ssmops.causal_conv1d_update(*conv, activation="silu"))}
+
+
+def stages(op_name: str, op_args: tuple, front_end) -> dict:
+    """stage name -> a call of it with the layout's arguments."""
+    from ssmops import _registry
     from ssmops.ops import _triton
+
+    launcher = _registry.kernels("triton")[op_name]
+    operator = getattr(torch.ops.ssmops, f"{op_name}_triton").default
 
     launch = _triton.launch
     made: list = []
@@ -112,7 +123,7 @@ def stages(op_name: str, args: tuple) -> dict:
         "launch": bare,
         "launcher": lambda: launcher(*op_args),
         "triton operator": lambda: operator(*op_args),
-        "front end": lambda: ssmops.selective_state_update(*args),
+        "front end": front_end,
     }
 
 
@@ -179,8 +190,8 @@ def main(argv=None) -> int:
              "no GPU: CPU tensors on the GPU route, the launch a no-op (its row is not Triton's launch)")
     print(f"torch {torch.__version__}, {where}; microseconds per call, the fastest of {args.repeats} turns of "
           f"{args.calls} calls")
-    for name, (op_name, step_args) in layouts(args.batch, device).items():
-        calls = stages(op_name, step_args)
+    for name, layout in layouts(args.batch, device).items():
+        calls = stages(*layout)
         print(f"\n{name}")
         print(f"  {'stage':<18} {'inference_mode':>15} {'grad mode':>10}")
         with torch.inference_mode():

@@ -239,6 +239,18 @@ def direct_triton_kernel(name: str, x: torch.Tensor, tensors: tuple):
     return kernel
 
 
+def call_step(name: str, x: torch.Tensor, tensors: tuple, flags: tuple, updated: torch.Tensor):
+    """A decoding step's operator `ssmops::{name}(*tensors, *flags)`, which updates `updated` in place, called as
+    its front end should: the Triton launcher itself where `direct_triton_kernel` allows it (bumping `updated`'s
+    version outside inference mode, as the operator's in-place update would), else `operator_for`'s operator."""
+    direct = direct_triton_kernel(name, x, tensors)
+    if direct is None:
+        return operator_for(name, x)(*tensors, *flags)
+    if not torch.is_inference_mode_enabled():
+        torch._C._increment_version((updated,))  # (a tensor alone would be iterated: a bump a row)
+    return direct(*tensors, *flags)
+
+
 def kernels(name: str) -> dict:
     reason = _unavailable.get(name)
     if reason:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._registry import operator_for
+from ._registry import call_step, operator_for
 from .ops._checks import checked_call
 from .ops.causal_conv1d.checks import check_activation, check_conv_inputs, check_state_indices, check_update_inputs
 
@@ -86,5 +86,6 @@ def causal_conv1d_update(
         if not torch.compiler.is_compiling():  # it reads the indices: eager only (the kernels check too)
             check_state_indices(conv_state_indices, conv_state.shape[0])
 
-    out = checked_call(lambda: operator_for("causal_conv1d_update", x)(*inputs, silu), check)
+    # (in eager mode on a GPU the Triton launcher itself, as the state's step: `call_step`)
+    out = checked_call(lambda: call_step("causal_conv1d_update", x, inputs, (silu,), conv_state), check)
     return out.squeeze(-1) if squeeze else out

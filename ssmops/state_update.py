@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._registry import direct_triton_kernel, operator_for
+from ._registry import call_step
 from .ops._checks import INPUT_DTYPES, checked_call
 from .ops.state_update.checks import check_multihead_inputs, check_state_batch_indices, check_state_update_inputs
 
@@ -32,12 +32,7 @@ def _step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices
         # (Mamba-1's layout with a low-precision state or a cache: the multi-head operator takes it as it is,
         # a channel a head of headdim 1, so that no views are built per call)
         name, args = "multihead_state_update", (state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices)
-    direct = direct_triton_kernel(name, x, args)
-    if direct is not None:
-        if not torch.is_inference_mode_enabled():  # the operator's in-place update bumps the state's version
-            torch._C._increment_version((state,))  # (a tensor alone would be iterated: a bump a row)
-        return direct(*args, dt_softplus)
-    return operator_for(name, x)(*args, dt_softplus)
+    return call_step(name, x, args, (dt_softplus,), state)
 
 
 def _check(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices) -> None:

@@ -782,22 +782,30 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, "tests")
 from conftest import state_update_inputs
+from ops.test_causal_conv1d import Update, update_inputs
 from ops.test_state_update import multihead_inputs
 
 launches = []
 _triton.launch = lambda kernel, grid, args, meta: launches.append((kernel, args))
-CASES = {"mamba1": state_update_inputs(dtype=torch.bfloat16), "multihead-tied": multihead_inputs(),
-         "mamba1-cache": {**state_update_inputs(groups=2), "state": torch.zeros(4, 6, 5, dtype=torch.bfloat16),
-                          "state_batch_indices": torch.tensor([3, 1])}}
-for name, kw in CASES.items():
+STATE_STEP = ("state", ("state", "x", "dt", "A", "B", "C"), ssmops.selective_state_update)
+CONV_STEP = ("conv_state", ("x", "conv_state", "weight", "bias"),
+             lambda **kw: ssmops.causal_conv1d_update(**kw, activation="silu"))
+CASES = {"mamba1": (state_update_inputs(dtype=torch.bfloat16), STATE_STEP),
+         "multihead-tied": (multihead_inputs(), STATE_STEP),
+         "mamba1-cache": ({**state_update_inputs(groups=2), "state": torch.zeros(4, 6, 5, dtype=torch.bfloat16),
+                           "state_batch_indices": torch.tensor([3, 1])}, STATE_STEP),
+         "conv": (update_inputs(Update(4, 4, 1)), CONV_STEP),
+         "conv-circular-cache": (update_inputs(Update(4, 3, 1, circular=True, indices=True)), CONV_STEP)}
+for name, (kw, (updated, given, step)) in CASES.items():
     for mode in ("inference", "grad", "requires_grad", "use_backend"):
-        call = dict(kw, A=kw["A"].clone().requires_grad_()) if mode == "requires_grad" else kw
+        grad_input = "A" if "A" in kw else "weight"
+        call = dict(kw, **{grad_input: kw[grad_input].clone().requires_grad_()}) if mode == "requires_grad" else kw
         launches.clear()
-        version = call["state"]._version
+        version = call[updated]._version
         with torch.inference_mode(mode == "inference"), ssmops.use_backend("triton" if mode == "use_backend" else None):
-            ssmops.selective_state_update(**call)  # the launch plan is worked out at the first call
+            step(**call)  # the launch plan is worked out at the first call
             with profile(activities=[ProfilerActivity.CPU]) as prof:
-                ssmops.selective_state_update(**call)
+                step(**call)
         events = {e.key: e.count for e in prof.key_averages()}
         kernel, args = launches[-1]
         print(json.dumps(dict(
@@ -805,40 +813,44 @@ for name, kw in CASES.items():
             operators=sorted(k for k in events if k.startswith("ssmops::")),
             made={k: v for k, v in events.items() if k in ("aten::empty", "aten::empty_strided", "aten::copy_",
                                                            "aten::clone", "aten::contiguous", "aten::to")},
-            tensors_as_given=all(args[i] is call[k] for i, k in enumerate(("state", "x", "dt", "A", "B", "C"))),
-            version_bumps=call["state"]._version - version)))
-try:  # checked once per signature: a bad argument after good calls still names itself
-    ssmops.selective_state_update(**{**CASES["mamba1"], "dt": CASES["mamba1"]["dt"].float()})
-except TypeError as err:
-    print(json.dumps(dict(error=str(err))))
+            tensors_as_given=all(args[i] is call[k] for i, k in enumerate(given)),
+            version_bumps=call[updated]._version - version)))
+for step, kw, bad in [(ssmops.selective_state_update, CASES["mamba1"][0], "dt"), (CONV_STEP[2], CASES["conv"][0], "x")]:
+    try:  # checked once per signature: a bad argument after good calls still names itself
+        step(**{**kw, bad: kw[bad].double()})
+    except TypeError as err:
+        print(json.dumps(dict(error=str(err))))
 """
 
 
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
 @pytest.mark.skipif(interpreting(), reason="counts the launches of the JIT kernels, which the interpreter replaces")
 def test_triton_eager_step_is_one_direct_launch():
-    """An eager decoding step on a GPU (CPU tensors standing in for CUDA ones, the launch recorded): one launch
-    of its kernel with the caller's tensors as they are, one allocation (the output) and no copy, and no
-    operator on the way (the dispatcher's route cost ~100 us of Python a step on an H200: issue 57), in and
-    outside inference mode; outside it, the state's version is bumped once, as the operator would. A tensor
-    requiring grad in grad mode, or use_backend, takes the operator's route, which launches the same kernel."""
+    """An eager decoding step on a GPU (the state's and the conv's; CPU tensors standing in for CUDA ones, the
+    launch recorded): one launch of its kernel with the caller's tensors as they are, one allocation (the
+    output) and no copy, and no operator on the way (the dispatcher's route cost ~100 us of Python a step on an
+    H200: issue 57), in and outside inference mode; outside it, the state's version is bumped once, as the
+    operator would. A tensor requiring grad in grad mode, or use_backend, takes the operator's route, which
+    launches the same kernel."""
     import json
 
     proc = run_python(_EAGER_STEP_ON_FAKE_GPU, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    *rows, error = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    *rows, state_error, conv_error = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     kernels = {"mamba1": "selective_state_update_kernel", "multihead-tied": "multihead_state_update_kernel",
-               "mamba1-cache": "multihead_state_update_kernel"}
-    assert len(rows) == 12, proc.stdout
+               "mamba1-cache": "multihead_state_update_kernel", "conv": "causal_conv1d_update_kernel",
+               "conv-circular-cache": "causal_conv1d_update_kernel"}
+    assert len(rows) == 4 * len(kernels), proc.stdout
     for row in rows:
         direct = row["mode"] in ("inference", "grad")
         assert row["launches"] == 2 and row["kernel"] == kernels[row["case"]], row
         # (with a cache, the indices' check reads their largest: a reduction and its 0-d result, and on a GPU a sync)
-        allocations = 2 if row["case"] == "mamba1-cache" else 1
+        allocations = 2 if row["case"].endswith("cache") else 1
         assert row["tensors_as_given"] and row["made"] == {"aten::empty": allocations}, row
         assert (row["operators"] == []) == direct, row
         assert row["version_bumps"] == (0 if row["mode"] == "inference" else 2), row
-    assert "dt must have dtype" in error["error"], error
+    assert "dt must have dtype" in state_error["error"], state_error
+    assert "x must have dtype" in conv_error["error"], conv_error
 
 
 # --- on a GPU ----------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -58,6 +59,16 @@ def contiguous_when_traced(*tensors: Tensor | None) -> tuple:
 
 _plans: dict = {}  # (plan maker, the arguments' signature) -> plan; see cached_plan
 PLAN_CACHE_SIZE = 512  # signatures kept: a decoding loop has one per layer layout and batch size
+
+
+class LaunchPlan(NamedTuple):
+    """A decoding step's launch worked out from the arguments' sizes, strides, dtypes and devices: its grid,
+    the kernel's integer arguments after the pointers, its constexprs, and the output's shape."""
+
+    grid: tuple
+    numbers: tuple
+    meta: dict
+    out_shape: tuple
 
 
 def cached_plan(make, tensors: tuple, *flags):

@@ -205,6 +205,35 @@ def test_update_matches_reference(backend, case):
     assert_close(kw["conv_state"], expected_state, TOLERANCES[case.state_dtype], "conv_state")
 
 
+@pytest.mark.skipif(not (interpreting() and ssmops.available_backends()["triton"] == "available"),
+                    reason="runs the Triton kernels under TRITON_INTERPRET=1 (see test_triton_interpreter_suite)")
+@pytest.mark.parametrize("case", UPDATE_CASES, ids=str)
+def test_triton_direct_eager_update_matches_reference(case, monkeypatch):
+    """In eager mode on a GPU the front end calls the Triton launcher itself, not the operator (`call_step`): here
+    CPU tensors take the GPU route and the operators are out of reach, so the interpreted kernel runs through the
+    direct route alone, its plan of the first call reused by the second, in and outside inference mode.
+    (Launches, copies and the state's version: tests/test_triton.py's test_triton_eager_step_is_one_direct_launch.)"""
+    import ssmops._registry as registry
+
+    monkeypatch.setattr(registry, "GPU_DEVICES", (*registry.GPU_DEVICES, "cpu"))
+
+    def unreachable(*args, **kwargs):
+        raise AssertionError("the eager step went through an operator")
+
+    monkeypatch.setattr(registry, "operator_for", unreachable)
+    kw = update_inputs(case)
+    for inference in (False, True):
+        with torch.inference_mode(inference):
+            state, expected_state = kw["conv_state"].clone(), kw["conv_state"].clone()
+            expected = causal_conv1d_update_ref(kw["x"], expected_state, kw["weight"], kw["bias"], True,
+                                                kw["cache_seqlens"], kw["conv_state_indices"])
+            for _ in range(2):  # the second call reuses the first's plan: the same result from the same state
+                got_state = state.clone()
+                out = ssmops.causal_conv1d_update(**{**kw, "conv_state": got_state}, activation="silu")
+                assert_close(out, expected, TOLERANCES[torch.float32], "out")
+                assert_close(got_state, expected_state, TOLERANCES[case.state_dtype], "conv_state")
+
+
 def test_decoding_token_by_token_continues_the_sequence():
     """The conv over a whole sequence equals its first part's forward, then the update token by token from
     the first part's final states (in a state of width entries, and in a circular one)."""

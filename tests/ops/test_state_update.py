@@ -358,7 +358,7 @@ def test_triton_direct_eager_step_matches_reference(case, monkeypatch):
     def unreachable(*args, **kwargs):
         raise AssertionError("the eager step went through an operator")
 
-    monkeypatch.setattr(front, "operator_for", unreachable)
+    monkeypatch.setattr(registry, "operator_for", unreachable)
     ((layout, options),) = case.items()
     kw = state_update_inputs(**options) if layout == "mamba1" else multihead_inputs(**options)
     for inference in (False, True):

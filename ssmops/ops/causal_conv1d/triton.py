@@ -118,21 +118,30 @@ def causal_conv1d_update(
     x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Tensor], cache_seqlens: Optional[Tensor],
     conv_state_indices: Optional[Tensor], silu: bool,
 ) -> Tensor:
-    batch, dim, seqlen, width, state_len, cache_size = check_update_inputs(
-        x, conv_state, weight, bias, cache_seqlens, conv_state_indices)
+    plan = _triton.cached_plan(_update_launch, (x, conv_state, weight, bias, cache_seqlens, conv_state_indices),
+                               silu)
     if type(conv_state_indices) is Tensor:  # (it reads the indices: not while tracing)
-        check_state_indices(conv_state_indices, cache_size)
-    out = _triton.output((batch, dim, seqlen), x.dtype, x.device)
-    block_d = _triton.pow2_tile(dim, 16, 128)
-    _triton.launch(causal_conv1d_update_kernel, (triton.cdiv(dim, block_d), batch), (
+        check_state_indices(conv_state_indices, conv_state.shape[0])
+    out = _triton.output(plan.out_shape, x.dtype, x.device)  # 1-D while a kernel writes it
+    _triton.launch(causal_conv1d_update_kernel, plan.grid, (
         x, conv_state, weight, bias if bias is not None else weight,
         cache_seqlens if cache_seqlens is not None else weight,
-        conv_state_indices if conv_state_indices is not None else weight, out, dim, seqlen, state_len,
-        *x.stride(), *conv_state.stride(), *weight.stride(), bias.stride(0) if bias is not None else 0,
-    ), dict(CIRCULAR=cache_seqlens is not None, HAS_INDEX=conv_state_indices is not None, HAS_BIAS=bias is not None,
-            SILU=bool(silu), WIDTH=width, BLOCK_D=block_d, BLOCK_L=_triton.pow2_tile(state_len, 1, 1 << 30),
-            num_warps=4))
-    return out.view(batch, dim, seqlen)
+        conv_state_indices if conv_state_indices is not None else weight, out, *plan.numbers), plan.meta)
+    return out.view(plan.out_shape)
+
+
+def _update_launch(x, conv_state, weight, bias, cache_seqlens, conv_state_indices, silu) -> _triton.LaunchPlan:
+    """The decoding step's launch, worked out once per signature of its arguments (a step per layer per token:
+    `_triton.cached_plan`)."""
+    batch, dim, seqlen, width, state_len, _ = check_update_inputs(
+        x, conv_state, weight, bias, cache_seqlens, conv_state_indices)
+    block_d = _triton.pow2_tile(dim, 16, 128)
+    numbers = (dim, seqlen, state_len, *x.stride(), *conv_state.stride(), *weight.stride(),
+               bias.stride(0) if bias is not None else 0)
+    meta = dict(CIRCULAR=cache_seqlens is not None, HAS_INDEX=conv_state_indices is not None,
+                HAS_BIAS=bias is not None, SILU=bool(silu), WIDTH=width, BLOCK_D=block_d,
+                BLOCK_L=_triton.pow2_tile(state_len, 1, _triton.NO_CAP), num_warps=4)
+    return _triton.LaunchPlan((triton.cdiv(dim, block_d), batch), numbers, meta, (batch, dim, seqlen))
 
 
 @triton_op("ssmops::causal_conv1d_fwd_triton", mutates_args=())

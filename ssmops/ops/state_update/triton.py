@@ -8,7 +8,7 @@ launchers keep their Python short: the checks, tile sizes, grid and stride argum
 worked out once per signature of the arguments (`_triton.cached_plan`) and reused by every later call.
 """
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import triton
 from torch import Tensor
@@ -20,17 +20,7 @@ from .schema import as_multihead
 from .triton_kernels import multihead_state_update_kernel, selective_state_update_kernel
 
 
-class _Launch(NamedTuple):
-    """A launch worked out from the arguments' sizes, strides, dtypes and devices: its grid, the kernel's
-    integer arguments after the pointers, its constexprs, and the output's shape."""
-
-    grid: tuple
-    numbers: tuple
-    meta: dict
-    out_shape: tuple
-
-
-def _mamba1_launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus) -> _Launch:
+def _mamba1_launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus) -> _triton.LaunchPlan:
     batch, dim, dstate, groups = check_state_update_inputs(state, x, dt, A, B, C, D, z, dt_bias)
     block_n = _triton.pow2_tile(dstate, 2, _triton.NO_CAP)
     block_d = _triton.pow2_tile(dim, 1, max(1024 // block_n, 1))  # a (block_d, block_n) tile of 1024
@@ -46,7 +36,7 @@ def _mamba1_launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus) -> _Launch
     )
     meta = dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
                 BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4)
-    return _Launch((triton.cdiv(dim, block_d), batch), numbers, meta, (batch, dim))
+    return _triton.LaunchPlan((triton.cdiv(dim, block_d), batch), numbers, meta, (batch, dim))
 
 
 def selective_state_update(
@@ -61,7 +51,7 @@ def selective_state_update(
     return out.view(plan.out_shape)
 
 
-def _multihead_launch(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, dt_softplus) -> _Launch:
+def _multihead_launch(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, dt_softplus) -> _triton.LaunchPlan:
     batch, nheads, headdim, dstate, ngroups, cache_size = check_multihead_inputs(
         state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices)
     if x.dim() == 2:  # Mamba-1's layout: a channel a head of headdim 1, read through views of the same memory
@@ -89,7 +79,7 @@ def _multihead_launch(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices,
                 HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None,
                 HAS_INDEX=state_batch_indices is not None, SOFTPLUS=bool(dt_softplus), BLOCK_P=block_p,
                 BLOCK_N=block_n, num_warps=4)
-    return _Launch((triton.cdiv(headdim, block_p), nheads, batch), numbers, meta, (batch, nheads, headdim))
+    return _triton.LaunchPlan((triton.cdiv(headdim, block_p), nheads, batch), numbers, meta, (batch, nheads, headdim))
 
 
 def multihead_state_update(
