@@ -106,12 +106,15 @@ class _Launch:
         return triton.cdiv(self.chunk_size, self.cfg["BLOCK_T"]) * self.cfg["BLOCK_T"]
 
     def cb_tiles(self) -> Tensor:
-        """C . B^T of each chunk's blocks (the lower block triangle), once per group of heads: float32
-        (batch, nchunks, ngroups, cb_side, cb_side), for the output kernel and the backward's dX pass."""
+        """C . B^T of each chunk's blocks (the lower block triangle), once per group of heads: (batch, nchunks,
+        ngroups, cb_side, cb_side), for the output kernel and the backward's dX pass. In the GEMMs' operand
+        dtype: 16-bit where x, B and C share one (the tiles are the output loop's largest read, and each
+        becomes a 16-bit GEMM operand once decayed), else float32."""
         cfg, side = self.cfg, self.cb_side()
         blocks = side // cfg["BLOCK_T"]
-        cb = _triton.output((self.batch, self.nchunks, self.ngroups, side, side), torch.float32,
-                            self.inputs["x"].device)
+        x = self.inputs["x"]
+        cb = _triton.output((self.batch, self.nchunks, self.ngroups, side, side),
+                            torch.float32 if self.flags["DOT_F32"] else x.dtype, x.device)
         _triton.launch(ssd_cb_kernel, (self.nchunks * blocks, self.batch * self.ngroups), (
             self.ptr("B"), self.ptr("C"), cb, self.seqlen, self.ngroups, self.chunk_size, self.nchunks, blocks,
             *self.token_strides("B", "C"), self.dstate,
