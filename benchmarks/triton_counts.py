@@ -244,8 +244,8 @@ def count(names=("scan", "ssd"), dtype=torch.bfloat16) -> dict:
                                  buffers=counter.buffers(args)))
                 print(f"{family}: {rows[-1]['name']}: {dict(counter.counts)}", file=sys.stderr, flush=True)
         shape, _, channels, _ = parts[0]
-        result[family] = dict(sources=source_hash(family), shape=shape, units=shape["batch"] * channels * shape["seqlen"],
-                              launches=rows)
+        result[family] = dict(sources=source_hash(family), shape=shape,
+                              units=shape["batch"] * channels * shape["seqlen"], launches=rows)
     return result
 
 

@@ -59,7 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--l2-tbps", type=float, default=5.5, help="L2-to-SM bandwidth (published H100 microbenchmarks)")
     p.add_argument("--count", action="store_true", help="recount the launches under the interpreter first (minutes)")
     p.add_argument("--no-bounds", action="store_true", help="the compiled kernels' tables only")
-    p.add_argument("--family", choices=("scan", "ssd"), help="one family's launches only (and --count recounts it alone)")
+    p.add_argument("--family", choices=("scan", "ssd"),
+                   help="one family's launches only (and --count recounts it alone)")
     return p.parse_args(argv)
 
 
