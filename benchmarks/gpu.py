@@ -13,8 +13,9 @@ compiled reference unrolls one step per timestep, so it is compiled and timed at
 Goals (issue 42): forward >= 50% of copy bandwidth, forward+backward >= 25%. Then Mamba-1's
 decoding step (`selective_state_update`, dim 5120, dstate 16, float32 state) at batch 1 and 64,
 eager and replayed from a CUDA graph, against mamba_ssm's Triton step. `--sweep` times the
-scan kernels with other warp counts and forward tiles in place of the launchers' choice, to retune
-them (`python benchmarks/gpu.py --sweep --skip-baselines`).
+scan kernels with other warp counts and forward tiles in place of the launchers' choice, and the SSD
+scan's with other warps, tiles and pipelining stages (SSD_SWEEP), to retune them (`python
+benchmarks/gpu.py --sweep --skip-baselines`).
 
 Then Mamba-2's SSD scan at the three shapes of issue 41 (SSD_SHAPES: mamba2-2.7b's layer at batch 8,
 seqlen 4096; mamba2-130m's at batch 1, seqlen 2048; 64 heads of 8 groups at batch 2, seqlen 8192; chunk
@@ -195,6 +196,7 @@ def main(argv=None) -> int:
     generate_rows(args)
     if args.sweep:
         sweep_tiles(lambda: fwd_op(*fargs), lambda: bwd_op(*bargs), args.repeats)
+        sweep_ssd_knobs(args)
     return 0
 
 
@@ -283,6 +285,43 @@ def sweep_tiles(fwd, bwd, repeats: int) -> None:
         ops._config, ops.FORWARD_WARPS, ops.FORWARD_TILE = chosen, chosen_warps, chosen_tile
 
 
+# The SSD launchers' knobs (ssmops/ops/ssd/triton.py) and the values --sweep tries for each, one knob at a time
+SSD_SWEEP = {"SCAN_WARPS": (4, 8), "SCAN_BLOCK_P": (32, 64), "SCAN_STAGES": (1, 2, 3), "DZ_STAGES": (1, 2, 3),
+             "BWD_WARPS": (4, 8), "BWD_STAGES": (1, 2, 3), "STATE_WARPS": (4, 8), "STATE_STAGES": (1, 2, 3)}
+
+
+def sweep_ssd_knobs(args) -> None:
+    """The SSD scan's forward and forward+backward ms at each of SSD_SHAPES with each value of SSD_SWEEP's
+    knobs in place of the launchers' (the first row), the other knobs as chosen."""
+    from ssmops.ops.ssd import triton as ops
+
+    fn = ssd_contenders(skip_baselines=True)["ssmops triton"]
+    dtype = DTYPES[args.dtype]
+
+    def cell(shape) -> str:
+        try:
+            t_fwd, t_both = ssd_times(fn, shape, dtype, args.repeats)
+        except Exception as err:  # e.g. triton's OutOfResources
+            return f"{type(err).__name__:>21}"
+        return f"{t_fwd * 1e3:>9.3f} {t_both * 1e3:>11.3f}"
+
+    chosen = {knob: getattr(ops, knob) for knob in SSD_SWEEP}
+    print("\nSSD knobs (ssmops/ops/ssd/triton.py), one at a time; forward and forward+backward ms at each shape")
+    names = (f"b{s['batch']} L{s['seqlen']} h{s['nheads']} g{s['ngroups']}" for s in SSD_SHAPES)
+    print(f"{'knob':<26}" + "".join(f" {name:>21}" for name in names))
+    print(f"{'chosen by the launchers':<26}" + "".join(f" {cell(s)}" for s in SSD_SHAPES))
+    try:
+        for knob, values in SSD_SWEEP.items():
+            for value in values:
+                if value != chosen[knob]:
+                    setattr(ops, knob, value)
+                    print(f"{knob + ' ' + str(value):<26}" + "".join(f" {cell(s)}" for s in SSD_SHAPES))
+            setattr(ops, knob, chosen[knob])
+    finally:
+        for knob, value in chosen.items():
+            setattr(ops, knob, value)
+
+
 SSD_LAYER = dict(nheads=80, headdim=64, ngroups=1, dstate=128, chunk=256)  # mamba2-2.7b
 
 
@@ -363,6 +402,15 @@ def matmul_rate(dtype=torch.bfloat16, size: int = 8192, repeats: int = 10) -> fl
     return 2 * size**3 / cuda_time(lambda: a @ b, repeats)
 
 
+def ssd_times(fn, shape: dict, dtype, repeats: int) -> tuple[float, float]:
+    """Seconds of fn(**ssd_inputs) at `shape`: the forward without autograd, and forward+backward."""
+    with torch.no_grad():
+        kw = ssd_inputs(shape["batch"], shape["seqlen"], dtype, layer=shape)
+        t_fwd = cuda_time(lambda: fn(**kw), repeats)
+    kw = ssd_inputs(shape["batch"], shape["seqlen"], dtype, requires_grad=True, layer=shape)
+    return t_fwd, cuda_time(lambda: fn(**kw).backward(torch.ones_like(kw["x"])), repeats)
+
+
 def ssd_rows(args) -> None:
     """The SSD table (see the module's docstring) at each of SSD_SHAPES."""
     from ssd import flops
@@ -379,16 +427,10 @@ def ssd_rows(args) -> None:
         times = {}
         for name, fn in contenders.items():
             try:
-                with torch.no_grad():
-                    kw = ssd_inputs(shape["batch"], shape["seqlen"], dtype, layer=shape)
-                    t_fwd = cuda_time(lambda: fn(**kw), args.repeats)
-                kw = ssd_inputs(shape["batch"], shape["seqlen"], dtype, requires_grad=True, layer=shape)
-                t_both = cuda_time(lambda: fn(**kw).backward(torch.ones_like(kw["x"])), args.repeats)
+                t_fwd, t_both = ssd_times(fn, shape, dtype, args.repeats)
             except Exception as err:  # e.g. out of memory for the compiled reference
                 print(f"{name:<15} {type(err).__name__}: {str(err)[:60]}")
                 continue
-            finally:
-                kw = None
             times[name] = (t_fwd, t_both)
             print(f"{name:<15} {t_fwd * 1e3:8.3f} {fwd_flops / t_fwd / 1e12:8.1f} {fwd_flops / t_fwd / rate:6.1%} "
                   f"{t_both * 1e3:11.3f} {3 * fwd_flops / t_both / 1e12:8.1f}")

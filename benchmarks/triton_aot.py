@@ -74,7 +74,7 @@ def compile_launch(kernel, args: tuple, meta: dict, target: str):
     to 1 becomes a constant, and pointers and ints divisible by 16 are marked so (which lets
     loads be vectorized)."""
     constants = dict(meta)
-    num_warps = constants.pop("num_warps")
+    options = {k: constants.pop(k) for k in ("num_warps", "num_stages") if k in constants}
     signature, attrs = {name: "constexpr" for name in constants}, {}
     for i, (name, arg) in enumerate(zip(kernel.arg_names, args)):
         if isinstance(arg, torch.Tensor):
@@ -91,7 +91,7 @@ def compile_launch(kernel, args: tuple, meta: dict, target: str):
         raise ValueError(f"the launch of {kernel.__name__} does not fill its arguments")
     signature = {name: signature[name] for name in kernel.arg_names}
     return compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget(*TARGETS[target]),
-                   options={"num_warps": num_warps})
+                   options=options)
 
 
 class _TargetDriver:

@@ -1,9 +1,11 @@
 """What each Triton launch of the scans moves and computes, counted by running it under Triton's interpreter.
 
     TRITON_INTERPRET=1 python benchmarks/triton_counts.py      # rewrites benchmarks/triton_counts.json (minutes)
+    TRITON_INTERPRET=1 python benchmarks/triton_counts.py --family ssd   # recounts one family, keeps the other's
 
 benchmarks/triton_static.py reads the counts; it reruns this (in a child process, since the interpreter
-must be chosen before the kernels are defined) when `--count` is given or the kernels' source changed.
+must be chosen before the kernels are defined) when `--count` is given, and says where a family's kernels
+changed since they were counted (each family's entry holds the hash of its sources).
 
 The interpreter runs every program of a launch with numpy, so its loads, stores, atomics, `tl.dot`s and
 transcendentals can be counted exactly, loop trips and masks included, at a small shape: the scan's forward at
@@ -42,17 +44,17 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 COUNTS = Path(__file__).with_name("triton_counts.json")
-SOURCES = ("ssmops/ops/selective_scan/triton_kernels.py", "ssmops/ops/selective_scan/triton.py",
-           "ssmops/ops/ssd/triton_kernels.py", "ssmops/ops/ssd/triton.py")
+SOURCES = {"scan": ("ssmops/ops/selective_scan/triton_kernels.py", "ssmops/ops/selective_scan/triton.py"),
+           "ssd": ("ssmops/ops/ssd/triton_kernels.py", "ssmops/ops/ssd/triton.py")}
 SCAN_SMALL = dict(batch=1, dim=128, seqlen=4096, dstate=16)
 SCAN_BACKWARD_SMALL = dict(SCAN_SMALL, dim=1)
 SSD_SMALL = dict(batch=1, seqlen=512, nheads=2, headdim=64, ngroups=1, dstate=128, chunk=256)
 _SFU = ("exp", "exp2", "log", "log2", "sin", "cos", "sqrt", "precise_sqrt", "rsqrt")
 
 
-def source_hash() -> str:
+def source_hash(family: str) -> str:
     digest = hashlib.sha256()
-    for name in SOURCES:
+    for name in SOURCES[family]:
         digest.update((REPO / name).read_bytes())
     return digest.hexdigest()[:16]
 
@@ -214,8 +216,9 @@ class _Counter:
 PER_GROUP = ("ssd_cb_kernel",)
 
 
-def count(dtype=torch.bfloat16) -> dict:
-    """Runs the small launches under the interpreter and returns the counts (TRITON_INTERPRET=1 needed)."""
+def count(names=("scan", "ssd"), dtype=torch.bfloat16) -> dict:
+    """Runs the small launches of the families `names` under the interpreter and returns their counts
+    (TRITON_INTERPRET=1 needed)."""
     from ssmops.ops import _triton
 
     if not _triton.INTERPRETED:
@@ -226,8 +229,9 @@ def count(dtype=torch.bfloat16) -> dict:
                  (SCAN_BACKWARD_SMALL, scan_inputs(**SCAN_BACKWARD_SMALL, dtype=dtype), 1, slice(1, None))],
         "ssd": [(SSD_SMALL, ssd_inputs(**SSD_SMALL, dtype=dtype), SSD_SMALL["nheads"], slice(None))],
     }
-    result = dict(sources=source_hash(), dtype=str(dtype).removeprefix("torch."))
-    for family, parts in families.items():
+    result = dict(dtype=str(dtype).removeprefix("torch."))
+    for family in names:
+        parts = families[family]
         rows = []
         for shape, fwd_args, channels, launches in parts:
             for kernel, grid, args, meta in recorded(family, fwd_args)[launches]:
@@ -240,13 +244,21 @@ def count(dtype=torch.bfloat16) -> dict:
                                  buffers=counter.buffers(args)))
                 print(f"{family}: {rows[-1]['name']}: {dict(counter.counts)}", file=sys.stderr, flush=True)
         shape, _, channels, _ = parts[0]
-        result[family] = dict(shape=shape, units=shape["batch"] * channels * shape["seqlen"], launches=rows)
+        result[family] = dict(sources=source_hash(family), shape=shape,
+                              units=shape["batch"] * channels * shape["seqlen"], launches=rows)
     return result
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--family", choices=sorted(SOURCES), help="recount this family only (the other's counts are kept)")
+    args = p.parse_args(argv)
     sys.path.insert(0, str(REPO))
-    counts = count()
+    counts = json.loads(COUNTS.read_text()) if args.family and COUNTS.exists() else {}
+    counts.pop("sources", None)  # (older files: one hash of both families' sources)
+    counts.update(count((args.family,) if args.family else tuple(SOURCES)))
     COUNTS.write_text(json.dumps(counts, indent=1) + "\n")
     print(f"wrote {COUNTS.relative_to(REPO)}", file=sys.stderr)
     return 0

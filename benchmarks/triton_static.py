@@ -1,6 +1,7 @@
 """A speed estimate of the Triton kernels read off their compiled code: no GPU needed.
 
     python benchmarks/triton_static.py                 # batch 8, dim 4096, seqlen 4096, dstate 16, bf16
+    python benchmarks/triton_static.py --family ssd    # the SSD scan's launches only
 
 Compiles the forward and backward launches for sm_90 (benchmarks/triton_aot.py) and
 counts the instructions of each kernel's innermost loop per (step, state) element: the
@@ -58,7 +59,13 @@ def parse_args(argv=None):
     p.add_argument("--l2-tbps", type=float, default=5.5, help="L2-to-SM bandwidth (published H100 microbenchmarks)")
     p.add_argument("--count", action="store_true", help="recount the launches under the interpreter first (minutes)")
     p.add_argument("--no-bounds", action="store_true", help="the compiled kernels' tables only")
+    p.add_argument("--family", choices=("scan", "ssd"),
+                   help="one family's launches only (and --count recounts it alone)")
     return p.parse_args(argv)
+
+
+def _families(args) -> tuple:
+    return (args.family,) if args.family else ("scan", "ssd")
 
 
 def mamba_args(dim: int, seqlen: int, dstate: int, dtype) -> tuple:
@@ -80,6 +87,18 @@ def main(argv=None) -> int:
         print(f"needs triton: {err}", file=sys.stderr)
         return 2
     dtype = DTYPES[args.dtype]
+    compiled = {}
+    if "scan" in _families(args):
+        compiled["scan"] = scan_rows(args, aot, dtype)
+    if "ssd" in _families(args):
+        compiled["ssd"] = ssd_rows(args, aot, dtype)
+    if not args.no_bounds:
+        bounds(args, aot, compiled)
+    return 0
+
+
+def scan_rows(args, aot, dtype) -> list:
+    """The selective scan's compiled forward and backward at the shape of `args`."""
     # the compiled code depends on the sizes only through the tiles and their divisibility by 16, so a
     # narrow input stands for the full shape (dim 256: a whole block of the forward's channels)
     launches = aot.record_scan(mamba_args(min(args.dim, 256), args.seqlen, args.dstate, dtype))
@@ -110,10 +129,7 @@ def main(argv=None) -> int:
         print(f"{name:<9} {usage['regs']:>4} {usage['spills']:>5} {meta['num_warps']:>5} {steps:>9} "
               f"{instructions:>9.1f} {per_element.get('SHFL', 0.0):>8.2f} {per_element.get('MUFU', 0.0):>7.2f} "
               f"{t_issue * 1e3:>8.2f} {t_ex2 * 1e3:>7.2f} {t_copy * 1e3:>7.2f} {t_copy / max(t_issue, t_ex2):>7.0%}")
-    ssd_compiled = ssd_rows(args, aot, dtype)
-    if not args.no_bounds:
-        bounds(args, aot, dict(scan=scan_compiled, ssd=ssd_compiled))
-    return 0
+    return scan_compiled
 
 
 def _steps_per_thread(meta: dict) -> int:
@@ -232,11 +248,14 @@ def _counts(args) -> dict:
 
     if args.count or not triton_counts.COUNTS.exists():
         print("\ncounting the launches under the interpreter (minutes) ...", flush=True)
-        subprocess.run([sys.executable, triton_counts.__file__], env=dict(os.environ, TRITON_INTERPRET="1"),
+        family = ["--family", args.family] if args.family and triton_counts.COUNTS.exists() else []
+        subprocess.run([sys.executable, triton_counts.__file__, *family], env=dict(os.environ, TRITON_INTERPRET="1"),
                        check=True, stderr=subprocess.DEVNULL)
     counts = json.loads(triton_counts.COUNTS.read_text())
-    if counts["sources"] != triton_counts.source_hash():
-        print("\nNOTE: the kernels changed since benchmarks/triton_counts.json was counted: rerun with --count")
+    for family in _families(args):
+        if counts[family].get("sources") != triton_counts.source_hash(family):
+            print(f"\nNOTE: the {family} kernels changed since benchmarks/triton_counts.json was counted: rerun with "
+                  "--count")
     return counts
 
 
@@ -304,17 +323,16 @@ def bounds(args, aot, compiled: dict) -> None:
             measured_cell += f"; mamba_ssm {peer:.3g} ms" if peer else ""
             print(f"  {name:<17} estimate {est * 1e3:7.3f} ms   {measured_cell}")
 
-    # the scan
-    b, d, L, n = args.batch, args.dim, args.seqlen, args.dstate
-    print(f"\nselective scan: batch {b}, dim {d}, seqlen {L}, dstate {n}")
-    print(header)
-
-    def scan_issue(i, info, meta, programs):
-        return info["issue_s"]
-
-    rows = launch_rows("scan", tc.scan_inputs(b, d, L, n, DTYPES[args.dtype], device="meta"), b * d * L, scan_issue)
-    measured = SCAN_MEASURED.get((b, d, L, n)) if args.dtype == "bfloat16" else None
-    passes(rows, 1, (measured or (None, None), (None, None)))
+    if "scan" in compiled:
+        b, d, L, n = args.batch, args.dim, args.seqlen, args.dstate
+        print(f"\nselective scan: batch {b}, dim {d}, seqlen {L}, dstate {n}")
+        print(header)
+        rows = launch_rows("scan", tc.scan_inputs(b, d, L, n, DTYPES[args.dtype], device="meta"), b * d * L,
+                           lambda i, info, meta, programs: info["issue_s"])
+        measured = SCAN_MEASURED.get((b, d, L, n)) if args.dtype == "bfloat16" else None
+        passes(rows, 1, (measured or (None, None), (None, None)))
+    if "ssd" not in compiled:
+        return
 
     # the SSD scan, at the three shapes of issue 41
     def ssd_issue(i, info, meta, programs, shape=None):

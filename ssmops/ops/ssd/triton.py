@@ -24,19 +24,30 @@ from .triton_kernels import (
     ssd_states_fwd_kernel, ssd_varlen_states_kernel,
 )
 
-# The backward's dC and dx kernels take token blocks of 32 over 8 warps: with headdim and dstate whole
-# (dB sums over headdim, dx over dstate) blocks of 64 spill registers at Mamba-2's sizes (see
-# tests/test_triton.py, which compiles the launches for GPUs).
+# Tiles, warps and software-pipelining stages (num_stages: loads in flight in the GEMM loops; Triton's default
+# on NVIDIA is 3) of the launches: module constants, read at each launch, so that `benchmarks/gpu.py --sweep`
+# can retune them on a GPU. Chosen from the sm_90 compile at Mamba-2's sizes (benchmarks/triton_static.py,
+# docs/limits.md; tests/test_triton.py holds them to no spills): at most 128 registers lets two 8-warp
+# programs share an SM.
+SCAN_BLOCK_T = 64  # the forward's output kernel: tokens a program (and the side of C.B^T's tiles)
+SCAN_BLOCK_P = 64  # its channels a program (32: 113 registers, but twice the programs and C.B^T reads)
+SCAN_WARPS = 8  # (its 64-token blocks spill on 4)
+SCAN_STAGES = 2  # 128 registers (3 stages: 144)
+DZ_STAGES = 1  # the same kernel recomputing y for dz holds dout's tile too: 128 registers (2 stages: 129)
+# The backward's chunk kernels take token blocks of 32 over 8 warps: with headdim and dstate whole
+# (dB sums over headdim, dx over dstate) blocks of 64 spill registers at Mamba-2's sizes.
 BWD_BLOCK_T = 32
 BWD_WARPS = 8
-SCAN_WARPS = 8  # the forward's output kernel (its 64-token blocks spill on 4)
+BWD_STAGES = 2  # (188, 139, 188 registers in the dC, dX and dB passes; 3 stages: 198, 142, 186)
 STATE_WARPS = 8  # the state passes, forward and backward (a (64, 64) state tile and a block's tiles)
+STATE_STAGES = 3  # (2: 134 and 136 registers on sm_90, still over 128, and 16 bytes spilled on sm_80)
 
 
 def _config(chunk_size: int, headdim: int, dstate: int) -> dict:
-    """Token blocks of 64 (16 at least: a GEMM side), dstate whole (the C.B^T contraction) and
-    headdim in blocks of 64 in the forward's output kernel; 16-bit GEMM operands need sides of 16."""
-    return dict(BLOCK_T=_triton.pow2_tile(chunk_size, 16, 64), BLOCK_P=_triton.pow2_tile(headdim, 16, 64),
+    """Token blocks of SCAN_BLOCK_T (16 at least: a GEMM side), dstate whole (the C.B^T contraction) and
+    headdim in blocks of SCAN_BLOCK_P in the forward's output kernel; 16-bit GEMM operands need sides of 16."""
+    return dict(BLOCK_T=_triton.pow2_tile(chunk_size, 16, SCAN_BLOCK_T),
+                BLOCK_P=_triton.pow2_tile(headdim, 16, SCAN_BLOCK_P),
                 BLOCK_N=_triton.pow2_tile(dstate, 16, _triton.NO_CAP))
 
 
@@ -106,12 +117,15 @@ class _Launch:
         return triton.cdiv(self.chunk_size, self.cfg["BLOCK_T"]) * self.cfg["BLOCK_T"]
 
     def cb_tiles(self) -> Tensor:
-        """C . B^T of each chunk's blocks (the lower block triangle), once per group of heads: float32
-        (batch, nchunks, ngroups, cb_side, cb_side), for the output kernel and the backward's dX pass."""
+        """C . B^T of each chunk's blocks (the lower block triangle), once per group of heads: (batch, nchunks,
+        ngroups, cb_side, cb_side), for the output kernel and the backward's dX pass. In the GEMMs' operand
+        dtype: 16-bit where x, B and C share one (the tiles are the output loop's largest read, and each
+        becomes a 16-bit GEMM operand once decayed), else float32."""
         cfg, side = self.cfg, self.cb_side()
         blocks = side // cfg["BLOCK_T"]
-        cb = _triton.output((self.batch, self.nchunks, self.ngroups, side, side), torch.float32,
-                            self.inputs["x"].device)
+        x = self.inputs["x"]
+        cb = _triton.output((self.batch, self.nchunks, self.ngroups, side, side),
+                            torch.float32 if self.flags["DOT_F32"] else x.dtype, x.device)
         _triton.launch(ssd_cb_kernel, (self.nchunks * blocks, self.batch * self.ngroups), (
             self.ptr("B"), self.ptr("C"), cb, self.seqlen, self.ngroups, self.chunk_size, self.nchunks, blocks,
             *self.token_strides("B", "C"), self.dstate,
@@ -131,7 +145,7 @@ class _Launch:
             *self.token_strides("x", "dt", "B", "C", "z"), *_strides(dout, 4), *self.token_strides("seq"),
             D.stride(0) if D is not None else 0,
         ), dict(**self.d_flags, HAS_Z=self.inputs["z"] is not None, DZ=dout is not None, **self.flags, **cfg,
-                num_warps=SCAN_WARPS))
+                num_warps=SCAN_WARPS, num_stages=DZ_STAGES if dout is not None else SCAN_STAGES))
 
 
 def ssd_fwd(
@@ -154,7 +168,7 @@ def ssd_fwd(
         initial_states if initial_states is not None else x, run.ptr("seq"), states, final, *run.sizes,
         *run.token_strides("x", "dt", "B", "seq"), *_strides(initial_states, 4),
     ), dict(HAS_INIT=initial_states is not None, **run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles,
-            num_warps=STATE_WARPS))
+            num_warps=STATE_WARPS, num_stages=STATE_STAGES))
     out = _triton.output(x.shape, x.dtype, x.device)
     run.chunk_scan(states, run.cb_tiles(), out, None)
     varlen = x.new_empty(0, dtype=torch.float32)
@@ -163,7 +177,8 @@ def ssd_fwd(
         _triton.launch(ssd_varlen_states_kernel, run.state_grid(tiles, run.nseq * nheads), (
             *(run.ptr(n) for n in ("x", "dt", "A", "B", "bias", "seq")), cu_seqlens, states, varlen, *run.sizes,
             *x.stride()[1:], *dt.stride()[1:], *B.stride()[1:], seq_idx.stride(1),
-        ), dict(**run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles, num_warps=STATE_WARPS))
+        ), dict(**run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles, num_warps=STATE_WARPS,
+                num_stages=STATE_STAGES))
     return out.view(x.shape), final.view(final_shape), states.view(states_shape), \
         varlen.view(run.nseq, nheads, headdim, dstate) if cu_seqlens is not None else varlen
 
@@ -206,7 +221,7 @@ def ssd_bwd(
         *run.sizes, *run.token_strides("dt", "C", "z"), *dout.stride(), *run.token_strides("seq"),
     ), dict(HAS_Z=z is not None, HAS_DFINAL=dfinal is not None, HAS_DVARLEN=dvarlen is not None,
             HAS_INIT=initial_states is not None, **run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles,
-            num_warps=STATE_WARPS))
+            num_warps=STATE_WARPS, num_stages=STATE_STAGES))
 
     # every chunk's gradients, by blocks of tokens; B and C's per head, then summed over each group's heads
     # in a fixed order
@@ -230,7 +245,7 @@ def ssd_bwd(
             *strides,
             D.stride(0) if D is not None else 0,
         ), dict(MODE=mode, **run.d_flags, HAS_Z=z is not None, HAS_DVARLEN=dvarlen is not None, **run.flags, **cfg,
-                num_warps=BWD_WARPS))
+                num_warps=BWD_WARPS, num_stages=BWD_STAGES))
     _triton.launch(ssd_bwd_ddt_kernel, (nchunks, batch * nheads), (
         *(run.ptr(n) for n in ("x", "dt", "A", "B", "bias", "seq")), states, dends, *varlen_args, dlC, dlB, R, xdx,
         ddt, dA_part, dbias_part, *run.sizes, *run.token_strides("x", "dt", "B", "seq"),

@@ -21,8 +21,9 @@ forward
     it over the chunk with one tensor-core GEMM, (dt x decayed)^T @ B. mamba_ssm computes the
     chunks' own states in one kernel, writes them out and passes them in another; here they
     never leave registers. The final state is the last one.
-  `ssd_cb_kernel`: C @ B^T of each chunk, once per group of heads, into a float32 (chunk, chunk)
-    buffer per (batch, chunk, group) (the lower block triangle); the backward's dX pass reads it too.
+  `ssd_cb_kernel`: C @ B^T of each chunk, once per group of heads, into a (chunk, chunk) buffer per
+    (batch, chunk, group), its lower block triangle, in the GEMMs' operand dtype (16-bit for 16-bit x, B
+    and C, float32 else); the backward's dX pass reads it too.
   `ssd_chunk_scan_kernel`: a program owns a block of BLOCK_T tokens of one chunk and a block of
     channels: y = w (C @ S^T) + ((C @ B^T) * decay mask) @ (dt x), reading C @ B^T's tiles, D and
     the silu(z) gate fused. (Computing C @ B^T here instead, per head and channel block, took
@@ -301,7 +302,8 @@ def ssd_cb_kernel(
     DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid (nchunks * blocks_per_chunk, batch * ngroups). Writes the row block's C_l . B_s for the chunk's
-    column blocks up to its own into cb, contiguous float32 (batch, nchunks, ngroups, Qp, Qp) with
+    column blocks up to its own into cb, contiguous (batch, nchunks, ngroups, Qp, Qp) in the GEMMs' operand
+    dtype with
     Qp = blocks_per_chunk * BLOCK_T (blocks past the diagonal are left unwritten: never read). Once per
     group, where the output kernel would compute it again for each of the group's heads and channel blocks."""
     c = tl.program_id(0) // blocks_per_chunk
@@ -319,7 +321,7 @@ def ssd_cb_kernel(
         t_s, valid_s = _block(t0, j, Q, seqlen, BLOCK_T)
         B_s = _operand(_tile(B_ptr + b * s_Bb + g * s_Bg, t_s, valid_s, s_Bt, nn, dstate, s_Bn), C_ptr, DOT_F32)
         cols = j * BLOCK_T + tl.arange(0, BLOCK_T)
-        tl.store(cb_ptr + tile + cols[None, :], _dot(C_l, tl.trans(B_s), DOT_F32))
+        tl.store(cb_ptr + tile + cols[None, :], _dot(C_l, tl.trans(B_s), DOT_F32).to(cb_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -368,7 +370,7 @@ def ssd_chunk_scan_kernel(
         between += tl.where(jj > 0, tl.sum(a_s, axis=0), 0.0)
         L_s = tl.cumsum(a_s, axis=0) - between  # relative to the row block's start
         CB = tl.load(cb_rows + ((i - jj) * BLOCK_T + tl.arange(0, BLOCK_T))[None, :],
-                     mask=valid_l[:, None] & valid_s[None, :], other=0.0)
+                     mask=valid_l[:, None] & valid_s[None, :], other=0.0).to(tl.float32)
         X_s = _tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp) * dt_s[:, None]
         # A NaN or inf in the row block's own X_s must reach its rows s and after only, but the product
         # meets it with the zeros above the diagonal too (0 * NaN = NaN): there it enters as 0, and
@@ -626,7 +628,7 @@ def ssd_bwd_block_kernel(
                         DOT_F32)
         if DX:  # C_l . B_s from ssd_cb_kernel's tiles
             CB = tl.load(cb_rows + (t_l - t0)[:, None] * cb_side + (t_s - t0)[None, :],
-                         mask=valid_l[:, None] & valid_s[None, :], other=0.0)
+                         mask=valid_l[:, None] & valid_s[None, :], other=0.0).to(tl.float32)
             M = _decayed(CB, L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l, seq_s, False)
             acc += _dot(tl.trans(_operand(M, x_ptr, DOT_F32)), dy_l, DOT_F32)
         else:  # without the diagonal l = s, added below (see _dC_rows)
