@@ -41,6 +41,11 @@ BWD_WARPS = 8
 BWD_STAGES = 2  # (188, 139, 188 registers in the dC, dX and dB passes; 3 stages: 198, 142, 186)
 STATE_WARPS = 8  # the state passes, forward and backward (a (64, 64) state tile and a block's tiles)
 STATE_STAGES = 3  # (2: 134 and 136 registers on sm_90, still over 128, and 16 bytes spilled on sm_80)
+# C.B^T's tiles in the GEMMs' 16-bit operand dtype (when x, B and C share one): half the output loop's largest
+# read and 128 registers with SCAN_STAGES 2 (float32 tiles: 1 program an SM), for one more rounding of C.B^T
+# before its decay (bf16 errors against the float64 oracle up to ~1.9x, inside the tolerances; docs/limits.md).
+# mamba_ssm keeps its CB in float32: False does too.
+CB_IN_OPERAND_DTYPE = True
 
 
 def _config(chunk_size: int, headdim: int, dstate: int) -> dict:
@@ -125,7 +130,7 @@ class _Launch:
         blocks = side // cfg["BLOCK_T"]
         x = self.inputs["x"]
         cb = _triton.output((self.batch, self.nchunks, self.ngroups, side, side),
-                            torch.float32 if self.flags["DOT_F32"] else x.dtype, x.device)
+                            torch.float32 if self.flags["DOT_F32"] or not CB_IN_OPERAND_DTYPE else x.dtype, x.device)
         _triton.launch(ssd_cb_kernel, (self.nchunks * blocks, self.batch * self.ngroups), (
             self.ptr("B"), self.ptr("C"), cb, self.seqlen, self.ngroups, self.chunk_size, self.nchunks, blocks,
             *self.token_strides("B", "C"), self.dstate,
