@@ -137,16 +137,17 @@ class _Launch:
         ), dict(DOT_F32=self.flags["DOT_F32"], BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"], num_warps=4))
         return cb
 
-    def chunk_scan(self, states: Tensor, cb: Tensor, out: Tensor, dout: Optional[Tensor]) -> None:
-        """out = the scan's output, or with dout, the gradient of z, by blocks of tokens and channels of each
-        head, reading cb (cb_tiles)."""
+    def chunk_scan(self, states: Tensor, cb: Tensor, out: Tensor, dout: Optional[Tensor],
+                   gated: Optional[Tensor] = None) -> None:
+        """out = the scan's output, or with dout, the gradient of z and into gated dout * silu(z) (x's layout), by
+        blocks of tokens and channels of each head, reading cb (cb_tiles)."""
         cfg = self.cfg
         blocks = triton.cdiv(self.chunk_size, cfg["BLOCK_T"])
         D = self.inputs["D"]
         grid = (self.nchunks * blocks, self.batch * self.nheads, triton.cdiv(self.headdim, cfg["BLOCK_P"]))
         _triton.launch(ssd_chunk_scan_kernel, grid, (
             *(self.ptr(n) for n in ("x", "dt", "A", "B", "C", "D", "z", "bias", "seq")), states, cb,
-            dout if dout is not None else out, out, *self.sizes, blocks,
+            dout if dout is not None else out, out, gated if gated is not None else out, *self.sizes, blocks,
             *self.token_strides("x", "dt", "B", "C", "z"), *_strides(dout, 4), *self.token_strides("seq"),
             D.stride(0) if D is not None else 0,
         ), dict(**self.d_flags, HAS_Z=self.inputs["z"] is not None, DZ=dout is not None, **self.flags, **cfg,
@@ -210,9 +211,12 @@ def ssd_bwd(
     varlen_args = (dvarlen, cu_seqlens, firsts) if dvarlen is not None else (states, states, states)
     cb = run.cb_tiles()  # (for dz's recomputed output and the dX pass)
     dz = x.new_empty(0, dtype=torch.float32)
+    gated = dout  # the gradient of the output before the gate, as the chunk passes' GEMMs take it
     if z is not None:  # the gradient of the gate needs the output before it: recomputed
         dz = _triton.output(x.shape, z.dtype, x.device)
-        run.chunk_scan(states, cb, dz, dout)
+        gated = _triton.output(x.shape, torch.float32 if run.flags["DOT_F32"] else x.dtype, x.device)
+        run.chunk_scan(states, cb, dz, dout, gated)
+        gated = gated.view(x.shape)
 
     # the gradient of the state after each chunk, walking the chunks back
     # every buffer a kernel writes is 1-D (contiguous), viewed as its shape after the launch (_triton.output)
@@ -242,10 +246,11 @@ def ssd_bwd(
     # per token: the kernels' scratch rows
     dlC, dlB, R, xdx = (_triton.output((batch * nheads * seqlen,), **f32) for _ in range(4))
     grid = (nchunks * blocks, batch * nheads)
-    strides = (*run.token_strides("x", "dt", "B", "C", "z"), *dout.stride(), *run.token_strides("seq"))
+    strides = (*run.token_strides("x", "dt", "B", "C", "z"), *dout.stride(), *gated.stride(),
+               *run.token_strides("seq"))
     for mode in ("dC", "dX", "dB"):
         _triton.launch(ssd_bwd_block_kernel, grid, (
-            *(run.ptr(n) for n in ("x", "dt", "A", "B", "C", "D", "z", "bias", "seq")), states, dends, cb, dout,
+            *(run.ptr(n) for n in ("x", "dt", "A", "B", "C", "D", "z", "bias", "seq")), states, dends, cb, dout, gated,
             *varlen_args, dx, dB_heads, dC_heads, dD_part, dlB, dlC, R, xdx, *run.sizes, blocks, run.cb_side(),
             *strides,
             D.stride(0) if D is not None else 0,
