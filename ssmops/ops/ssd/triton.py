@@ -38,7 +38,8 @@ DZ_STAGES = 1  # the same kernel recomputing y for dz holds dout's tile too: 128
 # (dB sums over headdim, dx over dstate) blocks of 64 spill registers at Mamba-2's sizes.
 BWD_BLOCK_T = 32
 BWD_WARPS = 8
-BWD_STAGES = 2  # (188, 139, 188 registers in the dC, dX and dB passes; 3 stages: 198, 142, 186)
+BWD_STAGES = 2  # (188, 109, 137 registers in the dC, dX and dB passes on sm_90; 3 stages: 198, 142, 186 before
+# the dX and dB loops read the gated dout instead of gating it)
 STATE_WARPS = 8  # the state passes, forward and backward (a (64, 64) state tile and a block's tiles)
 STATE_STAGES = 3  # (2: 134 and 136 registers on sm_90, still over 128, and 16 bytes spilled on sm_80)
 # C.B^T's tiles in the GEMMs' 16-bit operand dtype (when x, B and C share one): half the output loop's largest

@@ -28,7 +28,7 @@ forward
     channels: y = w (C @ S^T) + ((C @ B^T) * decay mask) @ (dt x), reading C @ B^T's tiles, D and
     the silu(z) gate fused. (Computing C @ B^T here instead, per head and channel block, took
     five of its loop's MMAs in six and 195 registers; reading it, 142.) The backward launches both
-    again to recompute y for dz.
+    again to recompute y for dz, and that launch writes the gated gradient dout * silu(z) too.
   `ssd_varlen_states_kernel`: H_e at each cu_seqlens end e, from its chunk's entering state.
 
 backward (deterministic: every output element is written by one program, partial sums over
@@ -36,8 +36,11 @@ heads of a group and over chunks are summed afterwards in a fixed order; no atom
   `ssd_state_grads_kernel`: the state gradient walks the chunks last to first, like the
     forward's states: the gradient of the state entering chunk c is w_end dE_c + sum_l w_l
     dy_l^T C_l (+ the varlen states' cotangents), with dE_c that of the state after chunk c.
-  `ssd_chunk_bwd_kernel`: a program owns one chunk of one (batch, head) and, from its entering
-    state S and dE_c, computes dx, dB and dC (per head), ddt, and its parts of dA, dD, dt_bias.
+  `ssd_bwd_block_kernel`: a program owns a block of tokens of one chunk of one (batch, head) and,
+    from the chunk's entering state S and dE_c, computes dC (the block as rows), dx or dB (the block
+    as columns), launched once for each (dC, dX, dB passes); their GEMM loops read the gated
+    gradient of the output written by the dz launch. dB and dC are per head, summed over a group's
+    heads by torch. `ssd_bwd_ddt_kernel` then takes ddt and the chunk's parts of dA and dt_bias.
     The gradient of the log decays needs no extra GEMM: with dC_l and dB_s this program's
     (per-head) gradients, dL_l = C_l . dC_l - B_l . dB_l + <dH_e, H_e> at each state output e
     (the chunk's last token, varlen ends), and dt enters through a_t = dt_t A, whose gradient
