@@ -1,6 +1,7 @@
 """What each Triton launch of the scans moves and computes, counted by running it under Triton's interpreter.
 
     TRITON_INTERPRET=1 python benchmarks/triton_counts.py      # rewrites benchmarks/triton_counts.json (minutes)
+    TRITON_INTERPRET=1 python benchmarks/triton_counts.py --only scan   # the Mamba-1 scan's launches only
 
 benchmarks/triton_static.py reads the counts; it reruns this (in a child process, since the interpreter
 must be chosen before the kernels are defined) when `--count` is given or the kernels' source changed.
@@ -8,8 +9,8 @@ must be chosen before the kernels are defined) when `--count` is given or the ke
 The interpreter runs every program of a launch with numpy, so its loads, stores, atomics, `tl.dot`s and
 transcendentals can be counted exactly, loop trips and masks included, at a small shape: the scan's forward at
 128 channels of one row (one program's channels, so that the B/C loads the program shares are
-counted once for all of them, as at the full shape) and its backward, a program per channel, at
-one channel (two 2048-step chunks each, as at the benchmark shape), the SSD scan at one row of
+counted once for all of them, as at the full shape), forward and backward (two 2048-step chunks, as at the
+benchmark shape), the SSD scan at one row of
 512 tokens (two 256-token chunks), two heads of one group, Mamba-2's headdim 64 and dstate 128. Per
 launch it records
 
@@ -45,7 +46,6 @@ COUNTS = Path(__file__).with_name("triton_counts.json")
 SOURCES = ("ssmops/ops/selective_scan/triton_kernels.py", "ssmops/ops/selective_scan/triton.py",
            "ssmops/ops/ssd/triton_kernels.py", "ssmops/ops/ssd/triton.py")
 SCAN_SMALL = dict(batch=1, dim=128, seqlen=4096, dstate=16)
-SCAN_BACKWARD_SMALL = dict(SCAN_SMALL, dim=1)
 SSD_SMALL = dict(batch=1, seqlen=512, nheads=2, headdim=64, ngroups=1, dstate=128, chunk=256)
 _SFU = ("exp", "exp2", "log", "log2", "sin", "cos", "sqrt", "precise_sqrt", "rsqrt")
 
@@ -214,20 +214,24 @@ class _Counter:
 PER_GROUP = ("ssd_cb_kernel",)
 
 
-def count(dtype=torch.bfloat16) -> dict:
-    """Runs the small launches under the interpreter and returns the counts (TRITON_INTERPRET=1 needed)."""
+def count(dtype=torch.bfloat16, only: tuple = ("scan", "ssd")) -> dict:
+    """Runs the small launches of the families `only` names under the interpreter and returns the counts
+    (TRITON_INTERPRET=1 needed); the other families' come from the counts file as it is."""
     from ssmops.ops import _triton
 
     if not _triton.INTERPRETED:
         raise RuntimeError("run under TRITON_INTERPRET=1")
     # per family, (shape, its inputs, channels, which of the recorded launches are counted at it)
     families = {
-        "scan": [(SCAN_SMALL, scan_inputs(**SCAN_SMALL, dtype=dtype), SCAN_SMALL["dim"], slice(0, 1)),
-                 (SCAN_BACKWARD_SMALL, scan_inputs(**SCAN_BACKWARD_SMALL, dtype=dtype), 1, slice(1, None))],
+        "scan": [(SCAN_SMALL, scan_inputs(**SCAN_SMALL, dtype=dtype), SCAN_SMALL["dim"], slice(None))],
         "ssd": [(SSD_SMALL, ssd_inputs(**SSD_SMALL, dtype=dtype), SSD_SMALL["nheads"], slice(None))],
     }
     result = dict(sources=source_hash(), dtype=str(dtype).removeprefix("torch."))
+    kept = json.loads(COUNTS.read_text()) if COUNTS.exists() else {}
     for family, parts in families.items():
+        if family not in only:
+            result[family] = kept[family]
+            continue
         rows = []
         for shape, fwd_args, channels, launches in parts:
             for kernel, grid, args, meta in recorded(family, fwd_args)[launches]:
@@ -244,9 +248,15 @@ def count(dtype=torch.bfloat16) -> dict:
     return result
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description="Recounts benchmarks/triton_counts.json under the interpreter.")
+    p.add_argument("--only", choices=("scan", "ssd"), action="append",
+                   help="recount only this family's launches (repeatable; default: all)")
+    args = p.parse_args(argv)
     sys.path.insert(0, str(REPO))
-    counts = count()
+    counts = count(only=tuple(args.only or ("scan", "ssd")))
     COUNTS.write_text(json.dumps(counts, indent=1) + "\n")
     print(f"wrote {COUNTS.relative_to(REPO)}", file=sys.stderr)
     return 0

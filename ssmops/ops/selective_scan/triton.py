@@ -50,7 +50,7 @@ FORWARD_TILE = 128
 # sums (lane shuffles) before it adds the sum atomically (the deterministic path sums all of its block's).
 BACKWARD_WARPS = 4
 BACKWARD_STATES = 16
-BACKWARD_TILE = 64
+BACKWARD_TILE = 32
 BACKWARD_SEGMENT = 4
 BACKWARD_REDUCE = 1
 

@@ -236,7 +236,10 @@ def _add_bc_grad(rows_ptr, value, d_first, t, n, dim, dpg, seqlen, dstate, REDUC
     """Step t's (BLOCK_D, STATES) gradient of a variable B or C into its time-major (rows, seqlen, dstate)
     buffer: summed over REDUCE consecutive channels (of one group) first, then added atomically to their
     group's row (ATOMIC), or stored in their own row (each is written once, by this program)."""
-    part = tl.sum(tl.reshape(value, (BLOCK_D // REDUCE, REDUCE, STATES)), axis=1)
+    if REDUCE == 1:  # (no reshape: the value keeps its layout, and the atomics go out from its registers)
+        part = value
+    else:
+        part = tl.sum(tl.reshape(value, (BLOCK_D // REDUCE, REDUCE, STATES)), axis=1)
     first = d_first + tl.arange(0, BLOCK_D // REDUCE) * REDUCE
     if ATOMIC:
         rows = first // dpg
@@ -377,38 +380,37 @@ def selective_scan_bwd_kernel(
             # the adjoint back over it
             d_dtu = tl.zeros([BLOCK_D, BLOCK_T], dtype=tl.float32)  # gradient of dt u through the drives
             d_dt_decay = tl.zeros([BLOCK_D, BLOCK_T], dtype=tl.float32)  # of dt through the decays, / ln 2
-            for i in tl.static_range(BLOCK_T):
-                k: tl.constexpr = BLOCK_T - 1 - i
+            for r in tl.static_range(BLOCK_T - 1, -1, -1):
                 B_t = B_const
                 if B_VAR:
-                    B_t = _bc_step(B_rows, n, t0 + k, s_Bn, s_Bt, B_SHARED)
+                    B_t = _bc_step(B_rows, n, t0 + r, s_Bn, s_Bt, B_SHARED)
                 C_t = C_const
                 if C_VAR:
-                    C_t = _bc_step(C_rows, n, t0 + k, s_Cn, s_Ct, C_SHARED)
-                dy_k = _column(dy, tt, k)[:, None]
-                dtu_k = _column(dtu, tt, k)[:, None]
-                g = carry + C_t * dy_k
+                    C_t = _bc_step(C_rows, n, t0 + r, s_Cn, s_Ct, C_SHARED)
+                dy_step = _column(dy, tt, r)[:, None]
+                dtu_step = _column(dtu, tt, r)[:, None]
+                g = carry + C_t * dy_step
                 if PADDED_STATES:
                     g = tl.where(mask_dn, g, 0.0)
-                if k == 0:
+                if r == 0:
                     h_prev = h_start
                 else:
-                    h_prev = states[k - 1]
-                q = (g * h_prev) * decays[k]
-                dA_acc += q * _column(dt, tt, k)[:, None]
-                d_dt_decay = _with_column(d_dt_decay, tt, k, tl.sum(q * A2, axis=1))
-                d_dtu = _with_column(d_dtu, tt, k, tl.sum(g * B_t, axis=1))
+                    h_prev = states[r - 1]
+                q = (g * h_prev) * decays[r]
+                dA_acc += q * _column(dt, tt, r)[:, None]
+                d_dt_decay = _with_column(d_dt_decay, tt, r, tl.sum(q * A2, axis=1))
+                d_dtu = _with_column(d_dtu, tt, r, tl.sum(g * B_t, axis=1))
                 if B_VAR:
-                    _add_bc_grad(dB_rows, g * dtu_k, d_first, t0 + k, n, dim, dpg_B, seqlen, dstate, REDUCE_B,
+                    _add_bc_grad(dB_rows, g * dtu_step, d_first, t0 + r, n, dim, dpg_B, seqlen, dstate, REDUCE_B,
                                  BLOCK_D, STATES, BC_ATOMIC)
                 else:
-                    dB_acc += g * dtu_k
+                    dB_acc += g * dtu_step
                 if C_VAR:
-                    _add_bc_grad(dC_rows, states[k] * dy_k, d_first, t0 + k, n, dim, dpg_C, seqlen, dstate,
+                    _add_bc_grad(dC_rows, states[r] * dy_step, d_first, t0 + r, n, dim, dpg_C, seqlen, dstate,
                                  REDUCE_C, BLOCK_D, STATES, BC_ATOMIC)
                 else:
-                    dC_acc += states[k] * dy_k
-                carry = decays[k] * g
+                    dC_acc += states[r] * dy_step
+                carry = decays[r] * g
             if STATE_TILES > 1:  # the sums over the states of the earlier state tiles
                 at = row[:, None] * seqlen + t[None, :]
                 y += tl.load(part_ptr + at, mask=mask & (s > 0), other=0.0)
