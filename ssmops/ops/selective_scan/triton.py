@@ -190,7 +190,9 @@ def selective_scan_bwd(
         return _pow2_divisor(dim // _groups(M), cap) if M.dim() > 2 else 1
 
     reduce_B, reduce_C = reduced(B), reduced(C)
-    rows_B, rows_C = ((_groups(M) if bc_atomic else dim // r) for M, r in ((B, reduce_B), (C, reduce_C)))
+    padded_dim = triton.cdiv(dim, cfg["BLOCK_D"]) * cfg["BLOCK_D"]  # (the deterministic rows of every channel)
+    rows_B, rows_C = ((_groups(M) if bc_atomic else padded_dim // r) for M, r in ((B, reduce_B), (C, reduce_C)))
+    steps, states = -(-seqlen // cfg["BLOCK_T"]) * cfg["BLOCK_T"], cfg["STATES"] * cfg["STATE_TILES"]
     n_segments = -(-(-(-seqlen // cfg["BLOCK_T"])) // cfg["SEGMENT"])
     f32 = dict(dtype=torch.float32, device=u.device)
     # every buffer a kernel writes is 1-D, viewed as its shape after the launch (_triton.output)
@@ -209,7 +211,7 @@ def selective_scan_bwd(
     def bc_part(M: Tensor, rows: int) -> Tensor:
         if M.dim() == 2:
             return _triton.output((batch, dim, dstate), **f32)
-        return _triton.output((batch, rows, seqlen, dstate), **f32, zero=bc_atomic)
+        return _triton.output((batch, rows, steps, states), **f32, zero=bc_atomic)
 
     dB_part, dC_part = bc_part(B, rows_B), bc_part(C, rows_C)
     shared = {f"{name}_SHARED": M.dim() == 3 or (M.dim() == 4 and (dim // M.shape[1]) % cfg["BLOCK_D"] == 0)
@@ -235,10 +237,14 @@ def selective_scan_bwd(
         if M.dim() == 2:
             return part.view(batch, dim, dstate).sum(0).to(M.dtype)
         groups = _groups(M)
-        part = part.view(batch, groups, rows // groups, seqlen, dstate)
-        part = part[:, :, 0] if bc_atomic else part.sum(2)
-        grad = M.new_empty(M.shape)  # (time-major to M's layout)
-        grad.view(batch, groups, dstate, seqlen).copy_(part.transpose(-1, -2))
+        if bc_atomic:
+            part = part.view(batch, groups, steps, states)
+        else:  # a group's rows, summed in order (the rows of channels past dim are left out)
+            per_row = reduced(M)
+            part = part.view(batch, rows, steps, states)[:, :dim // per_row]
+            part = part.reshape(batch, groups, dim // groups // per_row, steps, states).sum(2)
+        grad = M.new_empty(M.shape)  # (time-major to M's layout, without the padding)
+        grad.view(batch, groups, dstate, seqlen).copy_(part[..., :seqlen, :dstate].transpose(-1, -2))
         return grad
 
     def summed(part: Tensor, present: bool) -> Tensor:  # a (batch, dim) partial over the batch

@@ -231,27 +231,51 @@ def _advance(h, A2, dt, dtu, B_rows, B_const, n, t0, mask_dn, s_Bn, s_Bt, B_VAR:
 
 
 @triton.jit
-def _add_bc_grad(rows_ptr, value, d_first, t, n, dim, dpg, seqlen, dstate, REDUCE: tl.constexpr,
-                 BLOCK_D: tl.constexpr, STATES: tl.constexpr, ATOMIC: tl.constexpr):
-    """Step t's (BLOCK_D, STATES) gradient of a variable B or C into its time-major (rows, seqlen, dstate)
-    buffer: summed over REDUCE consecutive channels (of one group) first, then added atomically to their
-    group's row (ATOMIC), or stored in their own row (each is written once, by this program)."""
-    if REDUCE == 1:  # (no reshape: the value keeps its layout, and the atomics go out from its registers)
+def _store_states(ptrs, h, stride, mask_d, STATES: tl.constexpr):
+    """Stores the (BLOCK_D, STATES) states h a state at a time, state n at ptrs + n * stride: a column is a
+    register of each thread and a row of consecutive channels in memory, so the stores stay coalesced and
+    the tile needs no change of layout (a (channels, states) tile stored at once would be laid out for
+    vector stores along the states, through shared memory)."""
+    cols = tl.arange(0, STATES)
+    for n in tl.static_range(STATES):
+        tl.store(ptrs + n * stride, _column(h, cols, n), mask=mask_d)
+
+
+@triton.jit
+def _load_states(ptrs, stride, mask_d, BLOCK_D: tl.constexpr, STATES: tl.constexpr):
+    """The states _store_states stored, as a (BLOCK_D, STATES) tile."""
+    cols = tl.arange(0, STATES)
+    h = tl.zeros([BLOCK_D, STATES], dtype=tl.float32)
+    for n in tl.static_range(STATES):
+        h = _with_column(h, cols, n, tl.load(ptrs + n * stride, mask=mask_d, other=0.0))
+    return h
+
+
+@triton.jit
+def _add_bc_grad(rows_ptr, value, d_first, t, n_first, dim, dpg, seqlen_padded, states_padded,
+                 REDUCE: tl.constexpr, BLOCK_D: tl.constexpr, STATES: tl.constexpr, ATOMIC: tl.constexpr):
+    """Step t's (BLOCK_D, STATES) gradient of a variable B or C (states n_first ...) into its time-major
+    (rows, seqlen_padded, states_padded) buffer: summed over REDUCE consecutive channels (of one group)
+    first, then added atomically to their group's row (ATOMIC), or stored in their own row (each is
+    written once, by this program). A state at a time, from the registers that hold it (as _store_states).
+    No masks: the buffer has the padding steps and states, whose values are 0 (or discarded: the caller
+    slices them off), and a channel past dim (value 0) adds to the last channel's group."""
+    if REDUCE == 1:
         part = value
     else:
         part = tl.sum(tl.reshape(value, (BLOCK_D // REDUCE, REDUCE, STATES)), axis=1)
     first = d_first + tl.arange(0, BLOCK_D // REDUCE) * REDUCE
     if ATOMIC:
-        rows = first // dpg
+        rows = tl.minimum(first, dim - 1) // dpg
     else:
-        rows = first // REDUCE
-    ptrs = rows_ptr + (rows[:, None] * seqlen + t) * dstate + n[None, :]
-    # (t over the states: the interpreter's atomics refuse a mask broadcast from a scalar)
-    mask = (first < dim)[:, None] & ((n < dstate) & (t + 0 * n < seqlen))[None, :]
-    if ATOMIC:
-        tl.atomic_add(ptrs, part, mask=mask, sem="relaxed")
-    else:
-        tl.store(ptrs, part, mask=mask)
+        rows = first // REDUCE  # (the buffer has rows for the channels past dim)
+    ptrs = rows_ptr + (rows * seqlen_padded + t) * states_padded + n_first
+    cols = tl.arange(0, STATES)
+    for n in tl.static_range(STATES):
+        if ATOMIC:
+            tl.atomic_add(ptrs + n, _column(part, cols, n), sem="relaxed")
+        else:
+            tl.store(ptrs + n, _column(part, cols, n))
 
 
 @triton.jit
@@ -272,8 +296,8 @@ def selective_scan_bwd_kernel(
     """A program takes BLOCK_D channels of one batch row, a thread one channel (see the module's
     docstring); B and C as the forward reads them. Outputs, 1-D and contiguous: du, ddelta, dz (batch,
     dim, seqlen); float32: dA (batch, dim, dstate), dD and dbias (batch, dim), a constant dB/dC (batch,
-    dim, dstate), a variable one (batch, rows, seqlen, dstate) (rows_B: its groups if BC_ATOMIC, else
-    dim / REDUCE_B), dinit (batch, dim, dstate). Scratch: ckpt (batch, dim, n_segments, STATES); part
+    dim, dstate), a variable one (batch, rows, seqlen, dstate) padded to whole tiles of steps and states
+    (rows_B: its groups if BC_ATOMIC, else the programs' channels / REDUCE_B), dinit (batch, dim, dstate). Scratch: ckpt (batch, n_segments, STATES, dim); part
     (3, batch, dim, seqlen), the sums over the earlier state tiles (only when STATE_TILES > 1)."""
     pid_b = tl.program_id(1).to(tl.int64)
     d_first = tl.program_id(0).to(tl.int64) * BLOCK_D
@@ -295,10 +319,11 @@ def selective_scan_bwd_kernel(
     d_real = tl.minimum(dd, dim - 1)
     B_rows = _bc_rows(B_ptr, pid_b, d_real, d_first, dpg_B, s_Bb, s_Bg, B_VAR, B_SHARED)
     C_rows = _bc_rows(C_ptr, pid_b, d_real, d_first, dpg_C, s_Cb, s_Cg, C_VAR, C_SHARED)
-    dB_rows = dB_ptr + pid_b * rows_B * seqlen * dstate
-    dC_rows = dC_ptr + pid_b * rows_C * seqlen * dstate
+    seqlen_padded = (seqlen + BLOCK_T - 1) // BLOCK_T * BLOCK_T
+    dB_rows = dB_ptr + pid_b * rows_B * seqlen_padded * (STATES * STATE_TILES)
+    dC_rows = dC_ptr + pid_b * rows_C * seqlen_padded * (STATES * STATE_TILES)
     row = pid_b * dim + dd  # of the (batch, dim, ...) outputs
-    ckpt_rows = ckpt_ptr + row[:, None] * n_segments * STATES + cols[None, :]
+    ckpt_rows = ckpt_ptr + pid_b * n_segments * STATES * dim + dd  # state n of segment j at (j STATES + n) dim
     segment_len = SEGMENT * BLOCK_T
     n_tiles = (seqlen + BLOCK_T - 1) // BLOCK_T
     elements = tl.num_programs(1) * dim * seqlen  # of a (batch, dim, seqlen) part of `part`
@@ -322,7 +347,7 @@ def selective_scan_bwd_kernel(
 
         # forwards: the state at the start of every segment
         for j in range(0, n_segments):
-            tl.store(ckpt_rows + j * STATES, h, mask=mask_d[:, None])
+            _store_states(ckpt_rows + j * STATES * dim, h, dim, mask_d, STATES)
             for t0 in range(j * segment_len, tl.minimum(seqlen, (j + 1) * segment_len), BLOCK_T):
                 t = t0 + tt
                 _, _, dt, dtu = _drive(u_rows, delta_rows, bias, t, mask_d[:, None] & (t < seqlen)[None, :],
@@ -341,7 +366,7 @@ def selective_scan_bwd_kernel(
         for back in range(0, n_tiles):
             t0 = (n_tiles - 1 - back) * BLOCK_T
             j = t0 // segment_len
-            h_start = tl.load(ckpt_rows + j * STATES, mask=mask_d[:, None], other=0.0)
+            h_start = _load_states(ckpt_rows + j * STATES * dim, dim, mask_d, BLOCK_D, STATES)
             for t1 in range(j * segment_len, t0, BLOCK_T):
                 t = t1 + tt
                 _, _, dt, dtu = _drive(u_rows, delta_rows, bias, t, mask_d[:, None] & (t < seqlen)[None, :],
@@ -401,13 +426,13 @@ def selective_scan_bwd_kernel(
                 d_dt_decay = _with_column(d_dt_decay, tt, r, tl.sum(q * A2, axis=1))
                 d_dtu = _with_column(d_dtu, tt, r, tl.sum(g * B_t, axis=1))
                 if B_VAR:
-                    _add_bc_grad(dB_rows, g * dtu_step, d_first, t0 + r, n, dim, dpg_B, seqlen, dstate, REDUCE_B,
-                                 BLOCK_D, STATES, BC_ATOMIC)
+                    _add_bc_grad(dB_rows, g * dtu_step, d_first, t0 + r, s * STATES, dim, dpg_B, seqlen_padded,
+                                 STATES * STATE_TILES, REDUCE_B, BLOCK_D, STATES, BC_ATOMIC)
                 else:
                     dB_acc += g * dtu_step
                 if C_VAR:
-                    _add_bc_grad(dC_rows, states[r] * dy_step, d_first, t0 + r, n, dim, dpg_C, seqlen, dstate,
-                                 REDUCE_C, BLOCK_D, STATES, BC_ATOMIC)
+                    _add_bc_grad(dC_rows, states[r] * dy_step, d_first, t0 + r, s * STATES, dim, dpg_C,
+                                 seqlen_padded, STATES * STATE_TILES, REDUCE_C, BLOCK_D, STATES, BC_ATOMIC)
                 else:
                     dC_acc += states[r] * dy_step
                 carry = decays[r] * g
