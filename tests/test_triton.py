@@ -199,16 +199,21 @@ def test_triton_backward_through_autograd_matches_reference():
         assert_close(g, g_ref[name], TOLERANCES[torch.float32], f"d{name}")
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("reduce, deterministic", [(1, False), (4, False), (None, True)],
+                         ids=["atomic", "atomic-after-4-channels", "deterministic"])
 @needs_interpreter
-def test_triton_variable_dB_dC_summed_over_channel_blocks(deterministic, monkeypatch):
-    """Variable dB/dC are summed over a group's channels (4 here): by atomics, one program per
-    channel, or, under torch.use_deterministic_algorithms(True), by programs that each add up
-    2 channels in their own rows, which are then summed in a fixed order: the same bits on every run."""
+def test_triton_variable_dB_dC_summed_over_channels(reduce, deterministic, monkeypatch):
+    """Variable dB/dC are summed over a group's channels: added atomically per channel, or after a sum over
+    4 channels in the program (BACKWARD_REDUCE), or, under torch.use_deterministic_algorithms(True),
+    summed over a program's channels of a group into rows of its own, which are then summed in a fixed
+    order: the same bits on every run. B is shared by all 128 channels (two programs of 64: two rows a
+    batch row), C by groups of 32 (two groups a program)."""
     from ssmops.ops.selective_scan import triton as scan_triton
 
-    monkeypatch.setattr(scan_triton, "DETERMINISTIC_CHANNELS", 2)
-    case = Case(batch=2, dim=8, seqlen=9, dstate=4, B="g2", C="g2", initial_state=True)
+    monkeypatch.setattr(scan_triton, "BACKWARD_WARPS", 2)  # (blocks of 64 channels)
+    if reduce is not None:
+        monkeypatch.setattr(scan_triton, "BACKWARD_REDUCE", reduce)
+    case = Case(batch=2, dim=128, seqlen=9, dstate=4, B="var", C="g4", initial_state=True)
     kw = make_inputs(case)
     _, _, g_ref = run_scan_with_grads(ssmops.selective_scan_ref, kw)
     torch.use_deterministic_algorithms(deterministic)
@@ -226,23 +231,30 @@ def test_triton_variable_dB_dC_summed_over_channel_blocks(deterministic, monkeyp
 
 @needs_interpreter
 @pytest.mark.parametrize("dim, dtype", [(128, torch.float32), (66, torch.bfloat16)], ids=["shared", "split"])
-def test_triton_forward_blocks_of_channels(dim, dtype, monkeypatch):
-    """The forward over several programs' blocks of channels (64 a program here): B/C groups of 64
-    channels that each block loads once a step for all its channels ("shared"), and groups of 33 that
-    split blocks, the last block 2 channels of 64 ("split"); a sequence that ends inside a tile."""
+def test_triton_blocks_of_channels(dim, dtype, monkeypatch):
+    """The forward and the backward over several programs' blocks of channels (64 a program here): B/C
+    groups of 64 channels that each block loads once a step for all its channels ("shared"), and groups
+    of 33 that split blocks, the last block 2 channels of 64 ("split"); a sequence that ends inside a
+    tile; the backward's walk over several checkpoints (BACKWARD_SEGMENT tiles apart)."""
     from ssmops.ops.selective_scan import triton as scan_triton
 
     monkeypatch.setattr(scan_triton, "FORWARD_WARPS", 2)
+    monkeypatch.setattr(scan_triton, "BACKWARD_WARPS", 2)
     case = Case(batch=2, dim=dim, seqlen=37, dstate=4, dtype=dtype, B="g2", C="g2", initial_state=True)
     kw, args = make_inputs(case), _fwd_args(case)
     assert scan_triton._forward_config(dim, 4, kw["u"].element_size())["BLOCK_D"] == 64
+    assert scan_triton._backward_config(dim, 4, kw["u"].element_size())["BLOCK_D"] == 64
     out, x, out_z, last = scan_triton.selective_scan_fwd(*args)
-    y_ref, last_ref = ssmops.selective_scan_ref(**kw, return_last_state=True)
+    y_ref, last_ref, g_ref = run_scan_with_grads(ssmops.selective_scan_ref, kw)
     assert_close(out_z, y_ref, TOLERANCES[dtype], "out")
     assert_close(last, last_ref, TOLERANCES[torch.float32], "last_state")
     with ssmops.use_backend("default"):
         x_ref = torch.ops.ssmops.selective_scan_fwd(*args)[1]
     assert_close(x, x_ref, TOLERANCES[torch.float32], "scan_intermediates")
+    with ssmops.use_backend("triton"):
+        grads = run_scan_with_grads(ssmops.selective_scan_fn, kw)[2]
+    for name in grads:
+        assert_close(grads[name], g_ref[name], TOLERANCES[dtype], f"d{name}")
 
 
 def _ssd_args(batch=2, seqlen=37, nheads=4, headdim=8, ngroups=2, dstate=16, chunk=16, dtype=torch.float32,
@@ -702,8 +714,8 @@ def test_triton_ops_trace_into_kernel_launches_on_cuda_tensors():
 
     The selective scan: a non-contiguous input (z, transposed) reaches each launch as a contiguous copy:
     the launch's stride numbers are the traced ones, which Inductor does not always keep for a view
-    (_triton.contiguous_when_traced); the forward's program takes 64 channels (2 warps) and reads a
-    time-major copy of B and C. The SSD: grids from the sizes (one (headdim, dstate) state tile, 4
+    (_triton.contiguous_when_traced); the forward's and the backward's programs take 64 channels (2 warps)
+    and read a time-major copy of B and C. The SSD: grids from the sizes (one (headdim, dstate) state tile, 4
     chunks of 64, batch x nheads = 16, batch x ngroups = 4 for C . B^T, 2 blocks of 32 tokens a chunk in the
     backward). The decoding steps, called through the public front end: a launch each, over blocks of 64
     channels (Mamba-1's tile of 1024 at dstate 16) and per (head, batch). The conv: a dense channel-last x
@@ -722,7 +734,7 @@ def test_triton_ops_trace_into_kernel_launches_on_cuda_tensors():
     # the forward reads B and C time-major: (batch, dstate, seqlen) copied to (batch, seqlen, dstate)
     bc_copy = f"copy {(dstate * seqlen, 1, seqlen)} -> {(seqlen * dstate, dstate, 1)}"
     assert lines["scan"] == [z_copy, bc_copy, bc_copy, "launch selective_scan_fwd_kernel [2] [(1, 2, 1)]",
-                             z_copy, "launch selective_scan_bwd_kernel [1] [(64, 2, 1)]"], proc.stdout
+                             z_copy, bc_copy, bc_copy, "launch selective_scan_bwd_kernel [2] [(1, 2, 1)]"], proc.stdout
     conv = ["launch causal_conv1d_fwd_kernel [4] [(1, 4, 2)]", "launch causal_conv1d_dpre_kernel [4] [(1, 4, 2)]",
             "launch causal_conv1d_dstream_kernel [4] [(1, 4, 2)]"]
     assert lines["conv64"] == conv, proc.stdout
