@@ -201,19 +201,20 @@ def test_triton_backward_through_autograd_matches_reference():
 
 @pytest.mark.parametrize("reduce, deterministic", [(1, False), (4, False), (None, True)],
                          ids=["atomic", "atomic-after-4-channels", "deterministic"])
+@pytest.mark.parametrize("bc", ["var", "g4"])
 @needs_interpreter
-def test_triton_variable_dB_dC_summed_over_channels(reduce, deterministic, monkeypatch):
+def test_triton_variable_dB_dC_summed_over_channels(bc, reduce, deterministic, monkeypatch):
     """Variable dB/dC are summed over a group's channels: added atomically per channel, or after a sum over
     4 channels in the program (BACKWARD_REDUCE), or, under torch.use_deterministic_algorithms(True),
     summed over a program's channels of a group into rows of its own, which are then summed in a fixed
-    order: the same bits on every run. B is shared by all 128 channels (two programs of 64: two rows a
-    batch row), C by groups of 32 (two groups a program)."""
+    order: the same bits on every run. B and C shared by all 128 channels (two programs of 64: two rows
+    a batch row to sum), or by groups of 32 (two groups a program)."""
     from ssmops.ops.selective_scan import triton as scan_triton
 
     monkeypatch.setattr(scan_triton, "BACKWARD_WARPS", 2)  # (blocks of 64 channels)
     if reduce is not None:
         monkeypatch.setattr(scan_triton, "BACKWARD_REDUCE", reduce)
-    case = Case(batch=2, dim=128, seqlen=9, dstate=4, B="var", C="g4", initial_state=True)
+    case = Case(batch=2, dim=128, seqlen=9, dstate=4, B=bc, C=bc, initial_state=True)
     kw = make_inputs(case)
     _, _, g_ref = run_scan_with_grads(ssmops.selective_scan_ref, kw)
     torch.use_deterministic_algorithms(deterministic)
@@ -448,18 +449,20 @@ def test_triton_kernels_compile_for_gpus_without_spilling(target, case, determin
         compiled = aot.compile_launch(kernel, args, meta, target)
         usage = aot.resource_usage(compiled)
         print(kernel.__name__, target, meta.get("BLOCK_T"), meta["num_warps"], usage)
-        # rows of a length not divisible by 16 are read element by element, not in vectors, and the
-        # backward's addresses then spill a few registers
-        limit = 0 if case.seqlen % 16 == 0 else 128
-        if kernel.__name__ == "selective_scan_fwd_kernel":
-            # the forward's walk takes every register ptxas allows (its next tile's loads in flight, a
-            # tile's decays computed ahead) and parks a few of its addresses in local memory around its
-            # loops; inside the loop over time at most 1 instruction in 100 touches local memory (none
-            # on sm_90; one load and one store of ~900 instructions on sm_80 with 4 state tiles)
-            limit = 256
+        limit = 0
+        if kernel.__name__ in ("selective_scan_fwd_kernel", "selective_scan_bwd_kernel"):
+            # the scans' walks take every register ptxas allows (the forward's next tile's loads in flight
+            # and a tile's decays computed ahead; the backward's tile of states and decays) and park a few
+            # of their addresses in local memory around their loops; inside each loop over time (a tile's
+            # work: the loops of a few hundred instructions) at most 1 instruction in 100 touches local
+            # memory (the forward: none on sm_90, one load and one store of ~900 instructions on sm_80
+            # with 4 state tiles)
+            limit = 512
             if target.startswith("sm"):
-                loop = aot.innermost_loop(compiled)
-                assert loop["LDL"] + loop["STL"] <= sum(loop.values()) // 100, (kernel.__name__, loop)
+                for loop in aot.loop_nest(compiled):
+                    own = loop["own"]
+                    if sum(own.values()) >= 200:
+                        assert own["LDL"] + own["STL"] <= sum(own.values()) // 100, (kernel.__name__, own)
         assert usage["spills"] <= limit, (kernel.__name__, usage)
 
 
@@ -579,13 +582,13 @@ def test_triton_kernels_write_only_flat_buffers_of_their_own():
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
 @pytest.mark.skipif(interpreting(), reason="compiles the JIT kernels, which the interpreter replaces")
 @pytest.mark.skipif(TRITON_INSTALLED and _triton_version() < (3, 9),
-                    reason="the counts are Triton 3.9's lowering: 3.6 (torch 2.11's) lowers the backward's "
-                           "tl.gather across lanes, 18.75 shuffles per element (issue 42)")
+                    reason="the counts are Triton 3.9's lowering (3.6, torch 2.11's, lowered some ops across "
+                           "lanes where 3.9 does not: issue 42)")
 def test_triton_static_estimate_shows_time_inside_the_threads():
     """benchmarks/triton_static.py runs without a GPU. Its lane-shuffle counts guard the kernels'
-    layout: the forward's loop over time, a thread's channel with its states in registers, needs no
-    shuffle, and the backward's, with time inside the threads, under 12 (with time across lanes it
-    needed 43)."""
+    layout: the loops over time of the forward and the backward, a thread's channel with its states in
+    registers, need no shuffle (the backward's, mamba_ssm's layout with time across lanes, needed 6.75
+    per element, and 43 before that)."""
     proc = subprocess.run([sys.executable, "benchmarks/triton_static.py", "--no-bounds"], cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -593,9 +596,8 @@ def test_triton_static_estimate_shows_time_inside_the_threads():
                                                                                                      "backward"))}
     header = next(line.split() for line in proc.stdout.splitlines() if line.startswith("pass"))
     shuffles = header.index("shfl/elt")
-    assert float(rows["forward"][shuffles]) == 0 and float(rows["backward"][shuffles]) < 12, proc.stdout
-    # (the forward parks a few addresses outside its loop over time: test_triton_kernels_compile_for_gpus...)
-    assert rows["backward"][header.index("spill")] == "0", proc.stdout
+    assert float(rows["forward"][shuffles]) == 0 and float(rows["backward"][shuffles]) == 0, proc.stdout
+    # (both park a few addresses outside their loops over time: test_triton_kernels_compile_for_gpus...)
 
 
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
