@@ -454,15 +454,18 @@ def test_triton_kernels_compile_for_gpus_without_spilling(target, case, determin
             # the scans' walks take every register ptxas allows (the forward's next tile's loads in flight
             # and a tile's decays computed ahead; the backward's tile of states and decays) and park a few
             # of their addresses in local memory around their loops; inside each loop over time (a tile's
-            # work: the loops of a few hundred instructions) at most 1 instruction in 100 touches local
-            # memory (the forward: none on sm_90, one load and one store of ~900 instructions on sm_80
-            # with 4 state tiles)
+            # work: an innermost loop, or one larger than the loops inside it, as the backward's walk
+            # back) at most 1 instruction in 100 touches local memory (the forward: none on sm_90, one load
+            # and one store of ~900 instructions on sm_80 with 4 state tiles)
             limit = 512
             if target.startswith("sm"):
-                for loop in aot.loop_nest(compiled):
-                    own = loop["own"]
-                    if sum(own.values()) >= 200:
-                        assert own["LDL"] + own["STL"] <= sum(own.values()) // 100, (kernel.__name__, own)
+                loops = aot.loop_nest(compiled)
+                for i, loop in enumerate(loops):
+                    size = sum(loop["own"].values())
+                    inner = [sum(other["own"].values()) for other in loops if other["inside"] == i]
+                    if all(size > n for n in inner):
+                        own = loop["own"]
+                        assert own["LDL"] + own["STL"] <= size // 100, (kernel.__name__, own)
         assert usage["spills"] <= limit, (kernel.__name__, usage)
 
 
@@ -735,8 +738,11 @@ def test_triton_ops_trace_into_kernel_launches_on_cuda_tensors():
     z_copy = f"copy {(seqlen * dim, 1, dim)} -> {(dim * seqlen, seqlen, 1)}"
     # the forward reads B and C time-major: (batch, dstate, seqlen) copied to (batch, seqlen, dstate)
     bc_copy = f"copy {(dstate * seqlen, 1, seqlen)} -> {(seqlen * dstate, dstate, 1)}"
+    # and the backward's dB and dC back from time-major: (batch, groups, seqlen, dstate) to (..., dstate, seqlen)
+    grad_copy = f"copy {(dstate * seqlen, dstate * seqlen, 1, dstate)} -> {(dstate * seqlen, dstate * seqlen, seqlen, 1)}"
     assert lines["scan"] == [z_copy, bc_copy, bc_copy, "launch selective_scan_fwd_kernel [2] [(1, 2, 1)]",
-                             z_copy, bc_copy, bc_copy, "launch selective_scan_bwd_kernel [2] [(1, 2, 1)]"], proc.stdout
+                             z_copy, bc_copy, bc_copy, "launch selective_scan_bwd_kernel [2] [(1, 2, 1)]",
+                             grad_copy, grad_copy], proc.stdout
     conv = ["launch causal_conv1d_fwd_kernel [4] [(1, 4, 2)]", "launch causal_conv1d_dpre_kernel [4] [(1, 4, 2)]",
             "launch causal_conv1d_dstream_kernel [4] [(1, 4, 2)]"]
     assert lines["conv64"] == conv, proc.stdout

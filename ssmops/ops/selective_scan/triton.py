@@ -243,9 +243,11 @@ def selective_scan_bwd(
             per_row = reduced(M)
             part = part.view(batch, rows, steps, states)[:, :dim // per_row]
             part = part.reshape(batch, groups, dim // groups // per_row, steps, states).sum(2)
-        grad = M.new_empty(M.shape)  # (time-major to M's layout, without the padding)
-        grad.view(batch, groups, dstate, seqlen).copy_(part[..., :seqlen, :dstate].transpose(-1, -2))
-        return grad
+        # time-major to M's layout, without the padding (narrow and clone, not [...] and contiguous, which
+        # refuse fake CUDA tensors in CPU-only torch)
+        grad = part.narrow(-2, 0, seqlen).narrow(-1, 0, dstate).transpose(-1, -2).to(M.dtype)
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        return grad.view(M.shape)
 
     def summed(part: Tensor, present: bool) -> Tensor:  # a (batch, dim) partial over the batch
         return part.view(batch, dim).sum(0) if present else part

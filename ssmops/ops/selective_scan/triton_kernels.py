@@ -382,7 +382,8 @@ def selective_scan_bwd_kernel(
             if HAS_Z:
                 zv = tl.load(z_rows[:, None] + t[None, :] * s_zt, mask=mask, other=0.0).to(tl.float32)
                 dy = g_out * zv * tl.sigmoid(zv)
-            # the tile again, its states and decays kept (a register each)
+            # the tile again, its states (but the last, which no step needs as its previous one) and decays
+            # kept, a register each; dC_t = h_t dy_t, which needs no adjoint, on the way
             states = ()
             decays = ()
             h = h_start
@@ -391,17 +392,24 @@ def selective_scan_bwd_kernel(
                 B_t = B_const
                 if B_VAR:
                     B_t = _bc_step(B_rows, n, t0 + k, s_Bn, s_Bt, B_SHARED)
+                C_t = C_const
+                if C_VAR:
+                    C_t = _bc_step(C_rows, n, t0 + k, s_Cn, s_Ct, C_SHARED)
                 decay = tl.exp2(_column(dt, tt, k)[:, None] * A2)
                 h = decay * h + _column(dtu, tt, k)[:, None] * B_t
                 if PADDED_STATES:
                     h = tl.where(mask_dn, h, 0.0)
-                states = states + (h,)
+                if k < BLOCK_T - 1:
+                    states = states + (h,)
                 decays = decays + (decay,)
                 if HAS_Z:
-                    C_t = C_const
-                    if C_VAR:
-                        C_t = _bc_step(C_rows, n, t0 + k, s_Cn, s_Ct, C_SHARED)
                     y = _with_column(y, tt, k, tl.sum(h * C_t, axis=1))
+                dy_step = _column(dy, tt, k)[:, None]
+                if C_VAR:
+                    _add_bc_grad(dC_rows, h * dy_step, d_first, t0 + k, s * STATES, dim, dpg_C, seqlen_padded,
+                                 STATES * STATE_TILES, REDUCE_C, BLOCK_D, STATES, BC_ATOMIC)
+                else:
+                    dC_acc += h * dy_step
             # the adjoint back over it
             d_dtu = tl.zeros([BLOCK_D, BLOCK_T], dtype=tl.float32)  # gradient of dt u through the drives
             d_dt_decay = tl.zeros([BLOCK_D, BLOCK_T], dtype=tl.float32)  # of dt through the decays, / ln 2
@@ -430,11 +438,6 @@ def selective_scan_bwd_kernel(
                                  STATES * STATE_TILES, REDUCE_B, BLOCK_D, STATES, BC_ATOMIC)
                 else:
                     dB_acc += g * dtu_step
-                if C_VAR:
-                    _add_bc_grad(dC_rows, states[r] * dy_step, d_first, t0 + r, s * STATES, dim, dpg_C,
-                                 seqlen_padded, STATES * STATE_TILES, REDUCE_C, BLOCK_D, STATES, BC_ATOMIC)
-                else:
-                    dC_acc += states[r] * dy_step
                 carry = decays[r] * g
             if STATE_TILES > 1:  # the sums over the states of the earlier state tiles
                 at = row[:, None] * seqlen + t[None, :]
