@@ -43,15 +43,17 @@ def _pow2_divisor(n: int, cap: int) -> int:
 FORWARD_WARPS = 4
 FORWARD_STATES = 16
 FORWARD_TILE = 128
-# The backward keeps a tile's states and decays (two registers a pair) while the adjoint runs back over it.
-# BACKWARD_SEGMENT: tiles between two checkpoints of its first walk (a float32 state per channel, state and
-# segment: seqlen / (SEGMENT * tile steps) of them); each tile is then reached by walking up to SEGMENT - 1
-# tiles from its segment's checkpoint. BACKWARD_REDUCE: channels of a group whose variable dB/dC a program
-# sums (lane shuffles) before it adds the sum atomically (the deterministic path sums all of its block's).
+# The backward keeps a register tile's states and decays (two registers a pair) while the adjoint runs back
+# over it; it reads its inputs a tile of 16-byte rows at a time (8 steps of a 16-bit input), and reaches each
+# register tile from the read tile's start by walking the register tiles before it. BACKWARD_SEGMENT: read
+# tiles between two checkpoints of its first walk (a float32 state per channel, state and segment:
+# seqlen / (SEGMENT * tile steps) of them); a read tile is then reached by walking up to SEGMENT - 1 tiles
+# from its segment's checkpoint. BACKWARD_REDUCE: channels of a group whose variable dB/dC a program sums
+# (lane shuffles) before it adds the sum atomically (the deterministic path sums all of its block's).
 BACKWARD_WARPS = 4
 BACKWARD_STATES = 16
 BACKWARD_TILE = 32
-BACKWARD_SEGMENT = 2
+BACKWARD_SEGMENT = 1
 BACKWARD_REDUCE = 1
 
 
@@ -74,8 +76,10 @@ def _forward_config(dim: int, dstate: int, element_size: int) -> dict:
 
 
 def _backward_config(dim: int, dstate: int, element_size: int) -> dict:
-    return dict(_tiles(dim, dstate, element_size, BACKWARD_WARPS, BACKWARD_STATES, BACKWARD_TILE),
-                SEGMENT=BACKWARD_SEGMENT)
+    """The backward reads a tile of 16-byte rows (BLOCK_T steps) at once, and runs the adjoint over it a
+    register tile of SUB_T steps at a time (BACKWARD_TILE (step, state) pairs)."""
+    cfg = _tiles(dim, dstate, element_size, BACKWARD_WARPS, BACKWARD_STATES, BACKWARD_TILE)
+    return dict(cfg, BLOCK_T=max(cfg["BLOCK_T"], 8 // element_size), SUB_T=cfg["BLOCK_T"], SEGMENT=BACKWARD_SEGMENT)
 
 
 def _time_major(M: Tensor, cfg: dict) -> Tensor:

@@ -206,21 +206,26 @@ def selective_scan_fwd_kernel(
 
 
 @triton.jit
+def _load_tile(rows, t, mask, s_t):
+    """A (BLOCK_D, BLOCK_T) tile of a (batch, dim, seqlen) input, float32, 0 where masked."""
+    return tl.load(rows[:, None] + t[None, :] * s_t, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _drive(u_rows, delta_rows, bias, t, mask, s_ut, s_dt, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
-    """A tile's (u, dt_raw, dt, dt * u), float32 (BLOCK_D, BLOCK_T); dt is 0 where masked (decay 1, no
-    drive: a padding step passes the state, and the adjoint, through unchanged)."""
-    u = tl.load(u_rows[:, None] + t[None, :] * s_ut, mask=mask, other=0.0).to(tl.float32)
-    delta = tl.load(delta_rows[:, None] + t[None, :] * s_dt, mask=mask, other=0.0)
-    dt_raw, dt = _dt(delta, bias[:, None], mask, HAS_BIAS, SOFTPLUS)
-    return u, dt_raw, dt, dt * u
+    """A tile's (dt, dt * u), float32 (BLOCK_D, BLOCK_T); dt is 0 where masked (decay 1, no drive: a padding
+    step passes the state, and the adjoint, through unchanged)."""
+    _, dt = _dt(_load_tile(delta_rows, t, mask, s_dt), bias[:, None], mask, HAS_BIAS, SOFTPLUS)
+    return dt, dt * _load_tile(u_rows, t, mask, s_ut)
 
 
 @triton.jit
 def _advance(h, A2, dt, dtu, B_rows, B_const, n, t0, mask_dn, s_Bn, s_Bt, B_VAR: tl.constexpr,
-             B_SHARED: tl.constexpr, BLOCK_T: tl.constexpr, PADDED_STATES: tl.constexpr):
-    """The states after a tile of steps from t0, from the states h before it (keeping nothing else)."""
-    tt = tl.arange(0, BLOCK_T)
-    for k in tl.static_range(BLOCK_T):
+             B_SHARED: tl.constexpr, FIRST: tl.constexpr, STEPS: tl.constexpr, PADDED_STATES: tl.constexpr):
+    """The states after the tile's steps FIRST ... FIRST + STEPS - 1 (columns of dt and dtu; the tile starts
+    at step t0), from the states h before them, keeping nothing else."""
+    tt = tl.arange(0, dt.shape[1])
+    for k in tl.static_range(FIRST, FIRST + STEPS):
         B_t = B_const
         if B_VAR:
             B_t = _bc_step(B_rows, n, t0 + k, s_Bn, s_Bt, B_SHARED)
@@ -291,7 +296,7 @@ def selective_scan_bwd_kernel(
     HAS_DLAST: tl.constexpr, SOFTPLUS: tl.constexpr, B_VAR: tl.constexpr, C_VAR: tl.constexpr,
     B_SHARED: tl.constexpr, C_SHARED: tl.constexpr, BC_ATOMIC: tl.constexpr, REDUCE_B: tl.constexpr,
     REDUCE_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, STATES: tl.constexpr,
-    STATE_TILES: tl.constexpr, PADDED_STATES: tl.constexpr, SEGMENT: tl.constexpr,
+    STATE_TILES: tl.constexpr, PADDED_STATES: tl.constexpr, SEGMENT: tl.constexpr, SUB_T: tl.constexpr,
 ):
     """A program takes BLOCK_D channels of one batch row, a thread one channel (see the module's
     docstring); B and C as the forward reads them. Outputs, 1-D and contiguous: du, ddelta, dz (batch,
@@ -350,9 +355,9 @@ def selective_scan_bwd_kernel(
             _store_states(ckpt_rows + j * STATES * dim, h, dim, mask_d, STATES)
             for t0 in range(j * segment_len, tl.minimum(seqlen, (j + 1) * segment_len), BLOCK_T):
                 t = t0 + tt
-                _, _, dt, dtu = _drive(u_rows, delta_rows, bias, t, mask_d[:, None] & (t < seqlen)[None, :],
-                                       s_ut, s_dt, HAS_BIAS, SOFTPLUS)
-                h = _advance(h, A2, dt, dtu, B_rows, B_const, n, t0, mask_dn, s_Bn, s_Bt, B_VAR, B_SHARED,
+                dt, dtu = _drive(u_rows, delta_rows, bias, t, mask_d[:, None] & (t < seqlen)[None, :], s_ut, s_dt,
+                                 HAS_BIAS, SOFTPLUS)
+                h = _advance(h, A2, dt, dtu, B_rows, B_const, n, t0, mask_dn, s_Bn, s_Bt, B_VAR, B_SHARED, 0,
                              BLOCK_T, PADDED_STATES)
 
         # backwards, a tile at a time: the adjoint g enters from the last state's gradient
@@ -369,76 +374,78 @@ def selective_scan_bwd_kernel(
             h_start = _load_states(ckpt_rows + j * STATES * dim, dim, mask_d, BLOCK_D, STATES)
             for t1 in range(j * segment_len, t0, BLOCK_T):
                 t = t1 + tt
-                _, _, dt, dtu = _drive(u_rows, delta_rows, bias, t, mask_d[:, None] & (t < seqlen)[None, :],
-                                       s_ut, s_dt, HAS_BIAS, SOFTPLUS)
+                dt, dtu = _drive(u_rows, delta_rows, bias, t, mask_d[:, None] & (t < seqlen)[None, :], s_ut, s_dt,
+                                 HAS_BIAS, SOFTPLUS)
                 h_start = _advance(h_start, A2, dt, dtu, B_rows, B_const, n, t1, mask_dn, s_Bn, s_Bt, B_VAR,
-                                   B_SHARED, BLOCK_T, PADDED_STATES)
+                                   B_SHARED, 0, BLOCK_T, PADDED_STATES)
             t = t0 + tt
             mask = mask_d[:, None] & (t < seqlen)[None, :]
-            u, dt_raw, dt, dtu = _drive(u_rows, delta_rows, bias, t, mask, s_ut, s_dt, HAS_BIAS, SOFTPLUS)
-            g_out = tl.load(dout_rows[:, None] + t[None, :] * s_gt, mask=mask, other=0.0).to(tl.float32)
-            dy = g_out  # the gradient of y, the output before the silu(z) gate
-            zv = g_out
+            dt, dtu = _drive(u_rows, delta_rows, bias, t, mask, s_ut, s_dt, HAS_BIAS, SOFTPLUS)
+            dy = _load_tile(dout_rows, t, mask, s_gt)  # the gradient of y, the output before the silu(z) gate
             if HAS_Z:
-                zv = tl.load(z_rows[:, None] + t[None, :] * s_zt, mask=mask, other=0.0).to(tl.float32)
-                dy = g_out * zv * tl.sigmoid(zv)
-            # the tile again, its states (but the last, which no step needs as its previous one) and decays
-            # kept, a register each; dC_t = h_t dy_t, which needs no adjoint, on the way
-            states = ()
-            decays = ()
-            h = h_start
+                zv = _load_tile(z_rows, t, mask, s_zt)
+                dy = dy * zv * tl.sigmoid(zv)
             y = tl.zeros([BLOCK_D, BLOCK_T], dtype=tl.float32)
-            for k in tl.static_range(BLOCK_T):
-                B_t = B_const
-                if B_VAR:
-                    B_t = _bc_step(B_rows, n, t0 + k, s_Bn, s_Bt, B_SHARED)
-                C_t = C_const
-                if C_VAR:
-                    C_t = _bc_step(C_rows, n, t0 + k, s_Cn, s_Ct, C_SHARED)
-                decay = tl.exp2(_column(dt, tt, k)[:, None] * A2)
-                h = decay * h + _column(dtu, tt, k)[:, None] * B_t
-                if PADDED_STATES:
-                    h = tl.where(mask_dn, h, 0.0)
-                if k < BLOCK_T - 1:
-                    states = states + (h,)
-                decays = decays + (decay,)
-                if HAS_Z:
-                    y = _with_column(y, tt, k, tl.sum(h * C_t, axis=1))
-                dy_step = _column(dy, tt, k)[:, None]
-                if C_VAR:
-                    _add_bc_grad(dC_rows, h * dy_step, d_first, t0 + k, s * STATES, dim, dpg_C, seqlen_padded,
-                                 STATES * STATE_TILES, REDUCE_C, BLOCK_D, STATES, BC_ATOMIC)
-                else:
-                    dC_acc += h * dy_step
-            # the adjoint back over it
             d_dtu = tl.zeros([BLOCK_D, BLOCK_T], dtype=tl.float32)  # gradient of dt u through the drives
             d_dt_decay = tl.zeros([BLOCK_D, BLOCK_T], dtype=tl.float32)  # of dt through the decays, / ln 2
-            for r in tl.static_range(BLOCK_T - 1, -1, -1):
-                B_t = B_const
-                if B_VAR:
-                    B_t = _bc_step(B_rows, n, t0 + r, s_Bn, s_Bt, B_SHARED)
-                C_t = C_const
-                if C_VAR:
-                    C_t = _bc_step(C_rows, n, t0 + r, s_Cn, s_Ct, C_SHARED)
-                dy_step = _column(dy, tt, r)[:, None]
-                dtu_step = _column(dtu, tt, r)[:, None]
-                g = carry + C_t * dy_step
-                if PADDED_STATES:
-                    g = tl.where(mask_dn, g, 0.0)
-                if r == 0:
-                    h_prev = h_start
-                else:
-                    h_prev = states[r - 1]
-                q = (g * h_prev) * decays[r]
-                dA_acc += q * _column(dt, tt, r)[:, None]
-                d_dt_decay = _with_column(d_dt_decay, tt, r, tl.sum(q * A2, axis=1))
-                d_dtu = _with_column(d_dtu, tt, r, tl.sum(g * B_t, axis=1))
-                if B_VAR:
-                    _add_bc_grad(dB_rows, g * dtu_step, d_first, t0 + r, s * STATES, dim, dpg_B, seqlen_padded,
-                                 STATES * STATE_TILES, REDUCE_B, BLOCK_D, STATES, BC_ATOMIC)
-                else:
-                    dB_acc += g * dtu_step
-                carry = decays[r] * g
+            # the tile's register tiles of SUB_T steps, last first, each reached from the tile's start state
+            for sub in tl.static_range(BLOCK_T // SUB_T - 1, -1, -1):
+                h_sub = _advance(h_start, A2, dt, dtu, B_rows, B_const, n, t0, mask_dn, s_Bn, s_Bt, B_VAR,
+                                 B_SHARED, 0, sub * SUB_T, PADDED_STATES)
+                # its steps again, their states (but the last, which no step needs as its previous one) and
+                # decays kept, a register each; dC_t = h_t dy_t, which needs no adjoint, on the way
+                states = ()
+                decays = ()
+                h = h_sub
+                for k in tl.static_range(sub * SUB_T, (sub + 1) * SUB_T):
+                    B_t = B_const
+                    if B_VAR:
+                        B_t = _bc_step(B_rows, n, t0 + k, s_Bn, s_Bt, B_SHARED)
+                    C_t = C_const
+                    if C_VAR:
+                        C_t = _bc_step(C_rows, n, t0 + k, s_Cn, s_Ct, C_SHARED)
+                    decay = tl.exp2(_column(dt, tt, k)[:, None] * A2)
+                    h = decay * h + _column(dtu, tt, k)[:, None] * B_t
+                    if PADDED_STATES:
+                        h = tl.where(mask_dn, h, 0.0)
+                    if k < (sub + 1) * SUB_T - 1:
+                        states = states + (h,)
+                    decays = decays + (decay,)
+                    if HAS_Z:
+                        y = _with_column(y, tt, k, tl.sum(h * C_t, axis=1))
+                    dy_step = _column(dy, tt, k)[:, None]
+                    if C_VAR:
+                        _add_bc_grad(dC_rows, h * dy_step, d_first, t0 + k, s * STATES, dim, dpg_C, seqlen_padded,
+                                     STATES * STATE_TILES, REDUCE_C, BLOCK_D, STATES, BC_ATOMIC)
+                    else:
+                        dC_acc += h * dy_step
+                # the adjoint back over them
+                for r in tl.static_range((sub + 1) * SUB_T - 1, sub * SUB_T - 1, -1):
+                    B_t = B_const
+                    if B_VAR:
+                        B_t = _bc_step(B_rows, n, t0 + r, s_Bn, s_Bt, B_SHARED)
+                    C_t = C_const
+                    if C_VAR:
+                        C_t = _bc_step(C_rows, n, t0 + r, s_Cn, s_Ct, C_SHARED)
+                    dy_step = _column(dy, tt, r)[:, None]
+                    dtu_step = _column(dtu, tt, r)[:, None]
+                    g = carry + C_t * dy_step
+                    if PADDED_STATES:
+                        g = tl.where(mask_dn, g, 0.0)
+                    if r == sub * SUB_T:
+                        h_prev = h_sub
+                    else:
+                        h_prev = states[r - sub * SUB_T - 1]
+                    q = (g * h_prev) * decays[r - sub * SUB_T]
+                    dA_acc += q * _column(dt, tt, r)[:, None]
+                    d_dt_decay = _with_column(d_dt_decay, tt, r, tl.sum(q * A2, axis=1))
+                    d_dtu = _with_column(d_dtu, tt, r, tl.sum(g * B_t, axis=1))
+                    if B_VAR:
+                        _add_bc_grad(dB_rows, g * dtu_step, d_first, t0 + r, s * STATES, dim, dpg_B, seqlen_padded,
+                                     STATES * STATE_TILES, REDUCE_B, BLOCK_D, STATES, BC_ATOMIC)
+                    else:
+                        dB_acc += g * dtu_step
+                    carry = decays[r - sub * SUB_T] * g
             if STATE_TILES > 1:  # the sums over the states of the earlier state tiles
                 at = row[:, None] * seqlen + t[None, :]
                 y += tl.load(part_ptr + at, mask=mask & (s > 0), other=0.0)
@@ -447,8 +454,12 @@ def selective_scan_bwd_kernel(
                 tl.store(part_ptr + at, y, mask=mask & (s < STATE_TILES - 1))
                 tl.store(part_ptr + elements + at, d_dtu, mask=mask & (s < STATE_TILES - 1))
                 tl.store(part_ptr + 2 * elements + at, d_dt_decay, mask=mask & (s < STATE_TILES - 1))
+            # the outputs, from the tile's inputs read again (cheaper than keeping them in registers)
             at = row[:, None] * seqlen + t[None, :]
+            u = _load_tile(u_rows, t, mask, s_ut)
             if HAS_Z:
+                g_out = _load_tile(dout_rows, t, mask, s_gt)
+                zv = _load_tile(z_rows, t, mask, s_zt)
                 sig = tl.sigmoid(zv)
                 dz = g_out * (y + Dv[:, None] * u) * sig * (1.0 + zv * (1.0 - sig))
                 tl.store(dz_ptr + at, dz.to(dz_ptr.dtype.element_ty), mask=mask & last_tile)
@@ -458,6 +469,7 @@ def selective_scan_bwd_kernel(
                 dD_acc += tl.where(last_tile, tl.sum(dy * u, axis=1), 0.0)
             ddt = d_dt_decay * LN2 + d_dtu * u
             if SOFTPLUS:
+                dt_raw, _ = _dt(_load_tile(delta_rows, t, mask, s_dt), bias[:, None], mask, HAS_BIAS, False)
                 ddt = ddt * tl.sigmoid(dt_raw)
             ddt = tl.where(mask, ddt, 0.0)
             dbias_acc += tl.where(last_tile, tl.sum(ddt, axis=1), 0.0)
