@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 import triton
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import guard_or_true
 from torch.library import triton_op
 
 from .. import _triton
@@ -75,11 +76,14 @@ def _forward_config(dim: int, dstate: int, element_size: int) -> dict:
     return dict(_tiles(dim, dstate, element_size, FORWARD_WARPS, FORWARD_STATES, FORWARD_TILE), CHUNK=CHUNK_LEN)
 
 
-def _backward_config(dim: int, dstate: int, element_size: int) -> dict:
-    """The backward reads a tile of 16-byte rows (BLOCK_T steps) at once, and runs the adjoint over it a
-    register tile of SUB_T steps at a time (BACKWARD_TILE (step, state) pairs)."""
+def _backward_config(dim: int, dstate: int, element_size: int, aligned: bool) -> dict:
+    """The backward runs the adjoint a register tile of SUB_T steps at a time (BACKWARD_TILE (step, state)
+    pairs), and reads its inputs a tile of 8-byte rows (BLOCK_T steps) at a time where the rows are aligned
+    for vector loads and the states take one tile (else a register tile at a time: the loads element by
+    element and the partial sums over state tiles take the registers a read tile would)."""
     cfg = _tiles(dim, dstate, element_size, BACKWARD_WARPS, BACKWARD_STATES, BACKWARD_TILE)
-    return dict(cfg, BLOCK_T=max(cfg["BLOCK_T"], 8 // element_size), SUB_T=cfg["BLOCK_T"], SEGMENT=BACKWARD_SEGMENT)
+    read = max(cfg["BLOCK_T"], 8 // element_size) if aligned and cfg["STATE_TILES"] == 1 else cfg["BLOCK_T"]
+    return dict(cfg, BLOCK_T=read, SUB_T=cfg["BLOCK_T"], SEGMENT=BACKWARD_SEGMENT)
 
 
 def _time_major(M: Tensor, cfg: dict) -> Tensor:
@@ -182,7 +186,11 @@ def selective_scan_bwd(
     u, delta, A, B, C, D, z, delta_bias, initial_state, dout, dlast_state = _triton.contiguous_when_traced(
         u, delta, A, B, C, D, z, delta_bias, initial_state, dout, dlast_state)
     batch, dim, seqlen, dstate, _ = dims
-    cfg = _backward_config(dim, dstate, u.element_size())
+    # (rows start at multiples of 16 bytes: Triton then reads them in vectors; taken as so while a symbolic
+    # seqlen is traced, which a guard on its divisibility would specialise)
+    aligned = all(guard_or_true(x.stride(i) * x.element_size() % 16 == 0)
+                  for x in (u, delta, dout, z) if x is not None for i in (0, 1))
+    cfg = _backward_config(dim, dstate, u.element_size(), aligned)
     B_read, C_read = (_time_major(M, cfg) if M.dim() > 2 else M for M in (B, C))
     # variable dB/dC: summed over BACKWARD_REDUCE channels of a group in a program, then added atomically
     # (fast, order not fixed); or, to be deterministic, summed over all of a program's channels of a group

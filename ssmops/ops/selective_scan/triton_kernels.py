@@ -258,7 +258,8 @@ def _load_states(ptrs, stride, mask_d, BLOCK_D: tl.constexpr, STATES: tl.constex
 
 @triton.jit
 def _add_bc_grad(rows_ptr, value, d_first, t, n_first, dim, dpg, seqlen_padded, states_padded,
-                 REDUCE: tl.constexpr, BLOCK_D: tl.constexpr, STATES: tl.constexpr, ATOMIC: tl.constexpr):
+                 REDUCE: tl.constexpr, BLOCK_D: tl.constexpr, STATES: tl.constexpr, ATOMIC: tl.constexpr,
+                 SHARED: tl.constexpr):
     """Step t's (BLOCK_D, STATES) gradient of a variable B or C (states n_first ...) into its time-major
     (rows, seqlen_padded, states_padded) buffer: summed over REDUCE consecutive channels (of one group)
     first, then added atomically to their group's row (ATOMIC), or stored in their own row (each is
@@ -270,7 +271,9 @@ def _add_bc_grad(rows_ptr, value, d_first, t, n_first, dim, dpg, seqlen_padded, 
     else:
         part = tl.sum(tl.reshape(value, (BLOCK_D // REDUCE, REDUCE, STATES)), axis=1)
     first = d_first + tl.arange(0, BLOCK_D // REDUCE) * REDUCE
-    if ATOMIC:
+    if ATOMIC and SHARED:  # (the block's one row: a uniform address, which no thread keeps a register for)
+        rows = tl.zeros_like(first) + d_first // dpg
+    elif ATOMIC:
         rows = tl.minimum(first, dim - 1) // dpg
     else:
         rows = first // REDUCE  # (the buffer has rows for the channels past dim)
@@ -416,7 +419,7 @@ def selective_scan_bwd_kernel(
                     dy_step = _column(dy, tt, k)[:, None]
                     if C_VAR:
                         _add_bc_grad(dC_rows, h * dy_step, d_first, t0 + k, s * STATES, dim, dpg_C, seqlen_padded,
-                                     STATES * STATE_TILES, REDUCE_C, BLOCK_D, STATES, BC_ATOMIC)
+                                     STATES * STATE_TILES, REDUCE_C, BLOCK_D, STATES, BC_ATOMIC, C_SHARED)
                     else:
                         dC_acc += h * dy_step
                 # the adjoint back over them
@@ -442,7 +445,7 @@ def selective_scan_bwd_kernel(
                     d_dtu = _with_column(d_dtu, tt, r, tl.sum(g * B_t, axis=1))
                     if B_VAR:
                         _add_bc_grad(dB_rows, g * dtu_step, d_first, t0 + r, s * STATES, dim, dpg_B, seqlen_padded,
-                                     STATES * STATE_TILES, REDUCE_B, BLOCK_D, STATES, BC_ATOMIC)
+                                     STATES * STATE_TILES, REDUCE_B, BLOCK_D, STATES, BC_ATOMIC, B_SHARED)
                     else:
                         dB_acc += g * dtu_step
                     carry = decays[r - sub * SUB_T] * g
