@@ -17,22 +17,23 @@ mamba_ssm's `x` (`scan_intermediates`): `x[c][2n + 1]` and `x[c][2n]`; the last 
 `last_state`.
 
 Backward: the adjoint `g_t = dL/dh_t = C_t dy_t + decay_{t+1} g_{t+1}` runs from the last step to the
-first, and each step needs the state before it, h_{t-1}, which a thread can only compute forwards.
-So the walk is checkpointed: a first walk forwards over the whole sequence parks the state at the
-start of every segment of SEGMENT tiles in a float32 scratch (batch, dim, segments, STATES); then,
-tile by tile from the last, a thread reloads its segment's checkpoint, walks forwards to the tile
-(at most SEGMENT - 1 tiles), recomputes the tile keeping each step's state and decay in registers,
-and runs the adjoint back over it. Per step, with q = g_t h_{t-1} decay_t (in autograd's order, so
-that non-finite values come out where the reference's do): dA += q dt, ddt += sum_n q A, d(dt u) +=
-sum_n g B, dB_t = g dt u, dC_t = h_t dy; the gradient leaving step t is decay_t g_t, and after step 0
-it is d initial_state. Sums over time per channel (dA, dD, d delta_bias, a constant dB/dC) stay in
-registers and go out once, per (batch, channel), for torch to sum over the batch. A variable dB/dC is
-summed over the channels of its group: a step's (channels, states) contributions are summed over
-REDUCE consecutive channels inside the program, then added atomically into a float32, time-major
-(batch, groups, seqlen, dstate) buffer, as mamba_ssm does; under
-`torch.use_deterministic_algorithms(True)` the program sums all its channels of a group (REDUCE the
-block, or the group where smaller) and stores the sum in a row of its own, which torch sums over the
-group's rows in a fixed order.
+first, and each step needs the state before it, h_{t-1}, which a thread can only compute forwards. So
+the walk is checkpointed: a first walk forwards over the whole sequence parks the state at the start of
+every segment of SEGMENT read tiles (BLOCK_T steps, 8-byte rows) in a float32 scratch (batch, segments,
+STATES, dim); then, a read tile at a time from the last, a thread reloads its segment's checkpoint,
+walks forwards to the tile (SEGMENT - 1 tiles at most), reads the tile's inputs, and takes its register
+tiles of SUB_T steps last first: each is reached from the read tile's start by walking the ones before
+it, recomputed keeping each step's state and decay in registers, and the adjoint runs back over it. Per
+step, with q = g_t h_{t-1} decay_t (in autograd's order, so that non-finite values come out where the
+reference's do): dA += q dt, ddt += sum_n q A, d(dt u) += sum_n g B, dB_t = g dt u, dC_t = h_t dy; the
+gradient leaving step t is decay_t g_t, and after step 0 it is d initial_state. Sums over time per
+channel (dA, dD, d delta_bias, a constant dB/dC) stay in registers and go out once, per (batch,
+channel), for torch to sum over the batch. A variable dB/dC is summed over the channels of its group: a
+step's (channels, states) contributions are summed over REDUCE consecutive channels inside the program,
+then added atomically into a float32, time-major (batch, groups, seqlen, dstate) buffer, as mamba_ssm
+does; under `torch.use_deterministic_algorithms(True)` the program sums all its channels of a group
+(REDUCE the block, or the group where smaller) and stores the sum in a row of its own, which torch sums
+over the group's rows in a fixed order.
 """
 
 import triton
@@ -305,8 +306,9 @@ def selective_scan_bwd_kernel(
     docstring); B and C as the forward reads them. Outputs, 1-D and contiguous: du, ddelta, dz (batch,
     dim, seqlen); float32: dA (batch, dim, dstate), dD and dbias (batch, dim), a constant dB/dC (batch,
     dim, dstate), a variable one (batch, rows, seqlen, dstate) padded to whole tiles of steps and states
-    (rows_B: its groups if BC_ATOMIC, else the programs' channels / REDUCE_B), dinit (batch, dim, dstate). Scratch: ckpt (batch, n_segments, STATES, dim); part
-    (3, batch, dim, seqlen), the sums over the earlier state tiles (only when STATE_TILES > 1)."""
+    (rows_B: its groups if BC_ATOMIC, else the programs' channels / REDUCE_B), dinit (batch, dim, dstate).
+    Scratch: ckpt (batch, n_segments, STATES, dim); part (3, batch, dim, seqlen), the sums over the earlier
+    state tiles (only when STATE_TILES > 1)."""
     pid_b = tl.program_id(1).to(tl.int64)
     d_first = tl.program_id(0).to(tl.int64) * BLOCK_D
     dd = d_first + tl.arange(0, BLOCK_D)
@@ -323,7 +325,8 @@ def selective_scan_bwd_kernel(
     delta_rows = delta_ptr + pid_b * s_db + dd * s_dd
     z_rows = z_ptr + pid_b * s_zb + dd * s_zd
     dout_rows = dout_ptr + pid_b * s_gb + dd * s_gd
-    # (a channel past dim reads the last one's group, as in the forward; nothing it computes is written)
+    # (a channel past dim reads the last one's group, as in the forward; its gradients are 0 and go nowhere
+    # but into dB/dC, as zeros)
     d_real = tl.minimum(dd, dim - 1)
     B_rows = _bc_rows(B_ptr, pid_b, d_real, d_first, dpg_B, s_Bb, s_Bg, B_VAR, B_SHARED)
     C_rows = _bc_rows(C_ptr, pid_b, d_real, d_first, dpg_C, s_Cb, s_Cg, C_VAR, C_SHARED)
