@@ -125,9 +125,11 @@ def _per_element(aot, compiled, meta: dict) -> dict:
     loops = aot.loop_nest(compiled)
     back = max(range(len(loops)), key=lambda i: sum(loops[i]["own"].values()))
     innermost = [i for i in range(len(loops)) if not any(other["inside"] == i for other in loops)]
-    rewalk = next(i for i in innermost if loops[i]["inside"] == back)
-    first = next(i for i in innermost if i != rewalk and loops[i]["inside"] != back)
-    weights = {back: 1.0, rewalk: (meta["SEGMENT"] - 1) / 2, first: 1.0}
+    first = next(i for i in innermost if i != back and loops[i]["inside"] != back)
+    weights = {back: 1.0, first: 1.0}
+    for i in innermost:  # (with SEGMENT 1 the compiler drops the walk from the checkpoints: no trips)
+        if loops[i]["inside"] == back:
+            weights[i] = (meta["SEGMENT"] - 1) / 2
     if loops[first]["inside"] is not None:
         weights[loops[first]["inside"]] = 1 / meta["SEGMENT"]
     counts = collections.Counter()
