@@ -741,7 +741,8 @@ def test_triton_ops_trace_into_kernel_launches_on_cuda_tensors():
     # the forward reads B and C time-major: (batch, dstate, seqlen) copied to (batch, seqlen, dstate)
     bc_copy = f"copy {(dstate * seqlen, 1, seqlen)} -> {(seqlen * dstate, dstate, 1)}"
     # and the backward's dB and dC back from time-major: (batch, groups, seqlen, dstate) to (..., dstate, seqlen)
-    grad_copy = f"copy {(dstate * seqlen, dstate * seqlen, 1, dstate)} -> {(dstate * seqlen, dstate * seqlen, seqlen, 1)}"
+    row = dstate * seqlen
+    grad_copy = f"copy {(row, row, 1, dstate)} -> {(row, row, seqlen, 1)}"
     assert lines["scan"] == [z_copy, bc_copy, bc_copy, "launch selective_scan_fwd_kernel [2] [(1, 2, 1)]",
                              z_copy, bc_copy, bc_copy, "launch selective_scan_bwd_kernel [2] [(1, 2, 1)]",
                              grad_copy, grad_copy], proc.stdout
