@@ -386,11 +386,19 @@ def selective_scan_bwd_kernel(
                                    B_SHARED, 0, BLOCK_T, PADDED_STATES)
             t = t0 + tt
             mask = mask_d[:, None] & (t < seqlen)[None, :]
-            dt, dtu = _drive(u_rows, delta_rows, bias, t, mask, s_ut, s_dt, HAS_BIAS, SOFTPLUS)
+            u = _load_tile(u_rows, t, mask, s_ut)
+            dt_raw, dt = _dt(_load_tile(delta_rows, t, mask, s_dt), bias[:, None], mask, HAS_BIAS, SOFTPLUS)
+            dtu = dt * u
+            ddt_per_dt = dt_raw  # (d softplus / d delta, when softplus)
+            if SOFTPLUS:
+                ddt_per_dt = tl.sigmoid(dt_raw)
             dy = _load_tile(dout_rows, t, mask, s_gt)  # the gradient of y, the output before the silu(z) gate
+            dz_per_y = dy  # (dz = dz_per_y * (y + D u), kept rather than dout and z read again)
             if HAS_Z:
                 zv = _load_tile(z_rows, t, mask, s_zt)
-                dy = dy * zv * tl.sigmoid(zv)
+                sig = tl.sigmoid(zv)
+                dz_per_y = dy * sig * (1.0 + zv * (1.0 - sig))
+                dy = dy * zv * sig
             y = tl.zeros([BLOCK_D, BLOCK_T], dtype=tl.float32)
             d_dtu = tl.zeros([BLOCK_D, BLOCK_T], dtype=tl.float32)  # gradient of dt u through the drives
             d_dt_decay = tl.zeros([BLOCK_D, BLOCK_T], dtype=tl.float32)  # of dt through the decays, / ln 2
@@ -460,14 +468,10 @@ def selective_scan_bwd_kernel(
                 tl.store(part_ptr + at, y, mask=mask & (s < STATE_TILES - 1))
                 tl.store(part_ptr + elements + at, d_dtu, mask=mask & (s < STATE_TILES - 1))
                 tl.store(part_ptr + 2 * elements + at, d_dt_decay, mask=mask & (s < STATE_TILES - 1))
-            # the outputs, from the tile's inputs read again (cheaper than keeping them in registers)
+            # the outputs
             at = row[:, None] * seqlen + t[None, :]
-            u = _load_tile(u_rows, t, mask, s_ut)
             if HAS_Z:
-                g_out = _load_tile(dout_rows, t, mask, s_gt)
-                zv = _load_tile(z_rows, t, mask, s_zt)
-                sig = tl.sigmoid(zv)
-                dz = g_out * (y + Dv[:, None] * u) * sig * (1.0 + zv * (1.0 - sig))
+                dz = dz_per_y * (y + Dv[:, None] * u)
                 tl.store(dz_ptr + at, dz.to(dz_ptr.dtype.element_ty), mask=mask & last_tile)
             du = d_dtu * dt
             if HAS_D:
@@ -475,8 +479,7 @@ def selective_scan_bwd_kernel(
                 dD_acc += tl.where(last_tile, tl.sum(dy * u, axis=1), 0.0)
             ddt = d_dt_decay * LN2 + d_dtu * u
             if SOFTPLUS:
-                dt_raw, _ = _dt(_load_tile(delta_rows, t, mask, s_dt), bias[:, None], mask, HAS_BIAS, False)
-                ddt = ddt * tl.sigmoid(dt_raw)
+                ddt = ddt * ddt_per_dt
             ddt = tl.where(mask, ddt, 0.0)
             dbias_acc += tl.where(last_tile, tl.sum(ddt, axis=1), 0.0)
             tl.store(du_ptr + at, du.to(du_ptr.dtype.element_ty), mask=mask & last_tile)
