@@ -457,7 +457,7 @@ def test_triton_kernels_compile_for_gpus_without_spilling(target, case, determin
             # work: an innermost loop, or one larger than the loops inside it, as the backward's walk
             # back) at most 1 instruction in 100 touches local memory (the forward: none on sm_90, one load
             # and one store of ~900 instructions on sm_80 with 4 state tiles), 1 in 50 in the backward's
-            # walk back (addresses it reloads: ~30 of ~2,100 instructions a tile at the benchmark's shape)
+            # walk back (addresses it reloads: ~20 of ~1,950 instructions a tile at the benchmark's shape)
             limit = 512
             share = 100 if kernel.__name__ == "selective_scan_fwd_kernel" else 50
             if target.startswith("sm"):
