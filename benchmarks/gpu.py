@@ -13,9 +13,9 @@ compiled reference unrolls one step per timestep, so it is compiled and timed at
 Goals (issue 42): forward >= 50% of copy bandwidth, forward+backward >= 25%. Then Mamba-1's
 decoding step (`selective_state_update`, dim 5120, dstate 16, float32 state) at batch 1 and 64,
 eager and replayed from a CUDA graph, against mamba_ssm's Triton step. `--sweep` times the
-scan kernels with other warp counts and forward tiles in place of the launchers' choice, and the SSD
-scan's with other warps, tiles and pipelining stages (SSD_SWEEP), to retune them (`python
-benchmarks/gpu.py --sweep --skip-baselines`).
+scan kernels with other warp counts, tiles, checkpoint segments and dB/dC sums in place of the
+launchers' choice, and the SSD scan's with other warps, tiles and pipelining stages (SSD_SWEEP), to retune
+them (`python benchmarks/gpu.py --sweep --skip-baselines`).
 
 Then Mamba-2's SSD scan at the three shapes of issue 41 (SSD_SHAPES: mamba2-2.7b's layer at batch 8,
 seqlen 4096; mamba2-130m's at batch 1, seqlen 2048; 64 heads of 8 groups at batch 2, seqlen 8192; chunk
@@ -154,8 +154,8 @@ def main(argv=None) -> int:
     bw = copy_bandwidth()
     t_fwd = cuda_time(lambda: fwd_op(*fargs), args.repeats)
     t_bwd = cuda_time(lambda: bwd_op(*bargs), args.repeats)
-    # the lever issue 42's plan names first (docs/limits.md): variable dB/dC summed per block of 64 channels
-    # in a program's own rows, as under deterministic algorithms, instead of atomically per channel
+    # the deterministic path: variable dB/dC summed over each program's block of channels into rows of its
+    # own (lane shuffles and shared memory), instead of added atomically after a sum over BACKWARD_REDUCE
     torch.use_deterministic_algorithms(True)
     try:
         t_bwd_blocks = cuda_time(lambda: bwd_op(*bargs), args.repeats)
@@ -188,7 +188,7 @@ def main(argv=None) -> int:
             base_t = times[i] if i < 2 else times[0] + times[1]
             line += f" {approx}{base_t / t:15.1f}x"
         print(line)
-    print(f"backward with dB/dC summed by blocks of 64 channels (deterministic): {t_bwd_blocks * 1e3:.3f} ms, "
+    print(f"backward with dB/dC summed over each program's channels (deterministic): {t_bwd_blocks * 1e3:.3f} ms, "
           f"{t_bwd / t_bwd_blocks:.2f}x the atomic one's speed")
     decode_step(args, bw)
     ssd_rows(args)
@@ -253,16 +253,21 @@ def decode_step(args, bw: float) -> None:
 
 SWEEP_WARPS = (1, 2, 4, 8, 16)
 SWEEP_FORWARD_TILES = (16, 32, 64)
+SWEEP_BACKWARD_TILES = (16, 64)
+SWEEP_BACKWARD_SEGMENTS = (2, 4)
+SWEEP_BACKWARD_REDUCE = (4, 32, 128)
 
 
 def sweep_tiles(fwd, bwd, repeats: int) -> None:
     """Forward and backward ms with each warp count of SWEEP_WARPS in place of the launchers' choice
-    (the first row): the forward's program then takes 32 channels a warp (FORWARD_WARPS), the
-    backward's 2048-step tile gives each thread 2048 / (32 warps) steps. Then the forward with each
-    FORWARD_TILE of SWEEP_FORWARD_TILES ((step, state) pairs a thread's tile of steps holds)."""
+    (the first row): a program then takes 32 channels a warp (FORWARD_WARPS, BACKWARD_WARPS). Then the
+    forward with each FORWARD_TILE of SWEEP_FORWARD_TILES ((step, state) pairs a thread's tile of steps
+    holds), and the backward with each BACKWARD_TILE, BACKWARD_SEGMENT (tiles between checkpoints) and
+    BACKWARD_REDUCE (channels summed in a program before an atomic add of dB/dC) of the SWEEP_BACKWARD_*."""
     from ssmops.ops.selective_scan import triton as ops
 
-    chosen, chosen_warps, chosen_tile = ops._config, ops.FORWARD_WARPS, ops.FORWARD_TILE
+    knobs = ("FORWARD_WARPS", "FORWARD_TILE", "BACKWARD_WARPS", "BACKWARD_TILE", "BACKWARD_SEGMENT", "BACKWARD_REDUCE")
+    chosen = {knob: getattr(ops, knob) for knob in knobs}
 
     def cell(fn) -> str:
         try:
@@ -270,19 +275,26 @@ def sweep_tiles(fwd, bwd, repeats: int) -> None:
         except Exception as err:  # e.g. triton's OutOfResources
             return type(err).__name__
 
+    def timed(knob: str, values: tuple, fn, column: int) -> None:
+        for value in values:
+            setattr(ops, knob, value)
+            print(f"{knob + ' ' + str(value):<26} {cell(fn):>{11 if column == 0 else 24}}")
+        setattr(ops, knob, chosen[knob])
+
     print("warps                      forward ms  backward ms")
     print(f"{'chosen by the launchers':<26} {cell(fwd):>11} {cell(bwd):>12}")
     try:
         for warps in SWEEP_WARPS:
-            ops._config = lambda *a, warps=warps, **k: {**chosen(*a, **k), "num_warps": warps}
-            ops.FORWARD_WARPS = warps
+            ops.FORWARD_WARPS = ops.BACKWARD_WARPS = warps
             print(f"{warps:<26} {cell(fwd):>11} {cell(bwd):>12}")
-        ops.FORWARD_WARPS = chosen_warps
-        for tile in SWEEP_FORWARD_TILES:
-            ops.FORWARD_TILE = tile
-            print(f"{'FORWARD_TILE ' + str(tile):<26} {cell(fwd):>11}")
+        ops.FORWARD_WARPS, ops.BACKWARD_WARPS = chosen["FORWARD_WARPS"], chosen["BACKWARD_WARPS"]
+        timed("FORWARD_TILE", SWEEP_FORWARD_TILES, fwd, 0)
+        timed("BACKWARD_TILE", SWEEP_BACKWARD_TILES, bwd, 1)
+        timed("BACKWARD_SEGMENT", SWEEP_BACKWARD_SEGMENTS, bwd, 1)
+        timed("BACKWARD_REDUCE", SWEEP_BACKWARD_REDUCE, bwd, 1)
     finally:
-        ops._config, ops.FORWARD_WARPS, ops.FORWARD_TILE = chosen, chosen_warps, chosen_tile
+        for knob, value in chosen.items():
+            setattr(ops, knob, value)
 
 
 # The SSD launchers' knobs (ssmops/ops/ssd/triton.py) and the values --sweep tries for each, one knob at a time

@@ -164,6 +164,36 @@ def innermost_loop(compiled, containing: Optional[tuple] = None) -> Optional[col
     return next((c for c in counts if containing is None or any(c[op] for op in containing)), None)
 
 
+def loop_nest(compiled) -> list:
+    """The loops of an NVIDIA kernel's SASS (backward-branching spans), each a dict: start and end
+    (instruction indices), `inside` (the index of the loop it sits in directly, or None) and `own` (the
+    opcode counts of its span less the loops inside it: what one trip issues besides their trips)."""
+    instructions = []
+    for line in _cuobjdump(compiled, "-sass").splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        if m:
+            instructions.append((int(m.group(1), 16), m.group(2)))
+    index = {address: i for i, (address, _) in enumerate(instructions)}
+    spans = set()
+    for i, (address, text) in enumerate(instructions):
+        target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < address:
+            spans.add((index[int(target.group(1), 16)], i))
+    loops = [dict(start=a, end=b) for a, b in sorted(spans, key=lambda span: (span[0], -span[1]))]
+    for loop in loops:
+        around = [j for j, other in enumerate(loops) if other is not loop and other["start"] <= loop["start"]
+                  and loop["end"] <= other["end"]]
+        loop["inside"] = max(around, key=lambda j: loops[j]["start"], default=None)
+    for i, loop in enumerate(loops):
+        body = set(range(loop["start"], loop["end"] + 1))
+        for other in loops:
+            if other["inside"] == i:
+                body -= set(range(other["start"], other["end"] + 1))
+        loop["own"] = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", instructions[k][1]).split()[0].split(".")[0]
+                                          for k in body)
+    return loops
+
+
 def sass_opcodes(compiled) -> collections.Counter:
     """Opcode counts of an NVIDIA kernel's whole SASS (static, not weighted by loop trips): which
     tensor-core instruction it uses (HGMMA, Hopper's warpgroup MMA, or HMMA, the warp-level mma.sync)."""

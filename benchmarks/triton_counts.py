@@ -10,8 +10,8 @@ changed since they were counted (each family's entry holds the hash of its sourc
 The interpreter runs every program of a launch with numpy, so its loads, stores, atomics, `tl.dot`s and
 transcendentals can be counted exactly, loop trips and masks included, at a small shape: the scan's forward at
 128 channels of one row (one program's channels, so that the B/C loads the program shares are
-counted once for all of them, as at the full shape) and its backward, a program per channel, at
-one channel (two 2048-step chunks each, as at the benchmark shape), the SSD scan at one row of
+counted once for all of them, as at the full shape), forward and backward (two 2048-step chunks, as at the
+benchmark shape), the SSD scan at one row of
 512 tokens (two 256-token chunks), two heads of one group, Mamba-2's headdim 64 and dstate 128. Per
 launch it records
 
@@ -47,7 +47,6 @@ COUNTS = Path(__file__).with_name("triton_counts.json")
 SOURCES = {"scan": ("ssmops/ops/selective_scan/triton_kernels.py", "ssmops/ops/selective_scan/triton.py"),
            "ssd": ("ssmops/ops/ssd/triton_kernels.py", "ssmops/ops/ssd/triton.py")}
 SCAN_SMALL = dict(batch=1, dim=128, seqlen=4096, dstate=16)
-SCAN_BACKWARD_SMALL = dict(SCAN_SMALL, dim=1)
 SSD_SMALL = dict(batch=1, seqlen=512, nheads=2, headdim=64, ngroups=1, dstate=128, chunk=256)
 _SFU = ("exp", "exp2", "log", "log2", "sin", "cos", "sqrt", "precise_sqrt", "rsqrt")
 
@@ -225,8 +224,7 @@ def count(names=("scan", "ssd"), dtype=torch.bfloat16) -> dict:
         raise RuntimeError("run under TRITON_INTERPRET=1")
     # per family, (shape, its inputs, channels, which of the recorded launches are counted at it)
     families = {
-        "scan": [(SCAN_SMALL, scan_inputs(**SCAN_SMALL, dtype=dtype), SCAN_SMALL["dim"], slice(0, 1)),
-                 (SCAN_BACKWARD_SMALL, scan_inputs(**SCAN_BACKWARD_SMALL, dtype=dtype), 1, slice(1, None))],
+        "scan": [(SCAN_SMALL, scan_inputs(**SCAN_SMALL, dtype=dtype), SCAN_SMALL["dim"], slice(None))],
         "ssd": [(SSD_SMALL, ssd_inputs(**SSD_SMALL, dtype=dtype), SSD_SMALL["nheads"], slice(None))],
     }
     result = dict(dtype=str(dtype).removeprefix("torch."))

@@ -4,10 +4,10 @@
     python benchmarks/triton_static.py --family ssd    # the SSD scan's launches only
 
 Compiles the forward and backward launches for sm_90 (benchmarks/triton_aot.py) and
-counts the instructions of each kernel's innermost loop per (step, state) element: the
-forward's handles a tile of steps of every state of a thread's channel, the backward's one
-state over the steps a thread holds of a chunk. An H100 SM issues at most 4 warp instructions and 16
-ex2 (exp2) results per cycle, so a kernel needs at least
+counts the instructions per (step, state) element of the loop over time: the forward's innermost loop,
+a tile of steps of every state of a thread's channel; the backward's loops per tile of steps (its first
+walk, the walk back and the walks from the checkpoints, each weighted by its trips). An H100 SM issues at
+most 4 warp instructions and 16 ex2 (exp2) results per cycle, so a kernel needs at least
 
     elements * instructions per element / (SMs * 4 * 32 * clock)
 
@@ -41,6 +41,7 @@ issues 41 and 42 (Triton 3.6) and measured / estimate.
 
 from __future__ import annotations
 
+import collections
 import sys
 
 import torch
@@ -118,9 +119,9 @@ def scan_rows(args, aot, dtype) -> list:
     for name, (kernel, kernel_args, meta) in zip(("forward", "backward"), launches):
         compiled = aot.compile_launch(kernel, kernel_args, meta, "sm90")
         usage = aot.resource_usage(compiled)
-        loop = aot.innermost_loop(compiled)
-        steps = _steps_per_thread(meta)
-        per_element = {op: count / (steps * meta.get("STATES", 1)) for op, count in loop.items()}
+        per_element = _per_element(aot, compiled, meta) if name == "backward" else {
+            op: count / (meta["BLOCK_T"] * meta["STATES"]) for op, count in aot.innermost_loop(compiled).items()}
+        steps = meta["BLOCK_T"]
         instructions = sum(per_element.values())
         t_issue = elements * instructions / issue_rate
         t_ex2 = elements * per_element.get("MUFU", 0.0) / ex2_rate
@@ -132,12 +133,26 @@ def scan_rows(args, aot, dtype) -> list:
     return scan_compiled
 
 
-def _steps_per_thread(meta: dict) -> int:
-    """Consecutive steps a thread takes in one trip of the scan kernel's innermost loop: the forward's
-    tile (all its STATES states), or the backward's share of a chunk (one state)."""
-    if "STATES" in meta:
-        return meta["BLOCK_T"]
-    return meta["BLOCK_T"] // (32 * meta["num_warps"])
+def _per_element(aot, compiled, meta: dict) -> dict:
+    """The backward's instructions per (step, state), from its loops: per tile of steps, a trip of the
+    first walk (its innermost loop outside the walk back), a trip of the walk back (the largest loop's own
+    instructions: the tile recomputed, the adjoint, the outputs) and, inside it, (SEGMENT - 1) / 2 trips of
+    the walk from the tile's checkpoint on average; the first walk's loop over segments once a SEGMENT."""
+    loops = aot.loop_nest(compiled)
+    back = max(range(len(loops)), key=lambda i: sum(loops[i]["own"].values()))
+    innermost = [i for i in range(len(loops)) if not any(other["inside"] == i for other in loops)]
+    first = next(i for i in innermost if i != back and loops[i]["inside"] != back)
+    weights = {back: 1.0, first: 1.0}
+    for i in innermost:  # (with SEGMENT 1 the compiler drops the walk from the checkpoints: no trips)
+        if loops[i]["inside"] == back:
+            weights[i] = (meta["SEGMENT"] - 1) / 2
+    if loops[first]["inside"] is not None:
+        weights[loops[first]["inside"]] = 1 / meta["SEGMENT"]
+    counts = collections.Counter()
+    for i, weight in weights.items():
+        for op, count in loops[i]["own"].items():
+            counts[op] += weight * count / (meta["BLOCK_T"] * meta["STATES"])
+    return dict(counts)
 
 
 def _ssd_trips(name: str, meta: dict, shape: dict) -> float:

@@ -19,6 +19,7 @@ from torch.library import wrap_triton
 from ._family import GPU_DEVICES, traced
 
 LOG2E = tl.constexpr(1.4426950408889634)  # a JIT function reads only constexpr globals
+LN2 = tl.constexpr(0.6931471805599453)
 # Under TRITON_INTERPRET=1 (read at import, as Triton does) tl.dot mistakes bfloat16 operands for
 # integers (Triton 3.9): kernels then multiply 16-bit operands as float32, which is exact.
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"))

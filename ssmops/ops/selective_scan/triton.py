@@ -19,16 +19,12 @@ import torch
 import torch.nn.functional as F
 import triton
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import guard_or_true
 from torch.library import triton_op
 
 from .. import _triton
 from .checks import CHUNK_LEN, check_scan_grad_inputs, check_scan_inputs, num_chunks
 from .triton_kernels import selective_scan_bwd_kernel, selective_scan_fwd_kernel
-
-# Channels of one B/C group that a program of the deterministic backward walks in turn (its
-# variable dB/dC partial rows are then dim / DETERMINISTIC_CHANNELS times B's size).
-DETERMINISTIC_CHANNELS = 64
-
 
 def _pow2_divisor(n: int, cap: int) -> int:
     """Largest power of two dividing n, at most cap."""
@@ -38,39 +34,56 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return p
 
 
-def _config(seqlen: int, dstate: int, backward: bool) -> dict:
-    """The backward's tiles: the 2048-step chunk, or the whole sequence when shorter, spread over
-    the warps so that a thread holds 8 consecutive steps (its dozen live tiles would spill at 16;
-    see benchmarks/triton_static.py. tests/test_triton.py compiles the launches and checks for spills.)"""
-    block_t = _triton.pow2_tile(seqlen, 16, CHUNK_LEN)
-    return dict(BLOCK_T=block_t, BLOCK_N=_triton.pow2_tile(dstate, 2, _triton.NO_CAP), CHUNK=CHUNK_LEN,
-                num_warps=min(8, max(1, block_t // (32 * 8))))
-
-
-# The forward's tile sizes (the speed knobs a GPU run tunes: benchmarks/gpu.py --sweep). A thread scans one
-# channel, so a program of FORWARD_WARPS warps takes 32 * FORWARD_WARPS channels of one batch row and loads
-# each step's B and C once for all of them. A thread keeps up to FORWARD_STATES states in registers (more
-# are taken in turns, a pass over the sequence each) and walks the sequence a tile of steps at a time, a
-# tile holding at most FORWARD_TILE (step, state) pairs: ptxas computes a tile's decays ahead of the
-# recurrence that needs them, a register each (128, 8 steps of 16 states, fit in its 255 registers with
-# nothing spilled in the loop over time, and each row's loads and stores are then 16 bytes).
+# The kernels' tile sizes (the speed knobs a GPU run tunes: benchmarks/gpu.py --sweep). A thread scans one
+# channel, so a program of *_WARPS warps takes 32 * *_WARPS channels of one batch row and loads each step's B
+# and C once for all of them. A thread keeps up to *_STATES states in registers (more are taken in turns, a
+# pass over the sequence each) and walks the sequence a tile of steps at a time, a tile holding at most *_TILE
+# (step, state) pairs. The forward's: ptxas computes a tile's decays ahead of the recurrence that needs them,
+# a register each (128, 8 steps of 16 states, fit in its 255 registers with nothing spilled in the loop over
+# time, and each row's loads and stores are then 16 bytes).
 FORWARD_WARPS = 4
 FORWARD_STATES = 16
 FORWARD_TILE = 128
+# The backward keeps a register tile's states and decays (two registers a pair) while the adjoint runs back
+# over it; it reads its inputs a tile of 16-byte rows at a time (8 steps of a 16-bit input), and reaches each
+# register tile from the read tile's start by walking the register tiles before it. BACKWARD_SEGMENT: read
+# tiles between two checkpoints of its first walk (a float32 state per channel, state and segment:
+# seqlen / (SEGMENT * tile steps) of them); a read tile is then reached by walking up to SEGMENT - 1 tiles
+# from its segment's checkpoint. BACKWARD_REDUCE: channels of a group whose variable dB/dC a program sums
+# (lane shuffles) before it adds the sum atomically (the deterministic path sums all of its block's).
+BACKWARD_WARPS = 4
+BACKWARD_STATES = 16
+BACKWARD_TILE = 32
+BACKWARD_SEGMENT = 1
+BACKWARD_REDUCE = 1
 
 
-def _forward_config(dim: int, dstate: int, element_size: int) -> dict:
+def _tiles(dim: int, dstate: int, element_size: int, warps: int, max_states: int, tile: int) -> dict:
     """A tile's steps are at most one 16-byte vector load per row, so that Triton's layout keeps them
     inside the thread: the recurrence along them is plain arithmetic in registers, and a step's
     column of the (channels, steps) tiles is a register."""
     # (at least 2 warps: with one, Triton lays the state tiles out so that ptxas spills in the walk)
-    block_d = _triton.pow2_tile(dim, 64, 32 * FORWARD_WARPS)
-    states = _triton.pow2_tile(dstate, 1, FORWARD_STATES)
+    block_d = _triton.pow2_tile(dim, 64, 32 * warps)
+    states = _triton.pow2_tile(dstate, 1, max_states)
     tiles = -(-dstate // states)
     # (several state tiles: half the steps, as the partial sums' loads and stores take registers too)
-    steps = max(1, min(16 // element_size, FORWARD_TILE // states // (2 if tiles > 1 else 1)))
+    steps = max(1, min(16 // element_size, tile // states // (2 if tiles > 1 else 1)))
     return dict(BLOCK_D=block_d, BLOCK_T=steps, STATES=states, STATE_TILES=tiles,
-                PADDED_STATES=tiles * states != dstate, CHUNK=CHUNK_LEN, num_warps=block_d // 32)
+                PADDED_STATES=tiles * states != dstate, num_warps=block_d // 32)
+
+
+def _forward_config(dim: int, dstate: int, element_size: int) -> dict:
+    return dict(_tiles(dim, dstate, element_size, FORWARD_WARPS, FORWARD_STATES, FORWARD_TILE), CHUNK=CHUNK_LEN)
+
+
+def _backward_config(dim: int, dstate: int, element_size: int, aligned: bool) -> dict:
+    """The backward runs the adjoint a register tile of SUB_T steps at a time (BACKWARD_TILE (step, state)
+    pairs), and reads its inputs a tile of 8-byte rows (BLOCK_T steps) at a time where the rows are aligned
+    for vector loads and the states take one tile (else a register tile at a time: the loads element by
+    element and the partial sums over state tiles take the registers a read tile would)."""
+    cfg = _tiles(dim, dstate, element_size, BACKWARD_WARPS, BACKWARD_STATES, BACKWARD_TILE)
+    read = max(cfg["BLOCK_T"], 8 // element_size) if aligned and cfg["STATE_TILES"] == 1 else cfg["BLOCK_T"]
+    return dict(cfg, BLOCK_T=read, SUB_T=cfg["BLOCK_T"], SEGMENT=BACKWARD_SEGMENT)
 
 
 def _time_major(M: Tensor, cfg: dict) -> Tensor:
@@ -169,70 +182,93 @@ def selective_scan_bwd(
     dims = check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
     check_scan_grad_inputs(dims, u, A, dout, scan_intermediates, dlast_state)
     _check_real_A(A)
-    u, delta, A, B, C, D, z, delta_bias, initial_state, dout, scan_intermediates, dlast_state = \
-        _triton.contiguous_when_traced(u, delta, A, B, C, D, z, delta_bias, initial_state, dout,
-                                       scan_intermediates, dlast_state)
-    batch, dim, seqlen, dstate, groups = dims
-    cfg = _config(seqlen, dstate, backward=True)
-    # variable dB/dC: each channel's added atomically (fast, order not fixed), or, to be deterministic,
-    # a program walks CHANNELS channels of one group, adds them up in its own rows, and the rows are
-    # summed below in a fixed order
+    # (the chunk states are not read: the kernel's first walk recomputes finer checkpoints, from the start)
+    u, delta, A, B, C, D, z, delta_bias, initial_state, dout, dlast_state = _triton.contiguous_when_traced(
+        u, delta, A, B, C, D, z, delta_bias, initial_state, dout, dlast_state)
+    batch, dim, seqlen, dstate, _ = dims
+    # (rows start at multiples of 16 bytes: Triton then reads them in vectors; taken as so while a symbolic
+    # seqlen is traced, which a guard on its divisibility would specialise)
+    aligned = all(guard_or_true(x.stride(i) * x.element_size() % 16 == 0)
+                  for x in (u, delta, dout, z) if x is not None for i in (0, 1))
+    cfg = _backward_config(dim, dstate, u.element_size(), aligned)
+    B_read, C_read = (_time_major(M, cfg) if M.dim() > 2 else M for M in (B, C))
+    # variable dB/dC: summed over BACKWARD_REDUCE channels of a group in a program, then added atomically
+    # (fast, order not fixed); or, to be deterministic, summed over all of a program's channels of a group
+    # into rows of their own, which are summed below in a fixed order
     bc_atomic = not torch.are_deterministic_algorithms_enabled()
-    channels = 1 if bc_atomic or B.dim() == C.dim() == 2 else _pow2_divisor(dim // groups, DETERMINISTIC_CHANNELS)
-    n_programs = dim // channels
-    n_chunks = num_chunks(seqlen)
+
+    def reduced(M: Tensor) -> int:  # channels summed in the program: a power of two dividing a group's
+        cap = min(BACKWARD_REDUCE, cfg["BLOCK_D"]) if bc_atomic else cfg["BLOCK_D"]
+        return _pow2_divisor(dim // _groups(M), cap) if M.dim() > 2 else 1
+
+    reduce_B, reduce_C = reduced(B), reduced(C)
+    padded_dim = triton.cdiv(dim, cfg["BLOCK_D"]) * cfg["BLOCK_D"]  # (the deterministic rows of every channel)
+    rows_B, rows_C = ((_groups(M) if bc_atomic else padded_dim // r) for M, r in ((B, reduce_B), (C, reduce_C)))
+    steps, states = -(-seqlen // cfg["BLOCK_T"]) * cfg["BLOCK_T"], cfg["STATES"] * cfg["STATE_TILES"]
+    n_segments = -(-(-(-seqlen // cfg["BLOCK_T"])) // cfg["SEGMENT"])
     f32 = dict(dtype=torch.float32, device=u.device)
     # every buffer a kernel writes is 1-D, viewed as its shape after the launch (_triton.output)
     grad_shape = (batch, dim, seqlen)
     du = _triton.output(grad_shape, u.dtype, u.device)
     ddelta = _triton.output(grad_shape, u.dtype, u.device)
     dz = _triton.output(grad_shape, u.dtype, u.device) if z is not None else u.new_empty(0)
-    dA_part = _triton.output((batch, dim, dstate), **f32, zero=True)
+    dA_part = _triton.output((batch, dim, dstate), **f32)
     dD_part = _triton.output((batch, dim), **f32) if D is not None else u.new_empty(0, dtype=torch.float32)
     dbias_part = _triton.output((batch, dim), **f32) if delta_bias is not None else u.new_empty(0, dtype=torch.float32)
-    carry = _triton.output((batch, dim, 2, dstate), **f32)  # d initial_state in half n_chunks % 2 at the end
+    dinit = _triton.output((batch, dim, dstate), **f32) if initial_state is not None else u.new_empty(0, **f32)
+    checkpoints = _triton.output((batch, dim, n_segments * cfg["STATES"]), **f32)
+    # the sums over the states of the earlier state tiles (y, d(dt u), d dt), when the states take several
+    part = _triton.output((3, batch, dim, seqlen), **f32) if cfg["STATE_TILES"] > 1 else None
 
-    def bc_partial(M: Tensor) -> Tensor:
+    def bc_part(M: Tensor, rows: int) -> Tensor:
         if M.dim() == 2:
-            return _triton.output((batch, dim, dstate), **f32, zero=True)
-        return _triton.output((batch, _groups(M) if bc_atomic else n_programs, dstate, seqlen), **f32, zero=True)
+            return _triton.output((batch, dim, dstate), **f32)
+        return _triton.output((batch, rows, steps, states), **f32, zero=bc_atomic)
 
-    dB_part, dC_part = bc_partial(B), bc_partial(C)
-    grid = (n_programs, batch)
+    dB_part, dC_part = bc_part(B, rows_B), bc_part(C, rows_C)
+    shared = {f"{name}_SHARED": M.dim() == 3 or (M.dim() == 4 and (dim // M.shape[1]) % cfg["BLOCK_D"] == 0)
+              for name, M in (("B", B), ("C", C))}
+    grid = (triton.cdiv(dim, cfg["BLOCK_D"]), batch)
     _triton.launch(selective_scan_bwd_kernel, grid, (
-        u, delta, A, B, C, D if D is not None else A, z if z is not None else u,
+        u, delta, A, B_read, C_read, D if D is not None else A, z if z is not None else u,
         delta_bias if delta_bias is not None else A,
-        initial_state if initial_state is not None else A, dout, scan_intermediates,
+        initial_state if initial_state is not None else A, dout,
         dlast_state if dlast_state is not None else A,
         du, ddelta, dz if z is not None else du, dA_part, dB_part, dC_part,
         dD_part if D is not None else dA_part, dbias_part if delta_bias is not None else dA_part,
-        carry,
-        dim, seqlen, dstate, n_chunks, dim // _groups(B), dim // _groups(C),
+        dinit if initial_state is not None else dA_part, checkpoints, part if part is not None else checkpoints,
+        dim, seqlen, dstate, dim // _groups(B), dim // _groups(C), rows_B, rows_C, n_segments,
         *u.stride(), *delta.stride(), *_strides3(z), *dout.stride(),
         *A.stride(),
-        *_bc_strides(B), *_bc_strides(C),
-        *_strides3(initial_state), scan_intermediates.stride(0), scan_intermediates.stride(1),
-        *_strides3(dlast_state),
-        dim * seqlen, seqlen,
-    ), dict(HAS_DLAST=dlast_state is not None, BC_ATOMIC=bc_atomic, CHANNELS=channels,
-            **_flags(B, C, D, z, delta_bias, initial_state, delta_softplus), **cfg))
+        *_bc_strides(B_read), *_bc_strides(C_read),
+        *_strides3(initial_state), *_strides3(dlast_state),
+    ), dict(HAS_DLAST=dlast_state is not None, BC_ATOMIC=bc_atomic, REDUCE_B=reduce_B, REDUCE_C=reduce_C,
+            **_flags(B, C, D, z, delta_bias, initial_state, delta_softplus), **shared, **cfg))
 
-    def bc_grad(part: Tensor, M: Tensor) -> Tensor:
+    def bc_grad(part: Tensor, M: Tensor, rows: int) -> Tensor:
         if M.dim() == 2:
             return part.view(batch, dim, dstate).sum(0).to(M.dtype)
-        if not bc_atomic:
-            part = part.view(batch, _groups(M), n_programs // _groups(M), dstate, seqlen).sum(2)
-        return part.view(M.shape).to(M.dtype)
+        groups = _groups(M)
+        if bc_atomic:
+            part = part.view(batch, groups, steps, states)
+        else:  # a group's rows, summed in order (the rows of channels past dim are left out)
+            per_row = reduced(M)
+            part = part.view(batch, rows, steps, states)[:, :dim // per_row]
+            part = part.reshape(batch, groups, dim // groups // per_row, steps, states).sum(2)
+        # time-major to M's layout, without the padding (narrow and clone, not [...] and contiguous, which
+        # refuse fake CUDA tensors in CPU-only torch)
+        grad = part.narrow(-2, 0, seqlen).narrow(-1, 0, dstate).transpose(-1, -2).to(M.dtype)
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        return grad.view(M.shape)
 
     def summed(part: Tensor, present: bool) -> Tensor:  # a (batch, dim) partial over the batch
         return part.view(batch, dim).sum(0) if present else part
 
     return (
-        du.view(grad_shape), ddelta.view(grad_shape), dA_part.view(batch, dim, dstate).sum(0), bc_grad(dB_part, B),
-        bc_grad(dC_part, C), summed(dD_part, D is not None), summed(dbias_part, delta_bias is not None),
-        dz.view(grad_shape) if z is not None else dz,
-        carry.view(batch, dim, 2, dstate)[:, :, n_chunks % 2].clone() if initial_state is not None
-        else u.new_empty(0, **f32),
+        du.view(grad_shape), ddelta.view(grad_shape), dA_part.view(batch, dim, dstate).sum(0),
+        bc_grad(dB_part, B, rows_B), bc_grad(dC_part, C, rows_C), summed(dD_part, D is not None),
+        summed(dbias_part, delta_bias is not None), dz.view(grad_shape) if z is not None else dz,
+        dinit.view(batch, dim, dstate) if initial_state is not None else dinit,
     )
 
 

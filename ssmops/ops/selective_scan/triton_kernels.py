@@ -1,73 +1,45 @@
 """Triton kernels of the selective scan, forward and backward.
 
-Forward: a program takes BLOCK_D channels of one batch row (a thread one channel) and walks the
-sequence a tile of BLOCK_T steps at a time, each thread keeping its channel's states h[n] (STATES of
-them: larger dstates are taken a tile of states at a time, the partial sums of y over the earlier
-state tiles parked in a float32 buffer) and A[n] in registers. A tile is at most one 16-byte vector
-load per row, so Triton's layout keeps its steps inside the thread: the recurrence
+Both give a program BLOCK_D channels of one batch row, a thread one channel, and walk the sequence a
+tile of BLOCK_T steps at a time, each thread keeping its channel's states h[n] (STATES of them: larger
+dstates are taken a tile of states at a time, a pass over the sequence each, the sums over the states
+of the earlier state tiles parked in float32 buffers) and A[n] in registers. A tile is at most one
+16-byte vector load per row, so Triton's layout keeps its steps inside the thread: the recurrence
 `h = exp2(dt_t A log2(e)) h + dt_t u_t B_t` runs a step at a time over the states at once, plain
-arithmetic in registers with no lane shuffles, and `y_t = sum_n h[n] C_t[n]` is a sum inside the thread.
-A variable B/C is read once per step for the whole block where the block lies in one group (its
-(dstate,) row is the same for every channel), from a float32, time-major copy the launcher makes, so
-that a thread loads a step's states in vectors and widens nothing. All arithmetic is float32 whatever
-the input dtype. At the end of each 2048-step chunk, the state and the cumulative decay since t = 0
-go to mamba_ssm's `x` (`scan_intermediates`): `x[c][2n + 1]` and `x[c][2n]`; the last chunk's state
-is `last_state`.
+arithmetic in registers with no lane shuffles, and sums over the states (`y_t = sum_n h[n] C_t[n]`)
+are sums inside the thread. A variable B/C is read once per step for the whole block where the block
+lies in one group (its (dstate,) row is the same for every channel), from a float32, time-major copy
+the launcher makes, so that a thread loads a step's states in vectors and widens nothing. All
+arithmetic is float32 whatever the input dtype.
 
-The backward's layout is mamba_ssm's CUDA kernels': a program owns one channel of one batch row and
-walks the sequence one 2048-step chunk at a time; a chunk is one tile of `BLOCK_T` time steps spread
-over the program's threads, each thread holding a few consecutive steps. The states are taken one
-at a time (`for n in range(dstate)`): for state n the recurrence `h_t = decay_t * h_{t-1} + drive_t`
-over the chunk is a first-order linear recurrence, so it is an inclusive `tl.associative_scan`
-along time of the affine maps `(decay_t, drive_t)` (combine: `(a1, b1), (a2, b2) -> (a1 a2, a2 b1 +
-b2)`), with the chunk-start state entering through the first step's drive (`_states`). With time
-inside the threads the scan is mostly sequential arithmetic in registers (few lane shuffles). u,
-delta, z and dout are read once per chunk, coalesced; B and C once per state.
+Forward: at the end of each 2048-step chunk, the state and the cumulative decay since t = 0 go to
+mamba_ssm's `x` (`scan_intermediates`): `x[c][2n + 1]` and `x[c][2n]`; the last chunk's state is
+`last_state`.
 
-Backward: chunks are walked last to first, and each starts from its saved start state (the
-previous chunk's `x`, or initial_state), so nothing is replayed. Per state, the forward scan
-is recomputed, then the adjoint recurrence `g_t = C_t dy_t + decay_{t+1} g_{t+1}` is a
-reverse `tl.associative_scan` (decay_{t+1} is gathered from decay one step on); `g_t *
-decay_t * h_{t-1}` takes h_{t-1} gathered from the states one step back (not `h_t -
-drive_t`, which cancels to noise where the decay is tiny). The gradient that leaves a chunk
-through its start state, `decay_{t0} g_{t0}`, is parked per state in `carry` (batch, dim, 2,
-dstate: a chunk reads one half and writes the other, so no thread overwrites a value another
-has yet to read) and enters the previous chunk at its last step; after chunk 0 it is d
-initial_state. Reductions over time (dA, dD, d delta_bias, constant dB/dC) are per-program
-float32 partials that the caller sums with torch. Variable dB/dC vary with time and are
-summed over the channels of a B/C group: by default a program adds its channel's
-contribution atomically into a float32 buffer shaped like B/C (as mamba_ssm does); under
-`torch.use_deterministic_algorithms(True)` a program instead walks `CHANNELS` channels of
-one group in turn, adds their contributions in order into its own (dstate, seqlen) rows of a
-partial buffer, and the caller sums the rows in a fixed order.
+Backward: the adjoint `g_t = dL/dh_t = C_t dy_t + decay_{t+1} g_{t+1}` runs from the last step to the
+first, and each step needs the state before it, h_{t-1}, which a thread can only compute forwards. So
+the walk is checkpointed: a first walk forwards over the whole sequence parks the state at the start of
+every segment of SEGMENT read tiles (BLOCK_T steps, 8-byte rows) in a float32 scratch (batch, segments,
+STATES, dim); then, a read tile at a time from the last, a thread reloads its segment's checkpoint,
+walks forwards to the tile (SEGMENT - 1 tiles at most), reads the tile's inputs, and takes its register
+tiles of SUB_T steps last first: each is reached from the read tile's start by walking the ones before
+it, recomputed keeping each step's state and decay in registers, and the adjoint runs back over it. Per
+step, with q = g_t h_{t-1} decay_t (in autograd's order, so that non-finite values come out where the
+reference's do): dA += q dt, ddt += sum_n q A, d(dt u) += sum_n g B, dB_t = g dt u, dC_t = h_t dy; the
+gradient leaving step t is decay_t g_t, and after step 0 it is d initial_state. Sums over time per
+channel (dA, dD, d delta_bias, a constant dB/dC) stay in registers and go out once, per (batch,
+channel), for torch to sum over the batch. A variable dB/dC is summed over the channels of its group: a
+step's (channels, states) contributions are summed over REDUCE consecutive channels inside the program,
+then added atomically into a float32, time-major (batch, groups, seqlen, dstate) buffer, as mamba_ssm
+does; under `torch.use_deterministic_algorithms(True)` the program sums all its channels of a group
+(REDUCE the block, or the group where smaller) and stores the sum in a row of its own, which torch sums
+over the group's rows in a fixed order.
 """
 
 import triton
 import triton.language as tl
 
-from .._triton import LOG2E, softplus
-
-
-
-@triton.jit
-def _affine_combine(a1, b1, a2, b2):
-    # composition of h -> a1 h + b1 followed by h -> a2 h + b2
-    return a1 * a2, a2 * b1 + b2
-
-
-@triton.jit
-def _states(decay, drive, h0, tt):
-    """h_t = decay_t h_{t-1} + drive_t over the tile from h_{-1} = h0: the scan of the affine
-    maps, with h0 entering through the first step's drive (as the recurrence has it, so that an
-    infinite decay meets h0 = 0 only where the recurrence itself multiplies them)."""
-    _, h = tl.associative_scan((decay, tl.where(tt == 0, decay * h0 + drive, drive)), 0, _affine_combine)
-    return h
-
-
-@triton.jit
-def _load_dt(delta_row, bias, t, mask, s_dt, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
-    """(dt_raw, dt) as float32 (BLOCK_T,); dt is 0 where masked, so decay = 1 and drive = 0 there."""
-    return _dt(tl.load(delta_row + t * s_dt, mask=mask, other=0.0), bias, mask, HAS_BIAS, SOFTPLUS)
+from .._triton import LN2, LOG2E, softplus
 
 
 @triton.jit
@@ -81,61 +53,6 @@ def _dt(delta, bias, mask, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
         dt = softplus(dt_raw)
     dt = tl.where(mask, dt, 0.0)
     return dt_raw, dt
-
-
-@triton.jit
-def _load_bc(base, n, t, mask, s_n, s_t, VAR: tl.constexpr):
-    """State n of B or C: a float32 (BLOCK_T,) row if it varies with time, else a scalar."""
-    if VAR:
-        value = tl.load(base + n * s_n + t * s_t, mask=mask, other=0.0)
-    else:
-        value = tl.load(base + n * s_n)
-    return value.to(tl.float32)
-
-
-@triton.jit
-def _bc_base(ptr, pid_b, d64, dpg, s_b, s_g, VAR: tl.constexpr):
-    """Where B or C starts for this (batch, channel): its group's (dstate, seqlen) block if
-    it varies with time, else the channel's (dstate,) row."""
-    if VAR:
-        return ptr + pid_b * s_b + (d64 // dpg) * s_g
-    return ptr + d64 * s_g
-
-
-@triton.jit
-def _store_at(ptr, x, tt, position):
-    """*ptr = x[position] of a (BLOCK_T,) tile: stored by the thread that holds it (no reduction)."""
-    tl.store(ptr + tt * 0, x, mask=tt == position)
-
-
-@triton.jit
-def _start_state(x_prev, init_row, c, n, s_in, HAS_INIT: tl.constexpr):
-    """State n at the start of chunk c: the previous chunk's saved state, or initial_state."""
-    h = tl.load(x_prev + 2 * n + 1, mask=c > 0, other=0.0)
-    if HAS_INIT:
-        h += tl.load(init_row + n * s_in, mask=c == 0, other=0.0)
-    return h
-
-
-@triton.jit
-def _channel(pid_b, d64, u_ptr, delta_ptr, z_ptr, A_ptr, init_ptr, B_ptr, C_ptr, bias_ptr, D_ptr,
-             dpg_B, dpg_C, s_ub, s_ud, s_db, s_dd, s_zb, s_zd, s_Ad, s_ib, s_id,
-             s_Bb, s_Bg, s_Cb, s_Cg,
-             HAS_BIAS: tl.constexpr, HAS_D: tl.constexpr, B_VAR: tl.constexpr, C_VAR: tl.constexpr):
-    """Where a (batch, channel)'s rows of u, delta, z, A and initial_state start, and of B and C; and
-    its delta_bias and D (0 when absent). Only inputs: torch's analysis of which arguments a kernel
-    writes follows a stored-to address back through the whole call that made it, so a pointer that
-    is written through (x, scan_intermediates) is never returned from here."""
-    bias = 0.0
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + d64)
-    Dv = 0.0
-    if HAS_D:
-        Dv = tl.load(D_ptr + d64)
-    return (u_ptr + pid_b * s_ub + d64 * s_ud, delta_ptr + pid_b * s_db + d64 * s_dd,
-            z_ptr + pid_b * s_zb + d64 * s_zd, A_ptr + d64 * s_Ad, init_ptr + pid_b * s_ib + d64 * s_id,
-            _bc_base(B_ptr, pid_b, d64, dpg_B, s_Bb, s_Bg, B_VAR),
-            _bc_base(C_ptr, pid_b, d64, dpg_C, s_Cb, s_Cg, C_VAR), bias, Dv)
 
 
 @triton.jit
@@ -290,164 +207,292 @@ def selective_scan_fwd_kernel(
 
 
 @triton.jit
-def _load_dout(dout_row, z_row, t, mask, s_gt, s_zt, HAS_Z: tl.constexpr):
-    """(dout, z, sigmoid(z), dy), float32 (BLOCK_T,); dy is the gradient of y, the output
-    before the silu(z) gate (without z: dout, and z, sigmoid(z) are placeholders)."""
-    g_out = tl.load(dout_row + t * s_gt, mask=mask, other=0.0).to(tl.float32)
-    zv, sig, dy = g_out, g_out, g_out
-    if HAS_Z:
-        zv = tl.load(z_row + t * s_zt, mask=mask, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(zv)
-        dy = g_out * zv * sig
-    return g_out, zv, sig, dy
+def _load_tile(rows, t, mask, s_t):
+    """A (BLOCK_D, BLOCK_T) tile of a (batch, dim, seqlen) input, float32, 0 where masked."""
+    return tl.load(rows[:, None] + t[None, :] * s_t, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _add_or_store(ptrs, value, mask, ATOMIC: tl.constexpr):
-    """Atomically adds value, or adds it to what this program stored there (its own rows)."""
-    if ATOMIC:
-        tl.atomic_add(ptrs, value, mask=mask, sem="relaxed")
+def _drive(u_rows, delta_rows, bias, t, mask, s_ut, s_dt, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
+    """A tile's (dt, dt * u), float32 (BLOCK_D, BLOCK_T); dt is 0 where masked (decay 1, no drive: a padding
+    step passes the state, and the adjoint, through unchanged)."""
+    _, dt = _dt(_load_tile(delta_rows, t, mask, s_dt), bias[:, None], mask, HAS_BIAS, SOFTPLUS)
+    return dt, dt * _load_tile(u_rows, t, mask, s_ut)
+
+
+@triton.jit
+def _advance(h, A2, dt, dtu, B_rows, B_const, n, t0, mask_dn, s_Bn, s_Bt, B_VAR: tl.constexpr,
+             B_SHARED: tl.constexpr, FIRST: tl.constexpr, STEPS: tl.constexpr, PADDED_STATES: tl.constexpr):
+    """The states after the tile's steps FIRST ... FIRST + STEPS - 1 (columns of dt and dtu; the tile starts
+    at step t0), from the states h before them, keeping nothing else."""
+    tt = tl.arange(0, dt.shape[1])
+    for k in tl.static_range(FIRST, FIRST + STEPS):
+        B_t = B_const
+        if B_VAR:
+            B_t = _bc_step(B_rows, n, t0 + k, s_Bn, s_Bt, B_SHARED)
+        h = tl.exp2(_column(dt, tt, k)[:, None] * A2) * h + _column(dtu, tt, k)[:, None] * B_t
+        if PADDED_STATES:  # a padding state stays 0 (an infinite dt or u would make it NaN)
+            h = tl.where(mask_dn, h, 0.0)
+    return h
+
+
+@triton.jit
+def _store_states(ptrs, h, stride, mask_d, STATES: tl.constexpr):
+    """Stores the (BLOCK_D, STATES) states h a state at a time, state n at ptrs + n * stride: a column is a
+    register of each thread and a row of consecutive channels in memory, so the stores stay coalesced and
+    the tile needs no change of layout (a (channels, states) tile stored at once would be laid out for
+    vector stores along the states, through shared memory)."""
+    cols = tl.arange(0, STATES)
+    for n in tl.static_range(STATES):
+        tl.store(ptrs + n * stride, _column(h, cols, n), mask=mask_d)
+
+
+@triton.jit
+def _load_states(ptrs, stride, mask_d, BLOCK_D: tl.constexpr, STATES: tl.constexpr):
+    """The states _store_states stored, as a (BLOCK_D, STATES) tile."""
+    cols = tl.arange(0, STATES)
+    h = tl.zeros([BLOCK_D, STATES], dtype=tl.float32)
+    for n in tl.static_range(STATES):
+        h = _with_column(h, cols, n, tl.load(ptrs + n * stride, mask=mask_d, other=0.0))
+    return h
+
+
+@triton.jit
+def _add_bc_grad(rows_ptr, value, d_first, t, n_first, dim, dpg, seqlen_padded, states_padded,
+                 REDUCE: tl.constexpr, BLOCK_D: tl.constexpr, STATES: tl.constexpr, ATOMIC: tl.constexpr,
+                 SHARED: tl.constexpr):
+    """Step t's (BLOCK_D, STATES) gradient of a variable B or C (states n_first ...) into its time-major
+    (rows, seqlen_padded, states_padded) buffer: summed over REDUCE consecutive channels (of one group)
+    first, then added atomically to their group's row (ATOMIC), or stored in their own row (each is
+    written once, by this program). A state at a time, from the registers that hold it (as _store_states).
+    No masks: the buffer has the padding steps and states, whose values are 0 (or discarded: the caller
+    slices them off), and a channel past dim (value 0) adds to the last channel's group."""
+    if REDUCE == 1:
+        part = value
     else:
-        tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + value, mask=mask)
-
-
-@triton.jit
-def _accumulate(ptr, value):
-    """*ptr += value for a scalar of this program's own: the store is made by one thread, from
-    its own read, so it needs no atomics (a barrier orders it before the next chunk's read)."""
-    tl.store(ptr, tl.load(ptr) + value)
+        part = tl.sum(tl.reshape(value, (BLOCK_D // REDUCE, REDUCE, STATES)), axis=1)
+    first = d_first + tl.arange(0, BLOCK_D // REDUCE) * REDUCE
+    if ATOMIC and SHARED:  # (the block's one row: a uniform address, which no thread keeps a register for)
+        rows = tl.zeros_like(first) + d_first // dpg
+    elif ATOMIC:
+        rows = tl.minimum(first, dim - 1) // dpg
+    else:
+        rows = first // REDUCE  # (the buffer has rows for the channels past dim)
+    ptrs = rows_ptr + (rows * seqlen_padded + t) * states_padded + n_first
+    cols = tl.arange(0, STATES)
+    for n in tl.static_range(STATES):
+        if ATOMIC:
+            tl.atomic_add(ptrs + n, _column(part, cols, n), sem="relaxed")
+        else:
+            tl.store(ptrs + n, _column(part, cols, n))
 
 
 @triton.jit
 def selective_scan_bwd_kernel(
-    u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, init_ptr, dout_ptr, x_ptr,
-    dlast_ptr,
-    du_ptr, ddelta_ptr, dz_ptr, dA_ptr, dB_ptr, dC_ptr, dD_ptr, dbias_ptr, carry_ptr,
-    dim, seqlen, dstate, n_chunks, dpg_B, dpg_C,
+    u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, init_ptr, dout_ptr, dlast_ptr,
+    du_ptr, ddelta_ptr, dz_ptr, dA_ptr, dB_ptr, dC_ptr, dD_ptr, dbias_ptr, dinit_ptr, ckpt_ptr, part_ptr,
+    dim, seqlen, dstate, dpg_B, dpg_C, rows_B, rows_C, n_segments,
     s_ub, s_ud, s_ut, s_db, s_dd, s_dt, s_zb, s_zd, s_zt, s_gb, s_gd, s_gt,
     s_Ad, s_An,
     s_Bb, s_Bg, s_Bn, s_Bt, s_Cb, s_Cg, s_Cn, s_Ct,
-    s_ib, s_id, s_in, s_xb, s_xd, s_lb, s_ld, s_ln,
-    s_ob, s_od,
+    s_ib, s_id, s_in, s_lb, s_ld, s_ln,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr,
     HAS_DLAST: tl.constexpr, SOFTPLUS: tl.constexpr, B_VAR: tl.constexpr, C_VAR: tl.constexpr,
-    BC_ATOMIC: tl.constexpr, CHANNELS: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+    B_SHARED: tl.constexpr, C_SHARED: tl.constexpr, BC_ATOMIC: tl.constexpr, REDUCE_B: tl.constexpr,
+    REDUCE_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, STATES: tl.constexpr,
+    STATE_TILES: tl.constexpr, PADDED_STATES: tl.constexpr, SEGMENT: tl.constexpr, SUB_T: tl.constexpr,
 ):
-    """A program takes channels pid_d * CHANNELS ... (CHANNELS = 1 when BC_ATOMIC).
-    Outputs: du, ddelta, dz like u (contiguous, strides s_ob, s_od, 1); carry (batch, dim, 2,
-    dstate), with d initial_state in half `n_chunks % 2` at the end; float32 partials, zeroed
-    by the caller: dA (batch, dim, dstate), dD and dbias (batch, dim), constant dB/dC (batch,
-    dim, dstate), variable dB/dC (batch, groups, dstate, seqlen) if BC_ATOMIC, else
-    (batch, programs, dstate, seqlen)."""
-    pid_d = tl.program_id(0)
+    """A program takes BLOCK_D channels of one batch row, a thread one channel (see the module's
+    docstring); B and C as the forward reads them. Outputs, 1-D and contiguous: du, ddelta, dz (batch,
+    dim, seqlen); float32: dA (batch, dim, dstate), dD and dbias (batch, dim), a constant dB/dC (batch,
+    dim, dstate), a variable one (batch, rows, seqlen, dstate) padded to whole tiles of steps and states
+    (rows_B: its groups if BC_ATOMIC, else the programs' channels / REDUCE_B), dinit (batch, dim, dstate).
+    Scratch: ckpt (batch, n_segments, STATES, dim); part (3, batch, dim, seqlen), the sums over the earlier
+    state tiles (only when STATE_TILES > 1)."""
     pid_b = tl.program_id(1).to(tl.int64)
+    d_first = tl.program_id(0).to(tl.int64) * BLOCK_D
+    dd = d_first + tl.arange(0, BLOCK_D)
+    mask_d = dd < dim
     tt = tl.arange(0, BLOCK_T)
-    nn = tl.arange(0, BLOCK_N)
-    mask_n = nn < dstate
-    # this program's (dstate, seqlen) rows of variable dB / dC: its group's, or its own
-    d_first = pid_d * CHANNELS
-    if BC_ATOMIC:
-        dB_rows = dB_ptr + (pid_b * (dim // dpg_B) + d_first // dpg_B) * dstate * seqlen
-        dC_rows = dC_ptr + (pid_b * (dim // dpg_C) + d_first // dpg_C) * dstate * seqlen
-    else:
-        dB_rows = dB_ptr + (pid_b * tl.num_programs(0) + pid_d) * dstate * seqlen
-        dC_rows = dC_ptr + (pid_b * tl.num_programs(0) + pid_d) * dstate * seqlen
+    cols = tl.arange(0, STATES)
+    bias = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + dd, mask=mask_d, other=0.0)
+    Dv = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if HAS_D:
+        Dv = tl.load(D_ptr + dd, mask=mask_d, other=0.0)
+    u_rows = u_ptr + pid_b * s_ub + dd * s_ud
+    delta_rows = delta_ptr + pid_b * s_db + dd * s_dd
+    z_rows = z_ptr + pid_b * s_zb + dd * s_zd
+    dout_rows = dout_ptr + pid_b * s_gb + dd * s_gd
+    # (a channel past dim reads the last one's group, as in the forward; its gradients are 0 and go nowhere
+    # but into dB/dC, as zeros)
+    d_real = tl.minimum(dd, dim - 1)
+    B_rows = _bc_rows(B_ptr, pid_b, d_real, d_first, dpg_B, s_Bb, s_Bg, B_VAR, B_SHARED)
+    C_rows = _bc_rows(C_ptr, pid_b, d_real, d_first, dpg_C, s_Cb, s_Cg, C_VAR, C_SHARED)
+    seqlen_padded = (seqlen + BLOCK_T - 1) // BLOCK_T * BLOCK_T
+    dB_rows = dB_ptr + pid_b * rows_B * seqlen_padded * (STATES * STATE_TILES)
+    dC_rows = dC_ptr + pid_b * rows_C * seqlen_padded * (STATES * STATE_TILES)
+    row = pid_b * dim + dd  # of the (batch, dim, ...) outputs
+    ckpt_rows = ckpt_ptr + pid_b * n_segments * STATES * dim + dd  # state n of segment j at (j STATES + n) dim
+    segment_len = SEGMENT * BLOCK_T
+    n_tiles = (seqlen + BLOCK_T - 1) // BLOCK_T
+    elements = tl.num_programs(1) * dim * seqlen  # of a (batch, dim, seqlen) part of `part`
+    dD_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    dbias_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
 
-    for ch in range(0, CHANNELS):
-        d64 = (d_first + ch).to(tl.int64)
-        if d64 < dim:
-            u_row, delta_row, z_row, A_row, init_row, B_base, C_base, bias, Dv = _channel(
-                pid_b, d64, u_ptr, delta_ptr, z_ptr, A_ptr, init_ptr, B_ptr, C_ptr, bias_ptr, D_ptr,
-                dpg_B, dpg_C, s_ub, s_ud, s_db, s_dd, s_zb, s_zd, s_Ad, s_ib, s_id, s_Bb, s_Bg, s_Cb, s_Cg,
-                HAS_BIAS, HAS_D, B_VAR, C_VAR)
-            x_row = x_ptr + pid_b * s_xb + d64 * s_xd
-            dout_row = dout_ptr + pid_b * s_gb + d64 * s_gd
-            grad_row = pid_b * s_ob + d64 * s_od  # du, ddelta, dz
-            bd = pid_b * dim + d64  # row of the (batch, dim, ...) partials
-            carry_row = carry_ptr + bd * 2 * dstate
-            if HAS_DLAST:
-                carry0 = tl.load(dlast_ptr + pid_b * s_lb + d64 * s_ld + nn * s_ln, mask=mask_n, other=0.0)
-            else:
-                carry0 = tl.zeros([BLOCK_N], dtype=tl.float32)
-            tl.store(carry_row + nn, carry0, mask=mask_n)
-            dD_acc = 0.0
-            dbias_acc = 0.0
+    for s in range(0, STATE_TILES):
+        n = s * STATES + cols
+        mask_dn = mask_d[:, None] & (n < dstate)[None, :]
+        A2 = tl.load(A_ptr + dd[:, None] * s_Ad + n[None, :] * s_An, mask=mask_dn, other=0.0) * LOG2E
+        h = tl.zeros([BLOCK_D, STATES], dtype=tl.float32)
+        if HAS_INIT:
+            h = tl.load(init_ptr + pid_b * s_ib + dd[:, None] * s_id + n[None, :] * s_in, mask=mask_dn, other=0.0)
+        B_const = h  # (a constant B or C, loaded here for the whole walk; a variable one, at each step)
+        if not B_VAR:
+            B_const = tl.load(B_rows[:, None] + n[None, :] * s_Bn, mask=mask_dn, other=0.0)
+        C_const = h
+        if not C_VAR:
+            C_const = tl.load(C_rows[:, None] + n[None, :] * s_Cn, mask=mask_dn, other=0.0)
+        last_tile = s == STATE_TILES - 1
 
-            for cc in range(0, n_chunks):
-                c = n_chunks - 1 - cc
-                t = c * CHUNK + tt
-                c_end = tl.minimum(seqlen, (c + 1) * CHUNK)
-                mask = t < c_end
-                # (u, delta, dout and z are read again after the loop over states rather than kept:
-                # the registers are the backward's limit)
-                u = tl.load(u_row + t * s_ut, mask=mask, other=0.0).to(tl.float32)
-                _, dt = _load_dt(delta_row, bias, t, mask, s_dt, HAS_BIAS, SOFTPLUS)
-                # decay_{t+1} is decay one element on (a gather, cheaper than a second exp2), and 1
-                # from the chunk's last step on: the carry from the next chunk enters at the last
-                # step, and padding steps (decay 1, no C dy) pass it down to the last real one
-                has_next = t + 1 < c_end
-                next_step = tl.minimum(tt + 1, BLOCK_T - 1)
-                prev_step = tl.maximum(tt - 1, 0)
-                dtu = dt * u
-                _, _, _, dy = _load_dout(dout_row, z_row, t, mask, s_gt, s_zt, HAS_Z)
-                y = Dv * u
-                d_dtu = tl.zeros([BLOCK_T], dtype=tl.float32)  # gradient of dt_t * u_t through the drives
-                d_dt_decay = tl.zeros([BLOCK_T], dtype=tl.float32)  # gradient of dt_t through the decays
-                x_prev = x_row + (c - 1) * 2 * dstate
-                carry_in = carry_row + (cc % 2) * dstate
-                carry_out = carry_row + ((cc + 1) % 2) * dstate
-                tl.debug_barrier()  # carry was written by other threads
-                for n in range(0, dstate):
-                    A = tl.load(A_row + n * s_An)
-                    h0 = _start_state(x_prev, init_row, c, n, s_in, HAS_INIT)
-                    decay = tl.exp2(dt * (A * LOG2E))
-                    Bn = _load_bc(B_base, n, t, mask, s_Bn, s_Bt, B_VAR)
-                    Cn = _load_bc(C_base, n, t, mask, s_Cn, s_Ct, C_VAR)
-                    drive = dtu * Bn
-                    hs = _states(decay, drive, h0, tt)
-                    y += hs * Cn
-                    # g_t = C_t dy_t + decay_{t+1} g_{t+1}: a reverse scan, which the later chunks'
-                    # gradient enters at the last step
-                    decay_next = tl.where(has_next, tl.gather(decay, next_step, 0), 1.0)
-                    rhs = Cn * dy + tl.where(tt == BLOCK_T - 1, tl.load(carry_in + n), 0.0)
-                    _, g = tl.associative_scan((decay_next, rhs), 0, _affine_combine, reverse=True)
-                    _store_at(carry_out + n, decay * g, tt, 0)
-                    # g_t * decay_t * h_{t-1}, the gradient through the decay, with h_{t-1} gathered from
-                    # one step back (h_t - drive_t would cancel to noise where decay_t is tiny), in
-                    # autograd's order so that non-finite values come out where the reference's do
-                    h_prev = tl.where(tt == 0, h0, tl.gather(hs, prev_step, 0))
-                    q = (g * h_prev) * decay
-                    _accumulate(dA_ptr + bd * dstate + n, tl.sum(q * dt, axis=0))
-                    d_dt_decay += q * A
-                    d_dtu += g * Bn
+        # forwards: the state at the start of every segment
+        for j in range(0, n_segments):
+            _store_states(ckpt_rows + j * STATES * dim, h, dim, mask_d, STATES)
+            for t0 in range(j * segment_len, tl.minimum(seqlen, (j + 1) * segment_len), BLOCK_T):
+                t = t0 + tt
+                dt, dtu = _drive(u_rows, delta_rows, bias, t, mask_d[:, None] & (t < seqlen)[None, :], s_ut, s_dt,
+                                 HAS_BIAS, SOFTPLUS)
+                h = _advance(h, A2, dt, dtu, B_rows, B_const, n, t0, mask_dn, s_Bn, s_Bt, B_VAR, B_SHARED, 0,
+                             BLOCK_T, PADDED_STATES)
+
+        # backwards, a tile at a time: the adjoint g enters from the last state's gradient
+        carry = tl.zeros([BLOCK_D, STATES], dtype=tl.float32)
+        if HAS_DLAST:
+            carry = tl.load(dlast_ptr + pid_b * s_lb + dd[:, None] * s_ld + n[None, :] * s_ln, mask=mask_dn,
+                            other=0.0)
+        dA_acc = tl.zeros([BLOCK_D, STATES], dtype=tl.float32)
+        dB_acc = dA_acc  # (a constant B's or C's gradient, summed over time)
+        dC_acc = dA_acc
+        for back in range(0, n_tiles):
+            t0 = (n_tiles - 1 - back) * BLOCK_T
+            j = t0 // segment_len
+            h_start = _load_states(ckpt_rows + j * STATES * dim, dim, mask_d, BLOCK_D, STATES)
+            for t1 in range(j * segment_len, t0, BLOCK_T):
+                t = t1 + tt
+                dt, dtu = _drive(u_rows, delta_rows, bias, t, mask_d[:, None] & (t < seqlen)[None, :], s_ut, s_dt,
+                                 HAS_BIAS, SOFTPLUS)
+                h_start = _advance(h_start, A2, dt, dtu, B_rows, B_const, n, t1, mask_dn, s_Bn, s_Bt, B_VAR,
+                                   B_SHARED, 0, BLOCK_T, PADDED_STATES)
+            t = t0 + tt
+            mask = mask_d[:, None] & (t < seqlen)[None, :]
+            u = _load_tile(u_rows, t, mask, s_ut)
+            dt_raw, dt = _dt(_load_tile(delta_rows, t, mask, s_dt), bias[:, None], mask, HAS_BIAS, SOFTPLUS)
+            dtu = dt * u
+            ddt_per_dt = dt_raw  # (d softplus / d delta, when softplus)
+            if SOFTPLUS:
+                ddt_per_dt = tl.sigmoid(dt_raw)
+            dy = _load_tile(dout_rows, t, mask, s_gt)  # the gradient of y, the output before the silu(z) gate
+            dz_per_y = dy  # (dz = dz_per_y * (y + D u), kept rather than dout and z read again)
+            if HAS_Z:
+                zv = _load_tile(z_rows, t, mask, s_zt)
+                sig = tl.sigmoid(zv)
+                dz_per_y = dy * sig * (1.0 + zv * (1.0 - sig))
+                dy = dy * zv * sig
+            y = tl.zeros([BLOCK_D, BLOCK_T], dtype=tl.float32)
+            d_dtu = tl.zeros([BLOCK_D, BLOCK_T], dtype=tl.float32)  # gradient of dt u through the drives
+            d_dt_decay = tl.zeros([BLOCK_D, BLOCK_T], dtype=tl.float32)  # of dt through the decays, / ln 2
+            # the tile's register tiles of SUB_T steps, last first, each reached from the tile's start state
+            for sub in tl.static_range(BLOCK_T // SUB_T - 1, -1, -1):
+                h_sub = _advance(h_start, A2, dt, dtu, B_rows, B_const, n, t0, mask_dn, s_Bn, s_Bt, B_VAR,
+                                 B_SHARED, 0, sub * SUB_T, PADDED_STATES)
+                # its steps again, their states (but the last, which no step needs as its previous one) and
+                # decays kept, a register each; dC_t = h_t dy_t, which needs no adjoint, on the way
+                states = ()
+                decays = ()
+                h = h_sub
+                for k in tl.static_range(sub * SUB_T, (sub + 1) * SUB_T):
+                    B_t = B_const
                     if B_VAR:
-                        _add_or_store(dB_rows + n * seqlen + t, g * dtu, mask, BC_ATOMIC)
-                    else:
-                        _accumulate(dB_ptr + bd * dstate + n, tl.sum(g * dtu, axis=0))
+                        B_t = _bc_step(B_rows, n, t0 + k, s_Bn, s_Bt, B_SHARED)
+                    C_t = C_const
                     if C_VAR:
-                        _add_or_store(dC_rows + n * seqlen + t, hs * dy, mask, BC_ATOMIC)
+                        C_t = _bc_step(C_rows, n, t0 + k, s_Cn, s_Ct, C_SHARED)
+                    decay = tl.exp2(_column(dt, tt, k)[:, None] * A2)
+                    h = decay * h + _column(dtu, tt, k)[:, None] * B_t
+                    if PADDED_STATES:
+                        h = tl.where(mask_dn, h, 0.0)
+                    if k < (sub + 1) * SUB_T - 1:
+                        states = states + (h,)
+                    decays = decays + (decay,)
+                    if HAS_Z:
+                        y = _with_column(y, tt, k, tl.sum(h * C_t, axis=1))
+                    dy_step = _column(dy, tt, k)[:, None]
+                    if C_VAR:
+                        _add_bc_grad(dC_rows, h * dy_step, d_first, t0 + k, s * STATES, dim, dpg_C, seqlen_padded,
+                                     STATES * STATE_TILES, REDUCE_C, BLOCK_D, STATES, BC_ATOMIC, C_SHARED)
                     else:
-                        _accumulate(dC_ptr + bd * dstate + n, tl.sum(hs * dy, axis=0))
-                u = tl.load(u_row + t * s_ut, mask=mask, other=0.0).to(tl.float32)
-                dt_raw, _ = _load_dt(delta_row, bias, t, mask, s_dt, HAS_BIAS, SOFTPLUS)
-                if HAS_Z:
-                    g_out, zv, sig, _ = _load_dout(dout_row, z_row, t, mask, s_gt, s_zt, HAS_Z)
-                    dz = g_out * y * sig * (1.0 + zv * (1.0 - sig))
-                    tl.store(dz_ptr + grad_row + t, dz.to(dz_ptr.dtype.element_ty), mask=mask)
-                du = d_dtu * dt
-                if HAS_D:
-                    du += Dv * dy
-                    dD_acc += tl.sum(dy * u, axis=0)
-                ddt = d_dt_decay + d_dtu * u
-                if SOFTPLUS:
-                    ddt = ddt * tl.sigmoid(dt_raw)
-                ddt = tl.where(mask, ddt, 0.0)
-                dbias_acc += tl.sum(ddt, axis=0)
-                tl.store(du_ptr + grad_row + t, du.to(du_ptr.dtype.element_ty), mask=mask)
-                tl.store(ddelta_ptr + grad_row + t, ddt.to(ddelta_ptr.dtype.element_ty), mask=mask)
-
+                        dC_acc += h * dy_step
+                # the adjoint back over them
+                for r in tl.static_range((sub + 1) * SUB_T - 1, sub * SUB_T - 1, -1):
+                    B_t = B_const
+                    if B_VAR:
+                        B_t = _bc_step(B_rows, n, t0 + r, s_Bn, s_Bt, B_SHARED)
+                    C_t = C_const
+                    if C_VAR:
+                        C_t = _bc_step(C_rows, n, t0 + r, s_Cn, s_Ct, C_SHARED)
+                    dy_step = _column(dy, tt, r)[:, None]
+                    dtu_step = _column(dtu, tt, r)[:, None]
+                    g = carry + C_t * dy_step
+                    if PADDED_STATES:
+                        g = tl.where(mask_dn, g, 0.0)
+                    if r == sub * SUB_T:
+                        h_prev = h_sub
+                    else:
+                        h_prev = states[r - sub * SUB_T - 1]
+                    q = (g * h_prev) * decays[r - sub * SUB_T]
+                    dA_acc += q * _column(dt, tt, r)[:, None]
+                    d_dt_decay = _with_column(d_dt_decay, tt, r, tl.sum(q * A2, axis=1))
+                    d_dtu = _with_column(d_dtu, tt, r, tl.sum(g * B_t, axis=1))
+                    if B_VAR:
+                        _add_bc_grad(dB_rows, g * dtu_step, d_first, t0 + r, s * STATES, dim, dpg_B, seqlen_padded,
+                                     STATES * STATE_TILES, REDUCE_B, BLOCK_D, STATES, BC_ATOMIC, B_SHARED)
+                    else:
+                        dB_acc += g * dtu_step
+                    carry = decays[r - sub * SUB_T] * g
+            if STATE_TILES > 1:  # the sums over the states of the earlier state tiles
+                at = row[:, None] * seqlen + t[None, :]
+                y += tl.load(part_ptr + at, mask=mask & (s > 0), other=0.0)
+                d_dtu += tl.load(part_ptr + elements + at, mask=mask & (s > 0), other=0.0)
+                d_dt_decay += tl.load(part_ptr + 2 * elements + at, mask=mask & (s > 0), other=0.0)
+                tl.store(part_ptr + at, y, mask=mask & (s < STATE_TILES - 1))
+                tl.store(part_ptr + elements + at, d_dtu, mask=mask & (s < STATE_TILES - 1))
+                tl.store(part_ptr + 2 * elements + at, d_dt_decay, mask=mask & (s < STATE_TILES - 1))
+            # the outputs
+            at = row[:, None] * seqlen + t[None, :]
+            if HAS_Z:
+                dz = dz_per_y * (y + Dv[:, None] * u)
+                tl.store(dz_ptr + at, dz.to(dz_ptr.dtype.element_ty), mask=mask & last_tile)
+            du = d_dtu * dt
             if HAS_D:
-                tl.store(dD_ptr + bd, dD_acc)
-            if HAS_BIAS:
-                tl.store(dbias_ptr + bd, dbias_acc)
+                du += Dv[:, None] * dy
+                dD_acc += tl.where(last_tile, tl.sum(dy * u, axis=1), 0.0)
+            ddt = d_dt_decay * LN2 + d_dtu * u
+            if SOFTPLUS:
+                ddt = ddt * ddt_per_dt
+            ddt = tl.where(mask, ddt, 0.0)
+            dbias_acc += tl.where(last_tile, tl.sum(ddt, axis=1), 0.0)
+            tl.store(du_ptr + at, du.to(du_ptr.dtype.element_ty), mask=mask & last_tile)
+            tl.store(ddelta_ptr + at, ddt.to(ddelta_ptr.dtype.element_ty), mask=mask & last_tile)
+        at = row[:, None] * dstate + n[None, :]
+        tl.store(dA_ptr + at, dA_acc, mask=mask_dn)
+        if not B_VAR:
+            tl.store(dB_ptr + at, dB_acc, mask=mask_dn)
+        if not C_VAR:
+            tl.store(dC_ptr + at, dC_acc, mask=mask_dn)
+        if HAS_INIT:
+            tl.store(dinit_ptr + at, carry, mask=mask_dn)
+    if HAS_D:
+        tl.store(dD_ptr + row, dD_acc, mask=mask_d)
+    if HAS_BIAS:
+        tl.store(dbias_ptr + row, dbias_acc, mask=mask_d)
