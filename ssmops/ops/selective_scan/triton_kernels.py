@@ -84,6 +84,50 @@ def _bc_rows(ptr, pid_b, dd, d_first, dpg, s_b, s_g, VAR: tl.constexpr, SHARED: 
 
 
 @triton.jit
+def _channel_inputs(u_ptr, delta_ptr, z_ptr, bias_ptr, D_ptr, B_ptr, C_ptr, pid_b, dd, d_first, mask_d, dim,
+                    s_ub, s_ud, s_db, s_dd, s_zb, s_zd, dpg_B, dpg_C, s_Bb, s_Bg, s_Cb, s_Cg,
+                    HAS_BIAS: tl.constexpr, HAS_D: tl.constexpr, B_VAR: tl.constexpr, B_SHARED: tl.constexpr,
+                    C_VAR: tl.constexpr, C_SHARED: tl.constexpr, BLOCK_D: tl.constexpr):
+    """What both passes read first for the block's channels dd: delta's bias and D (0 where absent), and where
+    u's, delta's, z's, B's and C's rows start. A channel past dim reads the last one's group (B/C's loads have
+    no masks, and its group could be past the buffer's end); what it computes is never stored, and its
+    gradients are 0 (into dB/dC, as zeros). Input addresses only: an output's index computed in a helper that
+    takes the inputs makes torch's analysis find every input written (docs/design.md)."""
+    bias = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + dd, mask=mask_d, other=0.0)
+    Dv = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if HAS_D:
+        Dv = tl.load(D_ptr + dd, mask=mask_d, other=0.0)
+    d_real = tl.minimum(dd, dim - 1)
+    return (bias, Dv, u_ptr + pid_b * s_ub + dd * s_ud, delta_ptr + pid_b * s_db + dd * s_dd,
+            z_ptr + pid_b * s_zb + dd * s_zd,
+            _bc_rows(B_ptr, pid_b, d_real, d_first, dpg_B, s_Bb, s_Bg, B_VAR, B_SHARED),
+            _bc_rows(C_ptr, pid_b, d_real, d_first, dpg_C, s_Cb, s_Cg, C_VAR, C_SHARED))
+
+
+@triton.jit
+def _state_tile_inputs(A_ptr, init_ptr, B_rows, C_rows, pid_b, dd, mask_d, n, dstate, s_Ad, s_An, s_ib, s_id, s_in,
+                       s_Bn, s_Cn, HAS_INIT: tl.constexpr, B_VAR: tl.constexpr, C_VAR: tl.constexpr,
+                       BLOCK_D: tl.constexpr, STATES: tl.constexpr):
+    """What a walk over a tile of states n starts from, a thread its channel's: n and the tile's mask, A *
+    log2(e) (decay = exp2(dt * A * log2(e))), the initial states (0 without), and a constant B and C (loaded
+    once for the whole walk; a variable one is read at each step, and these are then placeholders)."""
+    mask_dn = mask_d[:, None] & (n < dstate)[None, :]
+    A2 = tl.load(A_ptr + dd[:, None] * s_Ad + n[None, :] * s_An, mask=mask_dn, other=0.0) * LOG2E
+    h = tl.zeros([BLOCK_D, STATES], dtype=tl.float32)
+    if HAS_INIT:
+        h = tl.load(init_ptr + pid_b * s_ib + dd[:, None] * s_id + n[None, :] * s_in, mask=mask_dn, other=0.0)
+    B_const = h
+    if not B_VAR:
+        B_const = tl.load(B_rows[:, None] + n[None, :] * s_Bn, mask=mask_dn, other=0.0)
+    C_const = h
+    if not C_VAR:
+        C_const = tl.load(C_rows[:, None] + n[None, :] * s_Cn, mask=mask_dn, other=0.0)
+    return n, mask_dn, A2, h, B_const, C_const
+
+
+@triton.jit
 def _bc_step(rows, n, t, s_n, s_t, SHARED: tl.constexpr):
     """A variable B or C at step t for the tile's states n, float32, from the launcher's copy padded
     with zeros past seqlen and dstate (no masks): (1, STATES) if the block shares it (a thread loads
@@ -120,36 +164,16 @@ def selective_scan_fwd_kernel(
     mask_d = dd < dim
     tt = tl.arange(0, BLOCK_T)
     cols = tl.arange(0, STATES)
-    bias = tl.zeros([BLOCK_D], dtype=tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + dd, mask=mask_d, other=0.0)
-    Dv = tl.zeros([BLOCK_D], dtype=tl.float32)
-    if HAS_D:
-        Dv = tl.load(D_ptr + dd, mask=mask_d, other=0.0)
-    u_rows = u_ptr + pid_b * s_ub + dd * s_ud
-    delta_rows = delta_ptr + pid_b * s_db + dd * s_dd
-    z_rows = z_ptr + pid_b * s_zb + dd * s_zd
-    # (a channel past dim reads the last one's group: B/C's loads have no masks, and its group could be past
-    # the buffer's end; what it computes is never stored)
-    d_real = tl.minimum(dd, dim - 1)
-    B_rows = _bc_rows(B_ptr, pid_b, d_real, d_first, dpg_B, s_Bb, s_Bg, B_VAR, B_SHARED)
-    C_rows = _bc_rows(C_ptr, pid_b, d_real, d_first, dpg_C, s_Cb, s_Cg, C_VAR, C_SHARED)
+    bias, Dv, u_rows, delta_rows, z_rows, B_rows, C_rows = _channel_inputs(
+        u_ptr, delta_ptr, z_ptr, bias_ptr, D_ptr, B_ptr, C_ptr, pid_b, dd, d_first, mask_d, dim,
+        s_ub, s_ud, s_db, s_dd, s_zb, s_zd, dpg_B, dpg_C, s_Bb, s_Bg, s_Cb, s_Cg,
+        HAS_BIAS, HAS_D, B_VAR, B_SHARED, C_VAR, C_SHARED, BLOCK_D)
     row = pid_b * dim + dd  # of the (batch, dim, ...) outputs
 
     for s in range(0, STATE_TILES):
-        n = s * STATES + cols
-        mask_dn = mask_d[:, None] & (n < dstate)[None, :]
-        # a thread keeps its channel's states of the tile, and A * log2(e) (decay = exp2(dt * A * log2(e)))
-        A2 = tl.load(A_ptr + dd[:, None] * s_Ad + n[None, :] * s_An, mask=mask_dn, other=0.0) * LOG2E
-        h = tl.zeros([BLOCK_D, STATES], dtype=tl.float32)
-        if HAS_INIT:
-            h = tl.load(init_ptr + pid_b * s_ib + dd[:, None] * s_id + n[None, :] * s_in, mask=mask_dn, other=0.0)
-        B_const = h  # (a constant B or C, loaded here for the whole walk; a variable one, at each step)
-        if not B_VAR:
-            B_const = tl.load(B_rows[:, None] + n[None, :] * s_Bn, mask=mask_dn, other=0.0)
-        C_const = h
-        if not C_VAR:
-            C_const = tl.load(C_rows[:, None] + n[None, :] * s_Cn, mask=mask_dn, other=0.0)
+        n, mask_dn, A2, h, B_const, C_const = _state_tile_inputs(
+            A_ptr, init_ptr, B_rows, C_rows, pid_b, dd, mask_d, s * STATES + cols, dstate, s_Ad, s_An, s_ib, s_id,
+            s_in, s_Bn, s_Cn, HAS_INIT, B_VAR, C_VAR, BLOCK_D, STATES)
         dt_total = tl.zeros([BLOCK_D], dtype=tl.float32)
         last_tile = s == STATE_TILES - 1
         # u, delta and z of a tile are loaded while the tile before it is computed (bytes in flight)
@@ -183,15 +207,11 @@ def selective_scan_fwd_kernel(
                 # the recurrence, a step at a time, over the tile's states at once (past seqlen decay is 1
                 # and drive 0, and B, C are 0: the last state is the sequence's)
                 for k in tl.static_range(BLOCK_T):
-                    B_t = B_const
-                    if B_VAR:
-                        B_t = _bc_step(B_rows, n, t0 + k, s_Bn, s_Bt, B_SHARED)
+                    h = _advance(h, A2, dt, dtu, B_rows, B_const, n, t0, mask_dn, s_Bn, s_Bt, B_VAR, B_SHARED, k, 1,
+                                 PADDED_STATES)
                     C_t = C_const
                     if C_VAR:
                         C_t = _bc_step(C_rows, n, t0 + k, s_Cn, s_Ct, C_SHARED)
-                    h = tl.exp2(_column(dt, tt, k)[:, None] * A2) * h + _column(dtu, tt, k)[:, None] * B_t
-                    if PADDED_STATES:  # a padding state stays 0 (an infinite dt or u would make it NaN)
-                        h = tl.where(mask_dn, h, 0.0)
                     y = _with_column(y, tt, k, _column(y, tt, k) + tl.sum(h * C_t, axis=1))
                 if STATE_TILES > 1:
                     tl.store(y_ptr + y_at, y, mask=mask & (s < STATE_TILES - 1))
@@ -315,21 +335,11 @@ def selective_scan_bwd_kernel(
     mask_d = dd < dim
     tt = tl.arange(0, BLOCK_T)
     cols = tl.arange(0, STATES)
-    bias = tl.zeros([BLOCK_D], dtype=tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + dd, mask=mask_d, other=0.0)
-    Dv = tl.zeros([BLOCK_D], dtype=tl.float32)
-    if HAS_D:
-        Dv = tl.load(D_ptr + dd, mask=mask_d, other=0.0)
-    u_rows = u_ptr + pid_b * s_ub + dd * s_ud
-    delta_rows = delta_ptr + pid_b * s_db + dd * s_dd
-    z_rows = z_ptr + pid_b * s_zb + dd * s_zd
+    bias, Dv, u_rows, delta_rows, z_rows, B_rows, C_rows = _channel_inputs(
+        u_ptr, delta_ptr, z_ptr, bias_ptr, D_ptr, B_ptr, C_ptr, pid_b, dd, d_first, mask_d, dim,
+        s_ub, s_ud, s_db, s_dd, s_zb, s_zd, dpg_B, dpg_C, s_Bb, s_Bg, s_Cb, s_Cg,
+        HAS_BIAS, HAS_D, B_VAR, B_SHARED, C_VAR, C_SHARED, BLOCK_D)
     dout_rows = dout_ptr + pid_b * s_gb + dd * s_gd
-    # (a channel past dim reads the last one's group, as in the forward; its gradients are 0 and go nowhere
-    # but into dB/dC, as zeros)
-    d_real = tl.minimum(dd, dim - 1)
-    B_rows = _bc_rows(B_ptr, pid_b, d_real, d_first, dpg_B, s_Bb, s_Bg, B_VAR, B_SHARED)
-    C_rows = _bc_rows(C_ptr, pid_b, d_real, d_first, dpg_C, s_Cb, s_Cg, C_VAR, C_SHARED)
     seqlen_padded = (seqlen + BLOCK_T - 1) // BLOCK_T * BLOCK_T
     dB_rows = dB_ptr + pid_b * rows_B * seqlen_padded * (STATES * STATE_TILES)
     dC_rows = dC_ptr + pid_b * rows_C * seqlen_padded * (STATES * STATE_TILES)
@@ -342,18 +352,9 @@ def selective_scan_bwd_kernel(
     dbias_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
 
     for s in range(0, STATE_TILES):
-        n = s * STATES + cols
-        mask_dn = mask_d[:, None] & (n < dstate)[None, :]
-        A2 = tl.load(A_ptr + dd[:, None] * s_Ad + n[None, :] * s_An, mask=mask_dn, other=0.0) * LOG2E
-        h = tl.zeros([BLOCK_D, STATES], dtype=tl.float32)
-        if HAS_INIT:
-            h = tl.load(init_ptr + pid_b * s_ib + dd[:, None] * s_id + n[None, :] * s_in, mask=mask_dn, other=0.0)
-        B_const = h  # (a constant B or C, loaded here for the whole walk; a variable one, at each step)
-        if not B_VAR:
-            B_const = tl.load(B_rows[:, None] + n[None, :] * s_Bn, mask=mask_dn, other=0.0)
-        C_const = h
-        if not C_VAR:
-            C_const = tl.load(C_rows[:, None] + n[None, :] * s_Cn, mask=mask_dn, other=0.0)
+        n, mask_dn, A2, h, B_const, C_const = _state_tile_inputs(
+            A_ptr, init_ptr, B_rows, C_rows, pid_b, dd, mask_d, s * STATES + cols, dstate, s_Ad, s_An, s_ib, s_id,
+            s_in, s_Bn, s_Cn, HAS_INIT, B_VAR, C_VAR, BLOCK_D, STATES)
         last_tile = s == STATE_TILES - 1
 
         # forwards: the state at the start of every segment
