@@ -169,15 +169,18 @@ def ssd_fwd(
     # every buffer a kernel writes is 1-D (contiguous), viewed as its shape after the launch (_triton.output)
     states_shape, final_shape = (batch, run.nchunks * nheads, headdim, dstate), (batch, nheads, headdim, dstate)
     states, final = _triton.output(states_shape, **f32), _triton.output(final_shape, **f32)
+    # the chunk states as the output kernel's GEMM takes them: in its 16-bit operand dtype where it has one (each
+    # of its programs reads a whole state), else the float32 buffer itself
+    states_op = states if run.flags["DOT_F32"] else _triton.output(states_shape, x.dtype, x.device)
     tiles = _state_tiles(headdim, dstate)
     _triton.launch(ssd_states_fwd_kernel, run.state_grid(tiles, batch * nheads), (
         *(run.ptr(n) for n in ("x", "dt", "A", "B", "bias")),
-        initial_states if initial_states is not None else x, run.ptr("seq"), states, final, *run.sizes,
+        initial_states if initial_states is not None else x, run.ptr("seq"), states, states_op, final, *run.sizes,
         *run.token_strides("x", "dt", "B", "seq"), *_strides(initial_states, 4),
     ), dict(HAS_INIT=initial_states is not None, **run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles,
             num_warps=STATE_WARPS, num_stages=STATE_STAGES))
     out = _triton.output(x.shape, x.dtype, x.device)
-    run.chunk_scan(states, run.cb_tiles(), out, None)
+    run.chunk_scan(states_op, run.cb_tiles(), out, None)
     varlen = x.new_empty(0, dtype=torch.float32)
     if cu_seqlens is not None:
         varlen = _triton.output((run.nseq, nheads, headdim, dstate), **f32)

@@ -17,7 +17,8 @@ states entering the chunks are known, and those depend on the chunks before only
 
 forward
   `ssd_states_fwd_kernel`: a program owns a (headdim, dstate) tile of one (batch, head) and
-    walks the chunks in order: stores the entering state (chunk_states, float32), then advances
+    walks the chunks in order: stores the entering state (chunk_states, float32, and for 16-bit
+    GEMM operands a copy in that dtype, which the output kernel reads), then advances
     it over the chunk with one tensor-core GEMM, (dt x decayed)^T @ B. mamba_ssm computes the
     chunks' own states in one kernel, writes them out and passes them in another; here they
     never leave registers. The final state is the last one.
@@ -241,7 +242,7 @@ def _head(b, h, heads_per_group, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, bias_ptr, s
 
 @triton.jit
 def ssd_states_fwd_kernel(
-    x_ptr, dt_ptr, A_ptr, B_ptr, bias_ptr, init_ptr, seq_ptr, states_ptr, final_ptr,
+    x_ptr, dt_ptr, A_ptr, B_ptr, bias_ptr, init_ptr, seq_ptr, states_ptr, states16_ptr, final_ptr,
     seqlen, nheads, headdim, dstate, Q, nchunks, heads_per_group, lo, hi,
     s_xb, s_xt, s_xh, s_xp, s_dtb, s_dtt, s_dth, s_Bb, s_Bt, s_Bg, s_Bn, s_seqb, s_seqt,
     s_ib, s_ih, s_ip, s_in,
@@ -250,7 +251,8 @@ def ssd_states_fwd_kernel(
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid (state tiles, batch * nheads). chunk_states (batch, nchunks * nheads, headdim, dstate) and
-    final (batch, nheads, headdim, dstate) are contiguous float32."""
+    final (batch, nheads, headdim, dstate) are contiguous float32. With 16-bit GEMM operands (not DOT_F32)
+    the chunk states go into states16 in that dtype too, as the output kernel's GEMM takes them."""
     tiles_n = tl.cdiv(dstate, BLOCK_N)
     pp = (tl.program_id(0) // tiles_n) * BLOCK_P + tl.arange(0, BLOCK_P)
     nn = (tl.program_id(0) % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -264,7 +266,10 @@ def ssd_states_fwd_kernel(
     else:
         state = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
     for c in range(0, nchunks):
-        _store_state_tile(states_ptr, (b * nchunks + c) * nheads + h, pp, nn, headdim, dstate, state)
+        row = (b * nchunks + c) * nheads + h
+        _store_state_tile(states_ptr, row, pp, nn, headdim, dstate, state)
+        if not DOT_F32:
+            _store_state_tile(states16_ptr, row, pp, nn, headdim, dstate, state.to(states16_ptr.dtype.element_ty))
         t0 = c * Q
         e = tl.minimum(t0 + Q, seqlen) - 1
         state = _state_at(state, t0, e, _seq_at(seq_row, t0 - 1, s_seqt, HAS_SEQ), Q, seqlen, x_row, dt_row,
