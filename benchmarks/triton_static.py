@@ -226,7 +226,7 @@ def _ssd_grids(shape: dict) -> list:
     scan = nchunks * -(-Q // cfg["BLOCK_T"]) * b * h * -(-p // cfg["BLOCK_P"])
     bwd = nchunks * -(-Q // min(cfg["BLOCK_T"], ssd_triton.BWD_BLOCK_T)) * b * h
     cb = nchunks * -(-Q // cfg["BLOCK_T"]) * b * g
-    return [state_programs, cb, scan, cb, scan, state_programs, bwd, bwd, bwd, nchunks * b * h, b * h]
+    return [state_programs, cb, scan, state_programs, cb, scan, bwd, bwd, bwd, nchunks * b * h, b * h]
 
 
 

@@ -503,10 +503,9 @@ def _ssd_compile_params():
             yield pytest.param(target, name, marks=marks, id=f"{target}-{name}")
 
 
-SSD_KERNELS = ["ssd_states_fwd_kernel", "ssd_cb_kernel", "ssd_chunk_scan_kernel", "ssd_cb_kernel",
-               "ssd_chunk_scan_kernel",  # (the second pair: dz)
-               "ssd_state_grads_kernel", "ssd_bwd_block_kernel", "ssd_bwd_block_kernel", "ssd_bwd_block_kernel",
-               "ssd_bwd_ddt_kernel"]
+SSD_KERNELS = ["ssd_states_fwd_kernel", "ssd_cb_kernel", "ssd_chunk_scan_kernel", "ssd_state_grads_kernel",
+               "ssd_cb_kernel", "ssd_chunk_scan_kernel",  # (the second pair: dz)
+               "ssd_bwd_block_kernel", "ssd_bwd_block_kernel", "ssd_bwd_block_kernel", "ssd_bwd_ddt_kernel"]
 
 
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")

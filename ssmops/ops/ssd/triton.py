@@ -169,15 +169,18 @@ def ssd_fwd(
     # every buffer a kernel writes is 1-D (contiguous), viewed as its shape after the launch (_triton.output)
     states_shape, final_shape = (batch, run.nchunks * nheads, headdim, dstate), (batch, nheads, headdim, dstate)
     states, final = _triton.output(states_shape, **f32), _triton.output(final_shape, **f32)
+    # the chunk states as the output kernel's GEMM takes them: in its 16-bit operand dtype where it has one (each
+    # of its programs reads a whole state), else the float32 buffer itself
+    states_op = states if run.flags["DOT_F32"] else _triton.output(states_shape, x.dtype, x.device)
     tiles = _state_tiles(headdim, dstate)
     _triton.launch(ssd_states_fwd_kernel, run.state_grid(tiles, batch * nheads), (
         *(run.ptr(n) for n in ("x", "dt", "A", "B", "bias")),
-        initial_states if initial_states is not None else x, run.ptr("seq"), states, final, *run.sizes,
+        initial_states if initial_states is not None else x, run.ptr("seq"), states, states_op, final, *run.sizes,
         *run.token_strides("x", "dt", "B", "seq"), *_strides(initial_states, 4),
     ), dict(HAS_INIT=initial_states is not None, **run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles,
             num_warps=STATE_WARPS, num_stages=STATE_STAGES))
     out = _triton.output(x.shape, x.dtype, x.device)
-    run.chunk_scan(states, run.cb_tiles(), out, None)
+    run.chunk_scan(states_op, run.cb_tiles(), out, None)
     varlen = x.new_empty(0, dtype=torch.float32)
     if cu_seqlens is not None:
         varlen = _triton.output((run.nseq, nheads, headdim, dstate), **f32)
@@ -210,28 +213,34 @@ def ssd_bwd(
     dvarlen = dvarlen_states.contiguous() if dvarlen_states is not None and cu_seqlens is not None else None
     firsts = _varlen_firsts(cu_seqlens, nchunks, chunk_size) if dvarlen is not None else None
     varlen_args = (dvarlen, cu_seqlens, firsts) if dvarlen is not None else (states, states, states)
+    # the gradient of the state after each chunk, walking the chunks back
+    # every buffer a kernel writes is 1-D (contiguous), viewed as its shape after the launch (_triton.output)
+    state_shape = (batch, nheads, headdim, dstate)
+    dends = _triton.output(states.shape, **f32)
+    dinit = _triton.output(state_shape, **f32) if initial_states is not None else x.new_empty(0, dtype=torch.float32)
+    # the chunk states and dends as the chunk passes' GEMMs take them: in their 16-bit operand dtype where
+    # they have one (written by the same launch), else the float32 buffers themselves
+    states_op, dends_op = states, dends
+    if not run.flags["DOT_F32"]:
+        states_op, dends_op = (_triton.output(states.shape, x.dtype, x.device) for _ in range(2))
+    tiles = _state_tiles(headdim, dstate)
+    _triton.launch(ssd_state_grads_kernel, run.state_grid(tiles, batch * nheads), (
+        *(run.ptr(n) for n in ("dt", "A", "C", "bias", "z", "seq")), dout,
+        dfinal if dfinal is not None else states, *varlen_args, dends, dinit if initial_states is not None else dends,
+        states, states_op, dends_op,
+        *run.sizes, *run.token_strides("dt", "C", "z"), *dout.stride(), *run.token_strides("seq"),
+    ), dict(HAS_Z=z is not None, HAS_DFINAL=dfinal is not None, HAS_DVARLEN=dvarlen is not None,
+            HAS_INIT=initial_states is not None, **run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles,
+            num_warps=STATE_WARPS, num_stages=STATE_STAGES))
+
     cb = run.cb_tiles()  # (for dz's recomputed output and the dX pass)
     dz = x.new_empty(0, dtype=torch.float32)
     gated = dout  # the gradient of the output before the gate, as the chunk passes' GEMMs take it
     if z is not None:  # the gradient of the gate needs the output before it: recomputed
         dz = _triton.output(x.shape, z.dtype, x.device)
         gated = _triton.output(x.shape, torch.float32 if run.flags["DOT_F32"] else x.dtype, x.device)
-        run.chunk_scan(states, cb, dz, dout, gated)
+        run.chunk_scan(states_op, cb, dz, dout, gated)
         gated = gated.view(x.shape)
-
-    # the gradient of the state after each chunk, walking the chunks back
-    # every buffer a kernel writes is 1-D (contiguous), viewed as its shape after the launch (_triton.output)
-    state_shape = (batch, nheads, headdim, dstate)
-    dends = _triton.output(states.shape, **f32)
-    dinit = _triton.output(state_shape, **f32) if initial_states is not None else x.new_empty(0, dtype=torch.float32)
-    tiles = _state_tiles(headdim, dstate)
-    _triton.launch(ssd_state_grads_kernel, run.state_grid(tiles, batch * nheads), (
-        *(run.ptr(n) for n in ("dt", "A", "C", "bias", "z", "seq")), dout,
-        dfinal if dfinal is not None else states, *varlen_args, dends, dinit if initial_states is not None else dends,
-        *run.sizes, *run.token_strides("dt", "C", "z"), *dout.stride(), *run.token_strides("seq"),
-    ), dict(HAS_Z=z is not None, HAS_DFINAL=dfinal is not None, HAS_DVARLEN=dvarlen is not None,
-            HAS_INIT=initial_states is not None, **run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles,
-            num_warps=STATE_WARPS, num_stages=STATE_STAGES))
 
     # every chunk's gradients, by blocks of tokens; B and C's per head, then summed over each group's heads
     # in a fixed order
@@ -249,9 +258,12 @@ def ssd_bwd(
     grid = (nchunks * blocks, batch * nheads)
     strides = (*run.token_strides("x", "dt", "B", "C", "z"), *dout.stride(), *gated.stride(),
                *run.token_strides("seq"))
-    for mode in ("dC", "dX", "dB"):
+    # (the dB pass reads dends in float32: reading the 16-bit copy would save it 0.24 ms of L2 reads at
+    # mamba2-2.7b's layer, but take it from 137 to 176 registers on sm_90; docs/limits.md)
+    for mode, dends_read in (("dC", dends_op), ("dX", dends_op), ("dB", dends)):
         _triton.launch(ssd_bwd_block_kernel, grid, (
-            *(run.ptr(n) for n in ("x", "dt", "A", "B", "C", "D", "z", "bias", "seq")), states, dends, cb, dout, gated,
+            *(run.ptr(n) for n in ("x", "dt", "A", "B", "C", "D", "z", "bias", "seq")), states_op, dends_read, cb,
+            dout, gated,
             *varlen_args, dx, dB_heads, dC_heads, dD_part, dlB, dlC, R, xdx, *run.sizes, blocks, run.cb_side(),
             *strides,
             D.stride(0) if D is not None else 0,

@@ -17,7 +17,8 @@ states entering the chunks are known, and those depend on the chunks before only
 
 forward
   `ssd_states_fwd_kernel`: a program owns a (headdim, dstate) tile of one (batch, head) and
-    walks the chunks in order: stores the entering state (chunk_states, float32), then advances
+    walks the chunks in order: stores the entering state (chunk_states, float32, and for 16-bit
+    GEMM operands a copy in that dtype, which the output kernel reads), then advances
     it over the chunk with one tensor-core GEMM, (dt x decayed)^T @ B. mamba_ssm computes the
     chunks' own states in one kernel, writes them out and passes them in another; here they
     never leave registers. The final state is the last one.
@@ -36,6 +37,9 @@ heads of a group and over chunks are summed afterwards in a fixed order; no atom
   `ssd_state_grads_kernel`: the state gradient walks the chunks last to first, like the
     forward's states: the gradient of the state entering chunk c is w_end dE_c + sum_l w_l
     dy_l^T C_l (+ the varlen states' cotangents), with dE_c that of the state after chunk c.
+    With 16-bit GEMM operands it also writes dE_c and the chunk states in that dtype: the dC and dX
+    passes and the dz launch, each of whose programs reads a whole (headdim, dstate) state to use
+    it as a 16-bit GEMM operand, then read half the bytes.
   `ssd_bwd_block_kernel`: a program owns a block of tokens of one chunk of one (batch, head) and,
     from the chunk's entering state S and dE_c, computes dC (the block as rows), dx or dB (the block
     as columns), launched once for each (dC, dX, dB passes); their GEMM loops read the gated
@@ -238,7 +242,7 @@ def _head(b, h, heads_per_group, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, bias_ptr, s
 
 @triton.jit
 def ssd_states_fwd_kernel(
-    x_ptr, dt_ptr, A_ptr, B_ptr, bias_ptr, init_ptr, seq_ptr, states_ptr, final_ptr,
+    x_ptr, dt_ptr, A_ptr, B_ptr, bias_ptr, init_ptr, seq_ptr, states_ptr, states16_ptr, final_ptr,
     seqlen, nheads, headdim, dstate, Q, nchunks, heads_per_group, lo, hi,
     s_xb, s_xt, s_xh, s_xp, s_dtb, s_dtt, s_dth, s_Bb, s_Bt, s_Bg, s_Bn, s_seqb, s_seqt,
     s_ib, s_ih, s_ip, s_in,
@@ -247,7 +251,8 @@ def ssd_states_fwd_kernel(
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid (state tiles, batch * nheads). chunk_states (batch, nchunks * nheads, headdim, dstate) and
-    final (batch, nheads, headdim, dstate) are contiguous float32."""
+    final (batch, nheads, headdim, dstate) are contiguous float32. With 16-bit GEMM operands (not DOT_F32)
+    the chunk states go into states16 in that dtype too, as the output kernel's GEMM takes them."""
     tiles_n = tl.cdiv(dstate, BLOCK_N)
     pp = (tl.program_id(0) // tiles_n) * BLOCK_P + tl.arange(0, BLOCK_P)
     nn = (tl.program_id(0) % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -261,7 +266,10 @@ def ssd_states_fwd_kernel(
     else:
         state = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
     for c in range(0, nchunks):
-        _store_state_tile(states_ptr, (b * nchunks + c) * nheads + h, pp, nn, headdim, dstate, state)
+        row = (b * nchunks + c) * nheads + h
+        _store_state_tile(states_ptr, row, pp, nn, headdim, dstate, state)
+        if not DOT_F32:
+            _store_state_tile(states16_ptr, row, pp, nn, headdim, dstate, state.to(states16_ptr.dtype.element_ty))
         t0 = c * Q
         e = tl.minimum(t0 + Q, seqlen) - 1
         state = _state_at(state, t0, e, _seq_at(seq_row, t0 - 1, s_seqt, HAS_SEQ), Q, seqlen, x_row, dt_row,
@@ -411,7 +419,7 @@ def ssd_chunk_scan_kernel(
 @triton.jit
 def ssd_state_grads_kernel(
     dt_ptr, A_ptr, C_ptr, bias_ptr, z_ptr, seq_ptr, dout_ptr, dfinal_ptr, dvarlen_ptr, cu_ptr, first_ptr,
-    dends_ptr, dinit_ptr,
+    dends_ptr, dinit_ptr, states_ptr, states16_ptr, dends16_ptr,
     seqlen, nheads, headdim, dstate, Q, nchunks, heads_per_group, lo, hi,
     s_dtb, s_dtt, s_dth, s_Cb, s_Ct, s_Cg, s_Cn, s_zb, s_zt, s_zh, s_zp, s_gb, s_gt, s_gh, s_gp, s_seqb, s_seqt,
     HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr,
@@ -421,7 +429,10 @@ def ssd_state_grads_kernel(
     """Grid (state tiles, batch * nheads). Writes dends (batch, nchunks * nheads, headdim, dstate): the
     gradient of the state after each chunk, and dinit, the gradient of the state entering chunk 0
     (both contiguous float32). dfinal and dvarlen are contiguous float32; first[c] is the first
-    varlen sequence ending in chunk c or later."""
+    varlen sequence ending in chunk c or later. With 16-bit GEMM operands (not DOT_F32) it also writes
+    dends and the chunk states (states, float32) in that dtype, as the backward's GEMMs take them, into
+    dends16 and states16 (contiguous, like dends): the chunk passes then read half the bytes of what
+    each of their programs reads whole, the same values their GEMMs rounded them to."""
     tiles_n = tl.cdiv(dstate, BLOCK_N)
     pp = (tl.program_id(0) // tiles_n) * BLOCK_P + tl.arange(0, BLOCK_P)
     nn = (tl.program_id(0) % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -437,7 +448,12 @@ def ssd_state_grads_kernel(
         grad = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
     for cc in range(0, nchunks):
         c = nchunks - 1 - cc
-        _store_state_tile(dends_ptr, (b * nchunks + c) * nheads + h, pp, nn, headdim, dstate, grad)
+        row = (b * nchunks + c) * nheads + h
+        _store_state_tile(dends_ptr, row, pp, nn, headdim, dstate, grad)
+        if not DOT_F32:
+            _store_state_tile(dends16_ptr, row, pp, nn, headdim, dstate, grad.to(dends16_ptr.dtype.element_ty))
+            _store_state_tile(states16_ptr, row, pp, nn, headdim, dstate,
+                              _state_tile(states_ptr, row, pp, nn, headdim, dstate).to(states16_ptr.dtype.element_ty))
         t0 = c * Q
         seq_before = _seq_at(seq_row, t0 - 1, s_seqt, HAS_SEQ)
         acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
