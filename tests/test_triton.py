@@ -781,8 +781,8 @@ def test_triton_ops_trace_into_kernel_launches_on_cuda_tensors():
     assert lines["conv104"] == [compaction, conv[0], compaction, *conv[1:]], proc.stdout
     assert lines["ssd"] == [
         "launch ssd_states_fwd_kernel [8] [(1, 16, 1)]", "launch ssd_cb_kernel [4] [(4, 4, 1)]",
-        "launch ssd_chunk_scan_kernel [8] [(4, 16, 1)]", "launch ssd_cb_kernel [4] [(4, 4, 1)]",
         "launch ssd_chunk_scan_kernel [8] [(4, 16, 1)]", "launch ssd_state_grads_kernel [8] [(1, 16, 1)]",
+        "launch ssd_cb_kernel [4] [(4, 4, 1)]", "launch ssd_chunk_scan_kernel [8] [(4, 16, 1)]",
         "launch ssd_bwd_block_kernel [8] [(8, 16, 1)]", "launch ssd_bwd_block_kernel [8] [(8, 16, 1)]",
         "launch ssd_bwd_block_kernel [8] [(8, 16, 1)]", "launch ssd_bwd_ddt_kernel [4] [(4, 16, 1)]",
     ], proc.stdout

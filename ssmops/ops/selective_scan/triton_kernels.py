@@ -107,13 +107,12 @@ def _channel_inputs(u_ptr, delta_ptr, z_ptr, bias_ptr, D_ptr, B_ptr, C_ptr, pid_
 
 
 @triton.jit
-def _state_tile_inputs(A_ptr, init_ptr, B_rows, C_rows, pid_b, dd, mask_d, n, dstate, s_Ad, s_An, s_ib, s_id, s_in,
-                       s_Bn, s_Cn, HAS_INIT: tl.constexpr, B_VAR: tl.constexpr, C_VAR: tl.constexpr,
+def _state_tile_inputs(A_ptr, init_ptr, B_rows, C_rows, pid_b, dd, n, mask_dn, s_Ad, s_An, s_ib, s_id, s_in, s_Bn,
+                       s_Cn, HAS_INIT: tl.constexpr, B_VAR: tl.constexpr, C_VAR: tl.constexpr,
                        BLOCK_D: tl.constexpr, STATES: tl.constexpr):
-    """What a walk over a tile of states n starts from, a thread its channel's: n and the tile's mask, A *
-    log2(e) (decay = exp2(dt * A * log2(e))), the initial states (0 without), and a constant B and C (loaded
-    once for the whole walk; a variable one is read at each step, and these are then placeholders)."""
-    mask_dn = mask_d[:, None] & (n < dstate)[None, :]
+    """What a walk over a tile of states n starts from, a thread its channel's: A * log2(e) (decay =
+    exp2(dt * A * log2(e))), the initial states (0 without), and a constant B and C (loaded once for the whole
+    walk; a variable one is read at each step, and these are then placeholders)."""
     A2 = tl.load(A_ptr + dd[:, None] * s_Ad + n[None, :] * s_An, mask=mask_dn, other=0.0) * LOG2E
     h = tl.zeros([BLOCK_D, STATES], dtype=tl.float32)
     if HAS_INIT:
@@ -124,7 +123,7 @@ def _state_tile_inputs(A_ptr, init_ptr, B_rows, C_rows, pid_b, dd, mask_d, n, ds
     C_const = h
     if not C_VAR:
         C_const = tl.load(C_rows[:, None] + n[None, :] * s_Cn, mask=mask_dn, other=0.0)
-    return n, mask_dn, A2, h, B_const, C_const
+    return A2, h, B_const, C_const
 
 
 @triton.jit
@@ -171,9 +170,12 @@ def selective_scan_fwd_kernel(
     row = pid_b * dim + dd  # of the (batch, dim, ...) outputs
 
     for s in range(0, STATE_TILES):
-        n, mask_dn, A2, h, B_const, C_const = _state_tile_inputs(
-            A_ptr, init_ptr, B_rows, C_rows, pid_b, dd, mask_d, s * STATES + cols, dstate, s_Ad, s_An, s_ib, s_id,
-            s_in, s_Bn, s_Cn, HAS_INIT, B_VAR, C_VAR, BLOCK_D, STATES)
+        n = s * STATES + cols
+        mask_dn = mask_d[:, None] & (n < dstate)[None, :]
+        # (n and its mask are computed here: an output's index must not come from a helper that takes the inputs)
+        A2, h, B_const, C_const = _state_tile_inputs(A_ptr, init_ptr, B_rows, C_rows, pid_b, dd, n, mask_dn, s_Ad,
+                                                     s_An, s_ib, s_id, s_in, s_Bn, s_Cn, HAS_INIT, B_VAR, C_VAR,
+                                                     BLOCK_D, STATES)
         dt_total = tl.zeros([BLOCK_D], dtype=tl.float32)
         last_tile = s == STATE_TILES - 1
         # u, delta and z of a tile are loaded while the tile before it is computed (bytes in flight)
@@ -352,9 +354,12 @@ def selective_scan_bwd_kernel(
     dbias_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
 
     for s in range(0, STATE_TILES):
-        n, mask_dn, A2, h, B_const, C_const = _state_tile_inputs(
-            A_ptr, init_ptr, B_rows, C_rows, pid_b, dd, mask_d, s * STATES + cols, dstate, s_Ad, s_An, s_ib, s_id,
-            s_in, s_Bn, s_Cn, HAS_INIT, B_VAR, C_VAR, BLOCK_D, STATES)
+        n = s * STATES + cols
+        mask_dn = mask_d[:, None] & (n < dstate)[None, :]
+        # (n and its mask are computed here: an output's index must not come from a helper that takes the inputs)
+        A2, h, B_const, C_const = _state_tile_inputs(A_ptr, init_ptr, B_rows, C_rows, pid_b, dd, n, mask_dn, s_Ad,
+                                                     s_An, s_ib, s_id, s_in, s_Bn, s_Cn, HAS_INIT, B_VAR, C_VAR,
+                                                     BLOCK_D, STATES)
         last_tile = s == STATE_TILES - 1
 
         # forwards: the state at the start of every segment
