@@ -197,6 +197,7 @@ def main(argv=None) -> int:
     if args.sweep:
         sweep_tiles(lambda: fwd_op(*fargs), lambda: bwd_op(*bargs), args.repeats)
         sweep_ssd_knobs(args)
+        sweep_decode_step(args)
     return 0
 
 
@@ -249,6 +250,55 @@ def decode_step(args, bw: float) -> None:
         print(f"decode step (batch {b}, dim {d}, dstate {n}): {cells}; ssmops graphed at "
               f"{moved / times['ssmops'][1] / bw:.0%} of copy bandwidth")
         compare_decode_steps(times)
+
+
+SWEEP_STEP_TILES = (256, 512, 1024, 2048, 4096)
+SWEEP_STEP_WARPS = (1, 2, 4, 8)
+
+
+def sweep_decode_step(args) -> None:
+    """Mamba-1's decoding step (decode_step's shape) replayed from a CUDA graph at batch 1 and 64, in us, with
+    each (MAMBA1_STEP_TILE, MAMBA1_STEP_WARPS) of the sweep in place of the launcher's (the first row)."""
+    import ssmops
+    from ssmops.ops import _triton
+    from ssmops.ops.state_update import triton as ops
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    d, n = 5120, 16
+
+    def randn(*shape, dt=DTYPES[args.dtype]):
+        return torch.randn(*shape, generator=g, device="cuda").to(dt)
+
+    steps = {}
+    for b in (1, 64):
+        state = randn(b, d, n, dt=torch.float32)
+        kw = dict(x=randn(b, d), dt=randn(b, d), A=-randn(d, n, dt=torch.float32).abs(), B=randn(b, n),
+                  C=randn(b, n), D=randn(d, dt=torch.float32), z=randn(b, d), dt_bias=randn(d, dt=torch.float32),
+                  dt_softplus=True)
+        steps[b] = lambda state=state, kw=kw: ssmops.selective_state_update(state, **kw)
+
+    def cell(step) -> str:
+        try:
+            return f"{cuda_time(graphed(step), args.repeats) * 1e6:>12.2f}"
+        except Exception as err:  # e.g. triton's OutOfResources
+            return f"{type(err).__name__:>12}"
+
+    def row(name: str) -> None:
+        _triton._plans.clear()  # (a launch plan is kept per signature of the arguments: worked out again)
+        print(f"{name:<26}" + "".join(f" {cell(step)}" for step in steps.values()))
+
+    chosen = ops.MAMBA1_STEP_TILE, ops.MAMBA1_STEP_WARPS
+    print(f"\nMamba-1 decoding step (dim {d}, dstate {n}), graphed, us: tile and warps of its program")
+    print(f"{'tile, warps':<26}" + "".join(f" {'batch ' + str(b):>12}" for b in steps))
+    row("chosen by the launcher")
+    try:
+        for tile in SWEEP_STEP_TILES:
+            for warps in SWEEP_STEP_WARPS:
+                ops.MAMBA1_STEP_TILE, ops.MAMBA1_STEP_WARPS = tile, warps
+                row(f"{tile}, {warps}")
+    finally:
+        ops.MAMBA1_STEP_TILE, ops.MAMBA1_STEP_WARPS = chosen
+        _triton._plans.clear()
 
 
 SWEEP_WARPS = (1, 2, 4, 8, 16)

@@ -20,10 +20,17 @@ from .schema import as_multihead
 from .triton_kernels import multihead_state_update_kernel, selective_state_update_kernel
 
 
+# Mamba-1's step: the (channels, states) elements of a program's tile and its warps. Module constants that
+# `benchmarks/gpu.py --sweep` retunes on a GPU (at batch 1 the grid is dim / (tile / dstate) programs: 80 for
+# dim 5120 and dstate 16, under an H100's 132 SMs; at batch 64 the state's traffic is the whole cost).
+MAMBA1_STEP_TILE = 1024
+MAMBA1_STEP_WARPS = 4
+
+
 def _mamba1_launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus) -> _triton.LaunchPlan:
     batch, dim, dstate, groups = check_state_update_inputs(state, x, dt, A, B, C, D, z, dt_bias)
     block_n = _triton.pow2_tile(dstate, 2, _triton.NO_CAP)
-    block_d = _triton.pow2_tile(dim, 1, max(1024 // block_n, 1))  # a (block_d, block_n) tile of 1024
+    block_d = _triton.pow2_tile(dim, 1, max(MAMBA1_STEP_TILE // block_n, 1))  # a (block_d, block_n) tile
 
     def bc_strides(M: Tensor) -> tuple:  # (batch, group, state); (batch, dstate) is one shared group
         return (M.stride(0), 0, M.stride(1)) if M.dim() == 2 else tuple(M.stride())
@@ -35,7 +42,7 @@ def _mamba1_launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus) -> _triton
         dt_bias.stride(0) if dt_bias is not None else 0, dim,
     )
     meta = dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
-                BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4)
+                BLOCK_D=block_d, BLOCK_N=block_n, num_warps=MAMBA1_STEP_WARPS)
     return _triton.LaunchPlan((triton.cdiv(dim, block_d), batch), numbers, meta, (batch, dim))
 
 
