@@ -222,6 +222,24 @@ def compare_decode_steps(times: dict) -> None:
               "(goal >= 1x)")
 
 
+MAMBA1_STEP_SHAPE = (5120, 16)  # (dim, dstate) of issue 42's decoding step
+
+
+def mamba1_step_inputs(batch: int, dtype) -> tuple:
+    """(state, keyword arguments) of Mamba-1's decoding step at MAMBA1_STEP_SHAPE: a float32 state, activations
+    in `dtype`, D, z, dt_bias and softplus."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    d, n = MAMBA1_STEP_SHAPE
+
+    def randn(*shape, dt=dtype):
+        return torch.randn(*shape, generator=g, device="cuda").to(dt)
+
+    state = randn(batch, d, n, dt=torch.float32)
+    return state, dict(x=randn(batch, d), dt=randn(batch, d), A=-randn(d, n, dt=torch.float32).abs(),
+                       B=randn(batch, n), C=randn(batch, n), D=randn(d, dt=torch.float32), z=randn(batch, d),
+                       dt_bias=randn(d, dt=torch.float32), dt_softplus=True)
+
+
 def decode_step(args, bw: float) -> None:
     """Mamba-1's decoding step as issue 42 times it (dim 5120, dstate 16, float32 state, activations in
     the given dtype; D, z, dt_bias, softplus), batch 1 and 64, microseconds per call, eager and replayed
@@ -229,22 +247,13 @@ def decode_step(args, bw: float) -> None:
     published, and the fraction of copy bandwidth the state's read and write reach."""
     import ssmops
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    dtype = DTYPES[args.dtype]
-    d, n = 5120, 16
-
-    def randn(*shape, dt=dtype):
-        return torch.randn(*shape, generator=g, device="cuda").to(dt)
-
+    d, n = MAMBA1_STEP_SHAPE
     contenders = {"ssmops": ssmops.selective_state_update}
     peer = peer_function("selective_state_update", "selective_state_update")
     if peer is not None:
         contenders["mamba_ssm"] = peer
     for b in (1, 64):
-        state = randn(b, d, n, dt=torch.float32)
-        kw = dict(x=randn(b, d), dt=randn(b, d), A=-randn(d, n, dt=torch.float32).abs(), B=randn(b, n),
-                  C=randn(b, n), D=randn(d, dt=torch.float32), z=randn(b, d), dt_bias=randn(d, dt=torch.float32),
-                  dt_softplus=True)
+        state, kw = mamba1_step_inputs(b, DTYPES[args.dtype])
         moved = nbytes(state, state, kw["x"], kw["dt"], kw["z"], kw["x"])  # state in and out; y out
         times, cells = time_decode_steps(contenders, state, kw, args.repeats)
         print(f"decode step (batch {b}, dim {d}, dstate {n}): {cells}; ssmops graphed at "
@@ -263,18 +272,10 @@ def sweep_decode_step(args) -> None:
     from ssmops.ops import _triton
     from ssmops.ops.state_update import triton as ops
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    d, n = 5120, 16
-
-    def randn(*shape, dt=DTYPES[args.dtype]):
-        return torch.randn(*shape, generator=g, device="cuda").to(dt)
-
+    d, n = MAMBA1_STEP_SHAPE
     steps = {}
     for b in (1, 64):
-        state = randn(b, d, n, dt=torch.float32)
-        kw = dict(x=randn(b, d), dt=randn(b, d), A=-randn(d, n, dt=torch.float32).abs(), B=randn(b, n),
-                  C=randn(b, n), D=randn(d, dt=torch.float32), z=randn(b, d), dt_bias=randn(d, dt=torch.float32),
-                  dt_softplus=True)
+        state, kw = mamba1_step_inputs(b, DTYPES[args.dtype])
         steps[b] = lambda state=state, kw=kw: ssmops.selective_state_update(state, **kw)
 
     def cell(step) -> str:
