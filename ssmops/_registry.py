@@ -217,7 +217,7 @@ def operator_for(name: str, t: torch.Tensor):
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-def direct_triton_kernel(name: str, x: torch.Tensor, tensors: tuple):
+def _direct_launcher(name: str, x: torch.Tensor, tensors: tuple):
     """The Triton launcher of `ssmops::{name}` (the operator's signature) when an eager call may run it itself,
     else None (the call then goes through the operator).
 
@@ -241,9 +241,9 @@ def direct_triton_kernel(name: str, x: torch.Tensor, tensors: tuple):
 
 def call_step(name: str, x: torch.Tensor, tensors: tuple, flags: tuple, updated: torch.Tensor):
     """A decoding step's operator `ssmops::{name}(*tensors, *flags)`, which updates `updated` in place, called as
-    its front end should: the Triton launcher itself where `direct_triton_kernel` allows it (bumping `updated`'s
+    its front end should: the Triton launcher itself where `_direct_launcher` allows it (bumping `updated`'s
     version outside inference mode, as the operator's in-place update would), else `operator_for`'s operator."""
-    direct = direct_triton_kernel(name, x, tensors)
+    direct = _direct_launcher(name, x, tensors)
     if direct is None:
         return operator_for(name, x)(*tensors, *flags)
     if not torch.is_inference_mode_enabled():

@@ -25,7 +25,7 @@ def _layout(state, state_batch_indices) -> str:
 def _step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices) -> Tensor:
     """The operator call of the step's layout, the arguments as they are (each kernel checks them); in eager
     mode on a GPU, the Triton launcher called directly where the operator's route adds nothing
-    (`direct_triton_kernel`)."""
+    (`_registry.call_step`)."""
     if _layout(state, state_batch_indices) == "mamba1":
         name, args = "selective_state_update", (state, x, dt, A, B, C, D, z, dt_bias)
     else:
