@@ -12,7 +12,9 @@ transcendentals can be counted exactly, loop trips and masks included, at a smal
 128 channels of one row (one program's channels, so that the B/C loads the program shares are
 counted once for all of them, as at the full shape), forward and backward (two 2048-step chunks, as at the
 benchmark shape), the SSD scan at one row of
-512 tokens (two 256-token chunks), two heads of one group, Mamba-2's headdim 64 and dstate 128. Per
+512 tokens (two 256-token chunks), 16 heads of one group (a run of the backward's group kernels, which read
+the group's tiles once for all its heads: counted at one head they would be charged to every head), Mamba-2's
+headdim 64 and dstate 128. Per
 launch it records
 
 - requested bytes: every element a load, store or atomic touches, as often as it touches it (what the
@@ -47,7 +49,7 @@ COUNTS = Path(__file__).with_name("triton_counts.json")
 SOURCES = {"scan": ("ssmops/ops/selective_scan/triton_kernels.py", "ssmops/ops/selective_scan/triton.py"),
            "ssd": ("ssmops/ops/ssd/triton_kernels.py", "ssmops/ops/ssd/triton.py")}
 SCAN_SMALL = dict(batch=1, dim=128, seqlen=4096, dstate=16)
-SSD_SMALL = dict(batch=1, seqlen=512, nheads=2, headdim=64, ngroups=1, dstate=128, chunk=256)
+SSD_SMALL = dict(batch=1, seqlen=512, nheads=16, headdim=64, ngroups=1, dstate=128, chunk=256)
 _SFU = ("exp", "exp2", "log", "log2", "sin", "cos", "sqrt", "precise_sqrt", "rsqrt")
 
 
@@ -107,6 +109,8 @@ def launch_name(kernel, meta: dict) -> str:
     name = getattr(kernel, "__name__", None) or kernel.fn.__name__
     if meta.get("DZ"):
         name += " (dz)"
+    if "DB" in meta:
+        name += " (dB)" if meta["DB"] else " (dC)"
     return name + (f" ({meta['MODE']})" if "MODE" in meta else "")
 
 

@@ -157,11 +157,19 @@ def _per_element(aot, compiled, meta: dict) -> dict:
 
 def _ssd_trips(name: str, meta: dict, shape: dict) -> float:
     """Mean trips of a kernel's tensor-core loop per program: over the chunks' blocks for the state
-    passes (walking every chunk), over the blocks up to (or from) the program's own in the chunk kernels."""
+    passes (walking every chunk), over the blocks up to (or from) the program's own in the chunk kernels, over
+    a run of a group's heads in the backward's group kernels (and then its blocks, in ssd_bwd_group_kernel's)."""
+    from ssmops.ops.ssd import triton as ssd_triton
+
     blocks = -(-shape["chunk"] // meta["BLOCK_T"])
     nchunks = -(-shape["seqlen"] // shape["chunk"])
+    run = shape["nheads"] // shape["ngroups"] // ssd_triton._head_runs(shape["nheads"] // shape["ngroups"])
     if name in ("ssd_states_fwd_kernel", "ssd_state_grads_kernel"):
         return nchunks * blocks
+    if name == "ssd_bwd_dcb_kernel":
+        return run
+    if name.startswith("ssd_bwd_group_kernel"):
+        return run + (blocks + 1) / 2
     return (blocks + 1) / 2
 
 
@@ -224,9 +232,12 @@ def _ssd_grids(shape: dict) -> list:
     tiles = ssd_triton._state_tiles(p, n)
     state_programs = b * h * -(-p // tiles["BLOCK_P"]) * -(-n // tiles["BLOCK_N"])
     scan = nchunks * -(-Q // cfg["BLOCK_T"]) * b * h * -(-p // cfg["BLOCK_P"])
-    bwd = nchunks * -(-Q // min(cfg["BLOCK_T"], ssd_triton.BWD_BLOCK_T)) * b * h
+    dx = nchunks * -(-Q // min(cfg["BLOCK_T"], ssd_triton.BWD_BLOCK_T)) * b * h
     cb = nchunks * -(-Q // cfg["BLOCK_T"]) * b * g
-    return [state_programs, cb, scan, state_programs, cb, scan, bwd, bwd, bwd, nchunks * b * h, b * h]
+    group_blocks = -(-Q // ssd_triton._triton.pow2_tile(Q, 16, ssd_triton.GROUP_BLOCK_T))
+    runs = b * g * ssd_triton._head_runs(h // g)
+    dcb, group = nchunks * group_blocks * (group_blocks + 1) // 2 * runs, nchunks * group_blocks * runs
+    return [state_programs, cb, scan, state_programs, cb, scan, dx, dcb, group, group, nchunks * b * h, b * h]
 
 
 
@@ -278,6 +289,8 @@ def bounds(args, aot, compiled: dict) -> None:
     """Per launch and per pass at the full shapes: the memory, L2, tensor-core, SFU and issue bounds,
     stretched by the waves, against the measured times."""
     import triton_counts as tc
+
+    from ssmops.ops.ssd import triton as ssd_triton
 
     counts = _counts(args)
     copy_rate, l2_rate = args.copy_tbps * 1e12, args.l2_tbps * 1e12
@@ -362,11 +375,11 @@ def bounds(args, aot, compiled: dict) -> None:
         print(header)
         rows = launch_rows("ssd", tc.ssd_inputs(**shape, dtype=DTYPES[args.dtype], device="meta"), b * h * L,
                            lambda i, info, meta, programs: ssd_issue(i, info, meta, programs, shape), b * g * L)
-        # the backward sums its float32 per-head dB and dC over each group's heads with torch: read once
-        per_head = 2 * b * L * h * n * 4
-        print(f"{'(torch: dB/dC per-head sums)':<31} {per_head / 1e9:>33.2f} GB read: "
-              f"{per_head / copy_rate * 1e3:.2f} ms at the copy rate, in forward+backward")
-        passes(rows, 3, measured if args.dtype == "bfloat16" else ((None, None), (None, None)), per_head / copy_rate)
+        # the backward's float32 dB and dC, one per run of a group's heads, summed (or converted) by torch: read once
+        runs = 2 * ssd_triton._head_runs(h // g) * b * L * g * n * 4
+        print(f"{'(torch: dB/dC sums over runs)':<31} {runs / 1e9:>33.2f} GB read: "
+              f"{runs / copy_rate * 1e3:.2f} ms at the copy rate, in forward+backward")
+        passes(rows, 3, measured if args.dtype == "bfloat16" else ((None, None), (None, None)), runs / copy_rate)
 
 
 def _nbytes(t) -> int:

@@ -372,10 +372,11 @@ def test_backend_matches_oracle(backend, case, monkeypatch):
             continue
         assert grad.shape == given.shape and grad.dtype == given.dtype, name
         # dA and dt_bias sum da_t = sum_{l >= t} dL_l over the tokens, and Triton's dL holds terms that cancel
-        # (C . dC - B . dB, and the varlen states' parts): 3.2e-5 for dA with chunks of 256, 4.2e-5 for
-        # dt_bias with varlen cotangents (default: 1.4e-5 and 1.4e-6; on CUDA, whose sums run in another order,
-        # 2.0e-5 for dA with chunks of 256)
-        bound = max(tol, 5e-5) if name in ("A", "dt_bias") and (backend == "triton" or backend.device != "cpu") \
+        # (C . dC - B . dB, and the varlen states' parts), with exponents L_l - L_s taken as differences of sums
+        # over up to 64 tokens in its dB/dC passes: 3.9e-5 for dA and 6.3e-5 for dt_bias with varlen cotangents
+        # and chunks of 64 (32-token blocks: 2.6e-5 and 4.1e-5; default: 1.4e-5 and 1.4e-6; on CUDA, whose sums
+        # run in another order, 2.0e-5 for dA with chunks of 256 and 32-token blocks)
+        bound = max(tol, 1e-4) if name in ("A", "dt_bias") and (backend == "triton" or backend.device != "cpu") \
             else tol
         assert rel_err(grad, expected_grads[name]) < bound, name
 

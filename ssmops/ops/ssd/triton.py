@@ -20,8 +20,8 @@ from torch.library import triton_op
 from .. import _triton
 from .checks import check_sequence_values, check_ssd_grad_inputs, check_ssd_inputs, num_chunks
 from .triton_kernels import (
-    ssd_bwd_block_kernel, ssd_bwd_ddt_kernel, ssd_cb_kernel, ssd_chunk_scan_kernel, ssd_state_grads_kernel,
-    ssd_states_fwd_kernel, ssd_varlen_states_kernel,
+    ssd_bwd_dcb_kernel, ssd_bwd_ddt_kernel, ssd_bwd_dx_kernel, ssd_bwd_group_kernel, ssd_cb_kernel,
+    ssd_chunk_scan_kernel, ssd_state_grads_kernel, ssd_states_fwd_kernel, ssd_varlen_states_kernel,
 )
 
 # Tiles, warps and software-pipelining stages (num_stages: loads in flight in the GEMM loops; Triton's default
@@ -34,12 +34,19 @@ SCAN_BLOCK_P = 64  # its channels a program (32: 113 registers, but twice the pr
 SCAN_WARPS = 8  # (its 64-token blocks spill on 4)
 SCAN_STAGES = 2  # 128 registers (3 stages: 144)
 DZ_STAGES = 1  # the same kernel recomputing y for dz holds dout's tile too: 128 registers (2 stages: 129)
-# The backward's chunk kernels take token blocks of 32 over 8 warps: with headdim and dstate whole
-# (dB sums over headdim, dx over dstate) blocks of 64 spill registers at Mamba-2's sizes.
+# The backward's dX pass takes token blocks of 32 over 8 warps: with headdim and dstate whole (dx sums over
+# dstate) blocks of 64 spill registers at Mamba-2's sizes.
 BWD_BLOCK_T = 32
 BWD_WARPS = 8
-BWD_STAGES = 2  # (188, 109, 137 registers in the dC, dX and dB passes on sm_90; 3 stages: 198, 142, 186 before
-# the dX and dB loops read the gated dout instead of gating it)
+BWD_STAGES = 2  # (109 registers on sm_90; 3 stages: 142 before its loop read the gated dout instead of gating it)
+# dB and dC: a program walks a run of at most GROUP_HEADS heads of a group (the group's heads split into equal
+# runs; torch sums the runs), summing the gradient of C.B^T over them (ssd_bwd_dcb_kernel, a pair of token blocks
+# a program), then multiplying it by B and C once a run (ssd_bwd_group_kernel, a token block a program).
+GROUP_BLOCK_T = 64
+GROUP_HEADS = 16
+GROUP_WARPS = 8
+GROUP_STAGES = 2
+DCB_WARPS = 4
 STATE_WARPS = 8  # the state passes, forward and backward (a (64, 64) state tile and a block's tiles)
 STATE_STAGES = 3  # (2: 134 and 136 registers on sm_90, still over 128, and 16 bytes spilled on sm_80)
 # C.B^T's tiles in the GEMMs' 16-bit operand dtype (when x, B and C share one): half the output loop's largest
@@ -242,11 +249,9 @@ def ssd_bwd(
         run.chunk_scan(states_op, cb, dz, dout, gated)
         gated = gated.view(x.shape)
 
-    # every chunk's gradients, by blocks of tokens; B and C's per head, then summed over each group's heads
-    # in a fixed order
+    # every chunk's gradients, by blocks of tokens: dx per head, dB and dC per run of a group's heads
     dx = _triton.output(x.shape, x.dtype, x.device)
     ddt = _triton.output(dt.shape, dt.dtype, x.device)
-    dB_heads, dC_heads = (_triton.output((batch, seqlen, nheads, dstate), **f32) for _ in range(2))
     cfg = dict(run.cfg, BLOCK_T=min(run.cfg["BLOCK_T"], BWD_BLOCK_T),
                BLOCK_P=_triton.pow2_tile(headdim, 16, _triton.NO_CAP))
     blocks = triton.cdiv(chunk_size, cfg["BLOCK_T"])
@@ -255,39 +260,76 @@ def ssd_bwd(
     dD_part = _triton.output((parts * blocks, headdim), **f32)
     # per token: the kernels' scratch rows
     dlC, dlB, R, xdx = (_triton.output((batch * nheads * seqlen,), **f32) for _ in range(4))
-    grid = (nchunks * blocks, batch * nheads)
     strides = (*run.token_strides("x", "dt", "B", "C", "z"), *dout.stride(), *gated.stride(),
                *run.token_strides("seq"))
-    # (the dB pass reads dends in float32: reading the 16-bit copy would save it 0.24 ms of L2 reads at
-    # mamba2-2.7b's layer, but take it from 137 to 176 registers on sm_90; docs/limits.md)
-    for mode, dends_read in (("dC", dends_op), ("dX", dends_op), ("dB", dends)):
-        _triton.launch(ssd_bwd_block_kernel, grid, (
-            *(run.ptr(n) for n in ("x", "dt", "A", "B", "C", "D", "z", "bias", "seq")), states_op, dends_read, cb,
-            dout, gated,
-            *varlen_args, dx, dB_heads, dC_heads, dD_part, dlB, dlC, R, xdx, *run.sizes, blocks, run.cb_side(),
-            *strides,
-            D.stride(0) if D is not None else 0,
-        ), dict(MODE=mode, **run.d_flags, HAS_Z=z is not None, HAS_DVARLEN=dvarlen is not None, **run.flags, **cfg,
-                num_warps=BWD_WARPS, num_stages=BWD_STAGES))
+    _triton.launch(ssd_bwd_dx_kernel, (nchunks * blocks, batch * nheads), (
+        *(run.ptr(n) for n in ("x", "dt", "A", "B", "C", "D", "z", "bias", "seq")), dends_op, cb, dout, gated,
+        *varlen_args, dx, dD_part, R, xdx, *run.sizes, blocks, run.cb_side(), *strides,
+        D.stride(0) if D is not None else 0,
+    ), dict(**run.d_flags, HAS_Z=z is not None, HAS_DVARLEN=dvarlen is not None, **run.flags, **cfg,
+            num_warps=BWD_WARPS, num_stages=BWD_STAGES))
+    dB, dC = _group_grads(run, states_op, dends_op, varlen_args, dvarlen is not None, gated, cb, dlC, dlB)
     _triton.launch(ssd_bwd_ddt_kernel, (nchunks, batch * nheads), (
         *(run.ptr(n) for n in ("x", "dt", "A", "B", "bias", "seq")), states, dends, *varlen_args, dlC, dlB, R, xdx,
         ddt, dA_part, dbias_part, *run.sizes, *run.token_strides("x", "dt", "B", "seq"),
     ), dict(HAS_DVARLEN=dvarlen is not None, **run.flags, BLOCK_T=cfg["BLOCK_T"],
             BLOCK_P=cfg["BLOCK_P"], BLOCK_N=cfg["BLOCK_N"], num_warps=4))
 
-    def per_group(grad: Tensor, like: Tensor) -> Tensor:
-        return grad.view(batch, seqlen, ngroups, nheads // ngroups, dstate).sum(3).to(like.dtype)
-
     def optional(grad: Tensor, like: Optional[Tensor]) -> Tensor:
         return grad.to(like.dtype) if like is not None else x.new_empty(0, dtype=torch.float32)
 
     dD = dD_part.view(-1, nheads, headdim).sum(0)
     return (
-        dx.view(x.shape), ddt.view(dt.shape), dA_part.view(-1, nheads).sum(0), per_group(dB_heads, B),
-        per_group(dC_heads, C), optional(dD if D is None or D.dim() == 2 else dD.sum(-1), D),
+        dx.view(x.shape), ddt.view(dt.shape), dA_part.view(-1, nheads).sum(0), dB.to(B.dtype), dC.to(C.dtype),
+        optional(dD if D is None or D.dim() == 2 else dD.sum(-1), D),
         dz.view(x.shape) if z is not None else dz, optional(dbias_part.view(-1, nheads).sum(0), dt_bias),
         optional(dinit.view(state_shape) if initial_states is not None else dinit, initial_states),
     )
+
+
+def _head_runs(heads_per_group: int) -> int:
+    """Into how many equal runs of at most GROUP_HEADS heads the backward's group kernels split a group."""
+    return next(n for n in range(1, heads_per_group + 1) if heads_per_group % n == 0 and
+                heads_per_group // n <= GROUP_HEADS)
+
+
+def _group_grads(run: _Launch, states_op: Tensor, dends_op: Tensor, varlen_args: tuple, has_dvarlen: bool,
+                 gated: Tensor, cb: Tensor, dlC: Tensor, dlB: Tensor) -> tuple[Tensor, Tensor]:
+    """(dB, dC), float32 in B's and C's shapes, and into dlC and dlB each head's C_l . dC_l and B_s . dB_s (the
+    parts of the log-decay gradient ssd_bwd_ddt_kernel takes from them): the gradient of C.B^T summed over runs of
+    a group's heads, then multiplied by B and C once a run, with the per-head state parts."""
+    batch, seqlen, nheads, ngroups = run.batch, run.seqlen, run.nheads, run.ngroups
+    x = run.inputs["x"]
+    f32 = dict(dtype=torch.float32, device=x.device)
+    splits = _head_runs(nheads // ngroups)
+    tile = _triton.pow2_tile(run.chunk_size, 16, GROUP_BLOCK_T)
+    blocks = triton.cdiv(run.chunk_size, tile)
+    npairs = blocks * (blocks + 1) // 2
+    side = blocks * tile
+    dcb = _triton.output((splits, batch, run.nchunks, ngroups, side, side),
+                         torch.float32 if run.flags["DOT_F32"] else x.dtype, x.device)
+    dlC_part, dlB_part = (_triton.output((blocks * batch * nheads * seqlen,), **f32) for _ in range(2))
+    tiles = dict(BLOCK_T=tile, BLOCK_P=_triton.pow2_tile(run.headdim, 16, _triton.NO_CAP))
+    lo, hi = run.sizes[-2:]
+    _triton.launch(ssd_bwd_dcb_kernel, (run.nchunks * npairs, batch * ngroups * splits), (
+        *(run.ptr(n) for n in ("x", "dt", "A", "bias", "seq")), cb, gated, dcb, dlC_part, dlB_part,
+        batch, seqlen, nheads, run.headdim, run.chunk_size, run.nchunks, nheads // ngroups, lo, hi, ngroups, splits,
+        npairs, run.cb_side(), side, *run.token_strides("x", "dt"), *gated.stride(), *run.token_strides("seq"),
+    ), dict(**{k: run.flags[k] for k in ("HAS_BIAS", "HAS_SEQ", "SOFTPLUS", "HAS_LIMIT", "DOT_F32")}, **tiles,
+            num_warps=DCB_WARPS, num_stages=GROUP_STAGES))
+    grads = []
+    for db, states, dl_part, dl in ((True, dends_op, dlB_part, dlB), (False, states_op, dlC_part, dlC)):
+        out = _triton.output((splits, batch, seqlen, ngroups, run.dstate), **f32)
+        _triton.launch(ssd_bwd_group_kernel, (run.nchunks * blocks, batch * ngroups * splits), (
+            *(run.ptr(n) for n in ("x", "dt", "A", "B", "C", "bias", "seq")), states, *varlen_args, gated, dcb,
+            dl_part, dl, out, batch, seqlen, nheads, run.headdim, run.dstate, run.chunk_size, run.nchunks,
+            nheads // ngroups, lo, hi, ngroups, splits, blocks, side,
+            *run.token_strides("x", "dt", "B", "C"), *gated.stride(), *run.token_strides("seq"),
+        ), dict(DB=db, **run.flags, HAS_DVARLEN=has_dvarlen, **tiles, BLOCK_N=run.cfg["BLOCK_N"],
+                num_warps=GROUP_WARPS, num_stages=GROUP_STAGES))
+        shape = (batch, seqlen, ngroups, run.dstate)
+        grads.append(out.view(shape) if splits == 1 else out.view(splits, *shape).sum(0))
+    return grads[0], grads[1]
 
 
 KERNELS = {"ssd_scan_fwd": ssd_fwd, "ssd_scan_bwd": ssd_bwd}

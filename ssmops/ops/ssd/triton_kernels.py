@@ -33,22 +33,26 @@ forward
   `ssd_varlen_states_kernel`: H_e at each cu_seqlens end e, from its chunk's entering state.
 
 backward (deterministic: every output element is written by one program, partial sums over
-heads of a group and over chunks are summed afterwards in a fixed order; no atomics)
+runs of a group's heads and over chunks are summed afterwards in a fixed order; no atomics)
   `ssd_state_grads_kernel`: the state gradient walks the chunks last to first, like the
     forward's states: the gradient of the state entering chunk c is w_end dE_c + sum_l w_l
     dy_l^T C_l (+ the varlen states' cotangents), with dE_c that of the state after chunk c.
-    With 16-bit GEMM operands it also writes dE_c and the chunk states in that dtype: the dC and dX
-    passes and the dz launch, each of whose programs reads a whole (headdim, dstate) state to use
-    it as a 16-bit GEMM operand, then read half the bytes.
-  `ssd_bwd_block_kernel`: a program owns a block of tokens of one chunk of one (batch, head) and,
-    from the chunk's entering state S and dE_c, computes dC (the block as rows), dx or dB (the block
-    as columns), launched once for each (dC, dX, dB passes); their GEMM loops read the gated
-    gradient of the output written by the dz launch. dB and dC are per head, summed over a group's
-    heads by torch. `ssd_bwd_ddt_kernel` then takes ddt and the chunk's parts of dA and dt_bias.
-    The gradient of the log decays needs no extra GEMM: with dC_l and dB_s this program's
-    (per-head) gradients, dL_l = C_l . dC_l - B_l . dB_l + <dH_e, H_e> at each state output e
-    (the chunk's last token, varlen ends), and dt enters through a_t = dt_t A, whose gradient
-    is the reverse cumulative sum of dL over the chunk.
+    With 16-bit GEMM operands it also writes dE_c and the chunk states in that dtype: the dX and
+    dB/dC passes and the dz launch, each of whose programs reads a whole (headdim, dstate) state to
+    use it as a 16-bit GEMM operand, then read half the bytes.
+  `ssd_bwd_dx_kernel`: a program owns a block of tokens of one chunk of one (batch, head): dx, from
+    dE_c and C.B^T's tiles, its loop reading the gated gradient of the output written by the dz launch.
+  `ssd_bwd_dcb_kernel`, `ssd_bwd_group_kernel`: dB and dC are sums over a group's heads, and their
+    quadratic parts go through one matrix per chunk, the gradient of C_l . B_s. The first sums it over a
+    run of the group's heads, a pair of token blocks a program; the second, a token block a program,
+    multiplies it by B (dC) or C (dB) once a run and adds each head's state part. mamba_ssm's backward
+    takes the same route (its dcb); per head, the two GEMMs with B and C cost a group's size times more
+    and the per-head dB and dC rows were the backward's largest traffic.
+  `ssd_bwd_ddt_kernel` then takes ddt and the chunk's parts of dA and dt_bias. The gradient of the
+    log decays needs no extra GEMM: with dC_l and dB_s a head's gradients, dL_l = C_l . dC_l - B_l . dB_l +
+    <dH_e, H_e> at each state output e (the chunk's last token, varlen ends), and dt enters through
+    a_t = dt_t A, whose gradient is the reverse cumulative sum of dL over the chunk. The per-head
+    C_l . dC_l and B_s . dB_s come from the same terms of dC.B^T times C.B^T, summed by rows and columns.
 
 Everything accumulates in float32; GEMM operands are in the inputs' 16-bit dtype when x, B
 and C share one (as mamba_ssm's kernels do), else float32 with IEEE products.
@@ -515,80 +519,27 @@ def _chunk_rows(b, h, c, nheads, nchunks, seqlen):
 
 
 @triton.jit
-def _diagonal(dy, x_row, dt_row, t, valid, pp, headdim, s_xt, s_xp, s_dtt, bias, lo, hi, SOFTPLUS: tl.constexpr,
-              HAS_LIMIT: tl.constexpr):
-    """dy_t . dt_t x_t, the diagonal of the quadratic form's gradient (its decay is exp(0) = 1)."""
-    dt = _dt_steps(dt_row, t, valid, s_dtt, bias, lo, hi, SOFTPLUS, HAS_LIMIT)[2]
-    return tl.sum(dy * _tile(x_row, t, valid, s_xt, pp, headdim, s_xp), axis=1) * dt
-
-
-@triton.jit
-def _dC_rows(t0, i, Q, seqlen, nheads, headdim, dstate, x_row, dt_row, B_row, C_row, seq_row, z_row, dout_row,
-             bias, A, lo, hi, seq_before, state_row, scratch_row, out_row, states_ptr, dC_ptr, dlC_ptr, x_ptr,
-             t_l, valid_l, L_l, seq_l, pp, nn, s_xt, s_xp, s_dtt, s_Bt, s_Bn, s_Ct, s_Cn, s_zt, s_zp, s_gt, s_gp,
-             s_seqt, HAS_Z: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
-             DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr):
-    """ssd_bwd_block_kernel's rows l (block i): dC_l = w_l dy_l S + sum_{s <= l} (dy_l . dt_s x_s)
-    exp(L_l - L_s) B_s, and its part C_l . dC_l of dL_l. That part leaves the diagonal s = l out, and
-    so does B_l . dB_l (ssd_bwd_block_kernel's "dB"): their terms there cancel in dL_l, exactly so
-    when they are left out, as where dL_l is 0 (a single token, no entering state)."""
-    run = 0.0
-    for j in range(0, i):  # the log decay from the chunk start to this block
-        t, valid = _block(t0, j, Q, seqlen, BLOCK_T)
-        run += tl.sum(_dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1], axis=0)
-    dy_l = _dy(dout_row, z_row, t_l, valid_l, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z)
-    diagonal = _diagonal(dy_l, x_row, dt_row, t_l, valid_l, pp, headdim, s_xt, s_xp, s_dtt, bias, lo, hi, SOFTPLUS,
-                         HAS_LIMIT)
-    w_l = tl.where(valid_l & (seq_l == seq_before), tl.exp(run + L_l), 0.0)
-    state = _operand(_state_tile(states_ptr, state_row, pp, nn, headdim, dstate), x_ptr, DOT_F32)
-    dC = _dot(_operand(dy_l * w_l[:, None], x_ptr, DOT_F32), state, DOT_F32)
-    dy_l = _operand(dy_l, x_ptr, DOT_F32)
-    between = 0.0  # walked back from the row block (exponents as in ssd_chunk_scan_kernel)
-    for jj in range(0, i + 1):
-        t_s, valid_s = _block(t0, i - jj, Q, seqlen, BLOCK_T)
-        dt_s, a_s = _dt(dt_row, t_s, valid_s, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
-        between += tl.where(jj > 0, tl.sum(a_s, axis=0), 0.0)
-        L_s = tl.cumsum(a_s, axis=0) - between
-        X_s = _operand(_tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp) * dt_s[:, None], x_ptr, DOT_F32)
-        dM = _decayed(_dot(dy_l, tl.trans(X_s), DOT_F32), L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l,
-                      _seq(seq_row, t_s, valid_s, s_seqt, HAS_SEQ), True)
-        B_s = _tile(B_row, t_s, valid_s, s_Bt, nn, dstate, s_Bn)
-        dC += _dot(_operand(dM, x_ptr, DOT_F32), _operand(B_s, x_ptr, DOT_F32), DOT_F32)
-    C_l = _tile(C_row, t_l, valid_l, s_Ct, nn, dstate, s_Cn)
-    tl.store(dlC_ptr + scratch_row + t_l, tl.sum(C_l * dC, axis=1), mask=valid_l)
-    dC += diagonal[:, None] * _tile(B_row, t_l, valid_l, s_Bt, nn, dstate, s_Bn)
-    _store_rows(dC_ptr, out_row, t_l * nheads, valid_l, nn, dstate, dC)
-
-
-@triton.jit
-def ssd_bwd_block_kernel(
-    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, seq_ptr, states_ptr, dends_ptr, cb_ptr, dout_ptr,
-    gated_ptr, dvarlen_ptr, cu_ptr, first_ptr, dx_ptr, dB_ptr, dC_ptr, dD_ptr, dlB_ptr, dlC_ptr, R_ptr, xdx_ptr,
+def ssd_bwd_dx_kernel(
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, seq_ptr, dends_ptr, cb_ptr, dout_ptr,
+    gated_ptr, dvarlen_ptr, cu_ptr, first_ptr, dx_ptr, dD_ptr, R_ptr, xdx_ptr,
     seqlen, nheads, headdim, dstate, Q, nchunks, heads_per_group, lo, hi, blocks_per_chunk, cb_side,
     s_xb, s_xt, s_xh, s_xp, s_dtb, s_dtt, s_dth, s_Bb, s_Bt, s_Bg, s_Bn, s_Cb, s_Ct, s_Cg, s_Cn,
     s_zb, s_zt, s_zh, s_zp, s_gb, s_gt, s_gh, s_gp, s_yb, s_yt, s_yh, s_yp, s_seqb, s_seqt, s_Dh,
-    MODE: tl.constexpr, HAS_D: tl.constexpr, D_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr,
+    HAS_D: tl.constexpr, D_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
     HAS_DVARLEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Grid (nchunks * blocks_per_chunk, batch * nheads): a block of tokens of one chunk, launched three
-    times (their accumulators and GEMM operands together would spill registers):
+    """Grid (nchunks * blocks_per_chunk, batch * nheads): a block of tokens s of one chunk of one head,
+    dX_s = sum_{l >= s} M_ls dy_l (M_ls = (C_l . B_s) exp(L_l - L_s)) + the state outputs' parts. Writes
+    dx (x's layout, contiguous), the partial dD (batch, nchunks, blocks_per_chunk, nheads, headdim) and,
+    into scratch rows, x_s . dX_s and R_s = v_s X_s . (dE B_s), the end state's part of the log-decay
+    gradient (see ssd_bwd_ddt_kernel).
 
-    MODE "dC": the block as rows l (_dC_rows), into the per-head float32 dC (batch, seqlen, nheads,
-      dstate) and the scratch row dlC;
-    MODE "dX": as columns s, dX_s = sum_{l >= s} M_ls dy_l (M_ls = (C_l . B_s) exp(L_l - L_s)) + the
-      state outputs' parts; writes dx (x's layout, contiguous), the partial dD (batch, nchunks,
-      blocks_per_chunk, nheads, headdim) and, into scratch rows, x_s . dX_s and R_s = v_s X_s . (dE B_s),
-      the end state's part of the log-decay gradient (see ssd_bwd_ddt_kernel);
-    MODE "dB": as columns s, dB_s = sum_{l >= s} (dy_l . X_s) exp(L_l - L_s) C_l + the state outputs'
-      parts, into the per-head float32 dB (batch, seqlen, nheads, dstate), and B_s . dB_s without the
-      end state's part into the scratch row dlB.
-
-    The dX and dB loops read dy_l, a GEMM operand, from gated: written by the dz launch of ssd_chunk_scan_kernel
-    (dout itself without z), so that they load one tile a trip, not dout's and z's, and compute no gate: done
-    per trip in the operand's layout, the gate took two thirds of the dX loop's instructions and three quarters
-    of the dB loop's (sm_90: 476 and 1,396 instructions; 196 and 317 without)."""
+    The loop reads dy_l, a GEMM operand, from gated: written by the dz launch of ssd_chunk_scan_kernel
+    (dout itself without z), so that it loads one tile a trip, not dout's and z's, and computes no gate:
+    done per trip in the operand's layout, the gate took two thirds of the loop's instructions (sm_90: 476
+    instructions; 196 without)."""
     c = tl.program_id(0) // blocks_per_chunk
     j = tl.program_id(0) % blocks_per_chunk
     b, h = _batch_head(tl.program_id(1), nheads)
@@ -597,7 +548,7 @@ def ssd_bwd_block_kernel(
         b, h, t0, heads_per_group, Q, seqlen, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, bias_ptr, seq_ptr, z_ptr, dout_ptr,
         s_xb, s_xh, s_dtb, s_dth, s_Bb, s_Bg, s_Cb, s_Cg, s_seqb, s_seqt, s_zb, s_zh, s_gb, s_gh, HAS_BIAS, HAS_SEQ)
     state_row, scratch_row, out_row = _chunk_rows(b, h, c, nheads, nchunks, seqlen)
-    gated_row = gated_ptr + b * s_yb + h * s_yh  # dout * silu(z) (dout without z) in the loops' GEMM operand dtype
+    gated_row = gated_ptr + b * s_yb + h * s_yh  # dout * silu(z) (dout without z) in the loop's GEMM operand dtype
     pp = tl.arange(0, BLOCK_P)
     nn = tl.arange(0, BLOCK_N)
     nblocks = tl.cdiv(tl.minimum(Q, seqlen - t0), BLOCK_T)
@@ -605,46 +556,24 @@ def ssd_bwd_block_kernel(
     dt_s, a_s = _dt(dt_row, t_s, valid_s, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
     L_s = tl.cumsum(a_s, axis=0)  # from the block start
     seq_s = _seq(seq_row, t_s, valid_s, s_seqt, HAS_SEQ)
-    if MODE == "dC":
-        _dC_rows(t0, j, Q, seqlen, nheads, headdim, dstate, x_row, dt_row, B_row, C_row, seq_row, z_row, dout_row,
-                 bias, A, lo, hi, seq_before, state_row, scratch_row, out_row, states_ptr, dC_ptr, dlC_ptr, x_ptr,
-                 t_s, valid_s, L_s, seq_s, pp, nn, s_xt, s_xp, s_dtt, s_Bt, s_Bn, s_Ct, s_Cn, s_zt, s_zp, s_gt, s_gp,
-                 s_seqt, HAS_Z, HAS_SEQ, SOFTPLUS, HAS_LIMIT, DOT_F32, BLOCK_T)
-        return
-    DX: tl.constexpr = MODE == "dX"
-    if DX:
-        op = _operand(_tile(B_row, t_s, valid_s, s_Bt, nn, dstate, s_Bn), x_ptr, DOT_F32)  # B_s
-        acc = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)
-    else:
-        op = _operand(_tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp) * dt_s[:, None], x_ptr, DOT_F32)  # X_s
-        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    B_s = _operand(_tile(B_row, t_s, valid_s, s_Bt, nn, dstate, s_Bn), x_ptr, DOT_F32)
     # The state after the chunk, H_end = w_end S + sum_s v_s X_s B_s^T, v_s = exp(L_end - L_s), and the
-    # varlen states ending in the chunk likewise: dX_s += v_s dE B_s, dB_s += v_s dE^T X_s.
-    to_end = 0.0  # L_end less L at this block's start, summed forward so that it rounds as the sum it is
-    for i in range(j, nblocks):
-        t, valid = _block(t0, i, Q, seqlen, BLOCK_T)
-        to_end += tl.sum(_dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1], axis=0)
-    v = tl.where(valid_s & (seq_s == seq_end), tl.exp(to_end - L_s), 0.0)
-    if DX:
-        acc = _dot(op, tl.trans(_operand(_state_tile(dends_ptr, state_row, pp, nn, headdim, dstate), x_ptr,
-                                         DOT_F32)), DOT_F32) * v[:, None]
-        R = tl.sum(_tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp) * acc, axis=1) * dt_s
-        tl.store(R_ptr + scratch_row + t_s, R, mask=valid_s)
+    # varlen states ending in the chunk likewise: dX_s += v_s dE B_s.
+    v = tl.where(valid_s & (seq_s == seq_end), tl.exp(_log_decay_from(t0, j, nblocks, Q, seqlen, dt_row, s_dtt,
+                                                                        bias, A, lo, hi, SOFTPLUS, HAS_LIMIT,
+                                                                        BLOCK_T) - L_s), 0.0)
+    acc = _dot(B_s, tl.trans(_operand(_state_tile(dends_ptr, state_row, pp, nn, headdim, dstate), x_ptr, DOT_F32)),
+               DOT_F32) * v[:, None]
+    R = tl.sum(_tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp) * acc, axis=1) * dt_s
+    tl.store(R_ptr + scratch_row + t_s, R, mask=valid_s)
     if HAS_DVARLEN:
-        before = 0.0
-        for k in range(0, j):
-            t, valid = _block(t0, k, Q, seqlen, BLOCK_T)
-            before += tl.sum(_dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1], axis=0)
+        before = _log_decay_before(t0, j, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT, BLOCK_T)
         for k in range(tl.load(first_ptr + c), tl.load(first_ptr + c + 1)):
             e = tl.load(cu_ptr + k + 1).to(tl.int32) - 1
-            L_e = _log_decay_through(t0, e, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT, BLOCK_T)
-            v_e = tl.where(valid_s & (t_s <= e) & (seq_s == _seq_at(seq_row, e, s_seqt, HAS_SEQ)),
-                           tl.exp(L_e - before - L_s), 0.0)
+            v_e = _varlen_decay(t0, e, before, L_s, t_s, valid_s, seq_s, Q, seqlen, dt_row, seq_row, s_dtt, s_seqt,
+                                bias, A, lo, hi, SOFTPLUS, HAS_LIMIT, HAS_SEQ, BLOCK_T)
             dV = _operand(_state_tile(dvarlen_ptr, k * nheads + h, pp, nn, headdim, dstate), x_ptr, DOT_F32)
-            if DX:
-                acc += _dot(op, tl.trans(dV), DOT_F32) * v_e[:, None]
-            else:
-                acc += _dot(op, dV, DOT_F32) * v_e[:, None]
+            acc += _dot(B_s, tl.trans(dV), DOT_F32) * v_e[:, None]
     # (tiles used once are read again rather than kept: registers are this kernel's limit)
     cb_rows = cb_ptr + ((b * nchunks + c) * (nheads // heads_per_group) + h // heads_per_group) * cb_side * cb_side
     between = 0.0  # the sum of a from this block's start to the row block's
@@ -655,37 +584,234 @@ def ssd_bwd_block_kernel(
         seq_l = _seq(seq_row, t_l, valid_l, s_seqt, HAS_SEQ)
         between += tl.sum(a_l, axis=0)
         dy_l = _operand(_tile(gated_row, t_l, valid_l, s_yt, pp, headdim, s_yp), x_ptr, DOT_F32)
-        if DX:  # C_l . B_s from ssd_cb_kernel's tiles
-            CB = tl.load(cb_rows + (t_l - t0)[:, None] * cb_side + (t_s - t0)[None, :],
-                         mask=valid_l[:, None] & valid_s[None, :], other=0.0).to(tl.float32)
-            M = _decayed(CB, L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l, seq_s, False)
-            acc += _dot(tl.trans(_operand(M, x_ptr, DOT_F32)), dy_l, DOT_F32)
-        else:  # without the diagonal l = s, added below (see _dC_rows)
-            C_l = _operand(_tile(C_row, t_l, valid_l, s_Ct, nn, dstate, s_Cn), x_ptr, DOT_F32)
-            dM = _decayed(_dot(dy_l, tl.trans(op), DOT_F32), L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l, seq_s, True)
-            acc += _dot(tl.trans(_operand(dM, x_ptr, DOT_F32)), C_l, DOT_F32)
-    if DX:
-        x_s = _tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp)
-        tl.store(xdx_ptr + scratch_row + t_s, tl.sum(x_s * acc, axis=1), mask=valid_s)
-        dy_s = _dy(dout_row, z_row, t_s, valid_s, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z)
-        dx = acc * dt_s[:, None]
-        if HAS_D:
-            if D_CHANNEL:
-                dx += tl.load(D_ptr + h * s_Dh + pp, mask=pp < headdim, other=0.0).to(tl.float32)[None, :] * dy_s
-            else:
-                dx += tl.load(D_ptr + h).to(tl.float32) * dy_s
-            part = ((b * nchunks + c) * blocks_per_chunk + j) * nheads + h
-            tl.store(dD_ptr + part * headdim + pp, tl.sum(dy_s * x_s, axis=0), mask=pp < headdim)
-        _store_rows(dx_ptr, out_row, t_s * nheads, valid_s, pp, headdim, dx)
+        CB = tl.load(cb_rows + (t_l - t0)[:, None] * cb_side + (t_s - t0)[None, :],
+                     mask=valid_l[:, None] & valid_s[None, :], other=0.0).to(tl.float32)  # ssd_cb_kernel's C_l . B_s
+        M = _decayed(CB, L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l, seq_s, False)
+        acc += _dot(tl.trans(_operand(M, x_ptr, DOT_F32)), dy_l, DOT_F32)
+    x_s = _tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp)
+    tl.store(xdx_ptr + scratch_row + t_s, tl.sum(x_s * acc, axis=1), mask=valid_s)
+    dy_s = _dy(dout_row, z_row, t_s, valid_s, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z)
+    dx = acc * dt_s[:, None]
+    if HAS_D:
+        if D_CHANNEL:
+            dx += tl.load(D_ptr + h * s_Dh + pp, mask=pp < headdim, other=0.0).to(tl.float32)[None, :] * dy_s
+        else:
+            dx += tl.load(D_ptr + h).to(tl.float32) * dy_s
+        part = ((b * nchunks + c) * blocks_per_chunk + j) * nheads + h
+        tl.store(dD_ptr + part * headdim + pp, tl.sum(dy_s * x_s, axis=0), mask=pp < headdim)
+    _store_rows(dx_ptr, out_row, t_s * nheads, valid_s, pp, headdim, dx)
+
+
+@triton.jit
+def _log_decay_from(t0, j, nblocks, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS: tl.constexpr,
+                    HAS_LIMIT: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The sum of a over the chunk's blocks j .. nblocks - 1, first to last (so that it rounds as the sum it is)."""
+    L = 0.0
+    for i in range(j, nblocks):
+        t, valid = _block(t0, i, Q, seqlen, BLOCK_T)
+        L += tl.sum(_dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1], axis=0)
+    return L
+
+
+@triton.jit
+def _log_decay_before(t0, j, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS: tl.constexpr,
+                      HAS_LIMIT: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The sum of a over the chunk's blocks before block j."""
+    return _log_decay_from(t0, 0, j, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT, BLOCK_T)
+
+
+@triton.jit
+def _varlen_decay(t0, e, before, L_s, t_s, valid_s, seq_s, Q, seqlen, dt_row, seq_row, s_dtt, s_seqt, bias, A, lo,
+                  hi, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_SEQ: tl.constexpr, BLOCK_T: tl.constexpr):
+    """v_e,s = exp(L_e - L_s) for the tokens s of a block (before: the sum of a over the blocks before it,
+    L_s: from its start) in the sequence of a varlen end e and not after it, else 0."""
+    L_e = _log_decay_through(t0, e, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT, BLOCK_T)
+    return tl.where(valid_s & (t_s <= e) & (seq_s == _seq_at(seq_row, e, s_seqt, HAS_SEQ)),
+                    tl.exp(L_e - before - L_s), 0.0)
+
+
+@triton.jit
+def _pair(p):
+    """(i, j), j <= i, the p-th block pair of a chunk's lower triangle in the order (0, 0), (1, 0), (1, 1), ..."""
+    i = ((tl.sqrt((8 * p + 1).to(tl.float32)) - 1.0) * 0.5).to(tl.int32)
+    i = tl.where((i + 1) * (i + 2) // 2 <= p, i + 1, i)  # (the float root's rounding, either way)
+    i = tl.where(i * (i + 1) // 2 > p, i - 1, i)
+    return i, p - i * (i + 1) // 2
+
+
+@triton.jit
+def _group_run(pid, ngroups, splits, heads_per_group):
+    """(batch, group, first head) of a program walking one of a group's `splits` runs of heads (indices only:
+    see _batch_head)."""
+    b = (pid // (ngroups * splits)).to(tl.int64)
+    g = (pid // splits) % ngroups
+    return b, g, g * heads_per_group + (pid % splits) * (heads_per_group // splits)
+
+
+@triton.jit
+def ssd_bwd_dcb_kernel(
+    x_ptr, dt_ptr, A_ptr, bias_ptr, seq_ptr, cb_ptr, gated_ptr, dcb_ptr, dlC_ptr, dlB_ptr,
+    batch, seqlen, nheads, headdim, Q, nchunks, heads_per_group, lo, hi, ngroups, splits, npairs, cb_side, dcb_side,
+    s_xb, s_xt, s_xh, s_xp, s_dtb, s_dtt, s_dth, s_yb, s_yt, s_yh, s_yp, s_seqb, s_seqt,
+    HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """Grid (nchunks * npairs, batch * ngroups * splits): a block pair (i, j), j <= i, of one chunk and a run
+    of a group's heads. The gradient of C_l . B_s summed over the run's heads,
+
+        dCB_ls = sum_h (dy_l^h . X_s^h) exp(L_l^h - L_s^h)  (s <= l, one sequence; X = dt x),
+
+    into dcb (splits, batch, nchunks, ngroups, dcb_side, dcb_side) in the GEMMs' operand dtype: the dB and
+    dC of the whole run are then GEMMs with C and B (ssd_bwd_group_kernel), once per run, not per head.
+    Each head's parts of the log-decay gradient from it, C_l . dC_l's and B_s . dB_s's without the
+    diagonal s = l (their terms there cancel in dL_l, exactly so when left out), are the row and column
+    sums of dCB's terms times C_l . B_s (ssd_cb_kernel's): into the partial rows dlC[j] and dlB[i],
+    (blocks, batch, nheads, seqlen) float32, which ssd_bwd_group_kernel sums."""
+    c = tl.program_id(0) // npairs
+    i, j = _pair(tl.program_id(0) % npairs)
+    b, g, h0 = _group_run(tl.program_id(1), ngroups, splits, heads_per_group)
+    t0 = c * Q
+    pp = tl.arange(0, BLOCK_P)
+    t_l, valid_l = _block(t0, i, Q, seqlen, BLOCK_T)
+    t_s, valid_s = _block(t0, j, Q, seqlen, BLOCK_T)
+    seq_row = seq_ptr + b * s_seqb
+    seq_l = _seq(seq_row, t_l, valid_l, s_seqt, HAS_SEQ)
+    seq_s = _seq(seq_row, t_s, valid_s, s_seqt, HAS_SEQ)
+    cb_tile = cb_ptr + ((b * nchunks + c) * ngroups + g) * cb_side * cb_side
+    CB = tl.load(cb_tile + (t_l - t0)[:, None] * cb_side + (t_s - t0)[None, :],
+                 mask=valid_l[:, None] & valid_s[None, :], other=0.0).to(tl.float32)
+    strict = t_s[None, :] < t_l[:, None]
+    acc = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
+    for r in range(0, heads_per_group // splits):
+        h = h0 + r
+        x_row, dt_row, _, _, _, bias, A = _head(
+            b, h, heads_per_group, x_ptr, dt_ptr, A_ptr, x_ptr, x_ptr, bias_ptr, seq_ptr,
+            s_xb, s_xh, s_dtb, s_dth, 0, 0, 0, 0, s_seqb, HAS_BIAS)
+        a_l = _dt(dt_row, t_l, valid_l, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1]
+        dt_s, a_s = _dt(dt_row, t_s, valid_s, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
+        # L_l - L_s summed over the blocks between, walked back from block i (as ssd_chunk_scan_kernel's)
+        between = 0.0
+        for kk in range(0, i - j - 1):
+            t, valid = _block(t0, i - 1 - kk, Q, seqlen, BLOCK_T)
+            between += tl.sum(_dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1], axis=0)
+        between += tl.where(j < i, tl.sum(a_s, axis=0), 0.0)
+        dy_l = _operand(_tile(gated_ptr + b * s_yb + h * s_yh, t_l, valid_l, s_yt, pp, headdim, s_yp), x_ptr,
+                        DOT_F32)
+        X_s = _operand(_tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp) * dt_s[:, None], x_ptr, DOT_F32)
+        dM = _decayed(_dot(dy_l, tl.trans(X_s), DOT_F32), tl.cumsum(a_l, axis=0),
+                      tl.cumsum(a_s, axis=0) - between, t_l, t_s, valid_l, valid_s, seq_l, seq_s, False)
+        acc += dM
+        q = tl.where(strict, dM * CB, 0.0)
+        tl.store(dlC_ptr + ((j * batch + b) * nheads + h) * seqlen + t_l, tl.sum(q, axis=1), mask=valid_l)
+        tl.store(dlB_ptr + ((i * batch + b) * nheads + h) * seqlen + t_s, tl.sum(q, axis=0), mask=valid_s)
+    run = tl.program_id(1) % splits
+    out = dcb_ptr + ((((run * batch + b) * nchunks + c) * ngroups + g) * dcb_side + i * BLOCK_T) * dcb_side + \
+        j * BLOCK_T
+    rows = tl.arange(0, BLOCK_T)
+    tl.store(out + rows[:, None] * dcb_side + rows[None, :], acc.to(dcb_ptr.dtype.element_ty))
+
+
+@triton.jit
+def ssd_bwd_group_kernel(
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, bias_ptr, seq_ptr, states_ptr, dvarlen_ptr, cu_ptr, first_ptr, gated_ptr,
+    dcb_ptr, dl_part_ptr, dl_ptr, out_ptr,
+    batch, seqlen, nheads, headdim, dstate, Q, nchunks, heads_per_group, lo, hi, ngroups, splits, blocks_per_chunk,
+    dcb_side,
+    s_xb, s_xt, s_xh, s_xp, s_dtb, s_dtt, s_dth, s_Bb, s_Bt, s_Bg, s_Bn, s_Cb, s_Ct, s_Cg, s_Cn, s_yb, s_yt, s_yh,
+    s_yp, s_seqb, s_seqt,
+    DB: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, HAS_DVARLEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid (nchunks * blocks_per_chunk, batch * ngroups * splits): a block k of one chunk and a run of a
+    group's heads; its part of dC (as rows l) or, with DB, of dB (as columns s), float32 into out (splits,
+    batch, seqlen, ngroups, dstate), which torch sums over the runs. states: the chunk states entering
+    each chunk, or with DB dE, the gradients of those leaving it (as the GEMMs take them). With dCB from
+    ssd_bwd_dcb_kernel,
+
+        dC_l = sum_h w_l^h dy_l^h S^h + sum_{s <= l} dCB_ls B_s,
+        dB_s = sum_h (v_s^h X_s^h dE^h + the varlen states' parts) + sum_{l >= s} dCB_ls C_l,
+
+    and into dl (batch, nheads, seqlen) float32 each head's C_l . dC_l (or B_s . dB_s without the end state's
+    part, which ssd_bwd_ddt_kernel takes as R): its state part here, the rest summed from the partial rows
+    dl_part (ssd_bwd_dcb_kernel's)."""
+    c = tl.program_id(0) // blocks_per_chunk
+    k = tl.program_id(0) % blocks_per_chunk
+    b, g, h0 = _group_run(tl.program_id(1), ngroups, splits, heads_per_group)
+    t0 = c * Q
+    pp = tl.arange(0, BLOCK_P)
+    nn = tl.arange(0, BLOCK_N)
+    nblocks = tl.cdiv(tl.minimum(Q, seqlen - t0), BLOCK_T)
+    t_k, valid_k = _block(t0, k, Q, seqlen, BLOCK_T)
+    seq_row = seq_ptr + b * s_seqb
+    seq_k = _seq(seq_row, t_k, valid_k, s_seqt, HAS_SEQ)
+    if DB:  # the state after the chunk (v) and the varlen states: the tokens of the sequence at their ends
+        seq_out = _seq_at(seq_row, tl.minimum(t0 + Q, seqlen) - 1, s_seqt, HAS_SEQ)
+        dl_tile = _tile(B_ptr + b * s_Bb + g * s_Bg, t_k, valid_k, s_Bt, nn, dstate, s_Bn)
+    else:  # the state entering the chunk (w): the tokens of the sequence before it
+        seq_out = _seq_at(seq_row, t0 - 1, s_seqt, HAS_SEQ)
+        dl_tile = _tile(C_ptr + b * s_Cb + g * s_Cg, t_k, valid_k, s_Ct, nn, dstate, s_Cn)
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    for r in range(0, heads_per_group // splits):
+        h = h0 + r
+        x_row, dt_row, _, _, _, bias, A = _head(
+            b, h, heads_per_group, x_ptr, dt_ptr, A_ptr, x_ptr, x_ptr, bias_ptr, seq_ptr,
+            s_xb, s_xh, s_dtb, s_dth, 0, 0, 0, 0, s_seqb, HAS_BIAS)
+        dt_k, a_k = _dt(dt_row, t_k, valid_k, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
+        L_k = tl.cumsum(a_k, axis=0)  # from the block start
+        state = _operand(_state_tile(states_ptr, (b * nchunks + c) * nheads + h, pp, nn, headdim, dstate), x_ptr,
+                         DOT_F32)
+        dl_row = (b * nheads + h) * seqlen
+        dl = tl.zeros([BLOCK_T], dtype=tl.float32)
+        if DB:
+            v = tl.where(valid_k & (seq_k == seq_out), tl.exp(_log_decay_from(
+                t0, k, nblocks, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT, BLOCK_T) - L_k), 0.0)
+            X_k = _operand(_tile(x_row, t_k, valid_k, s_xt, pp, headdim, s_xp) * dt_k[:, None], x_ptr, DOT_F32)
+            acc += _dot(X_k, state, DOT_F32) * v[:, None]
+            if HAS_DVARLEN:
+                before = _log_decay_before(t0, k, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT,
+                                           BLOCK_T)
+                part = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+                for e_i in range(tl.load(first_ptr + c), tl.load(first_ptr + c + 1)):
+                    e = tl.load(cu_ptr + e_i + 1).to(tl.int32) - 1
+                    v_e = _varlen_decay(t0, e, before, L_k, t_k, valid_k, seq_k, Q, seqlen, dt_row, seq_row, s_dtt,
+                                        s_seqt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT, HAS_SEQ, BLOCK_T)
+                    dV = _operand(_state_tile(dvarlen_ptr, e_i * nheads + h, pp, nn, headdim, dstate), x_ptr,
+                                  DOT_F32)
+                    part += _dot(X_k, dV, DOT_F32) * v_e[:, None]
+                acc += part
+                dl = tl.sum(dl_tile * part, axis=1)
+            for ib in range(k, nblocks):
+                dl += tl.load(dl_part_ptr + (ib * batch * nheads * seqlen + dl_row) + t_k, mask=valid_k, other=0.0)
+        else:
+            w = tl.where(valid_k & (seq_k == seq_out), tl.exp(_log_decay_before(
+                t0, k, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT, BLOCK_T) + L_k), 0.0)
+            dy = _tile(gated_ptr + b * s_yb + h * s_yh, t_k, valid_k, s_yt, pp, headdim, s_yp)
+            part = _dot(_operand(dy * w[:, None], x_ptr, DOT_F32), state, DOT_F32)
+            acc += part
+            dl = tl.sum(dl_tile * part, axis=1)
+            for jb in range(0, k + 1):
+                dl += tl.load(dl_part_ptr + (jb * batch * nheads * seqlen + dl_row) + t_k, mask=valid_k, other=0.0)
+        tl.store(dl_ptr + dl_row + t_k, dl, mask=valid_k)
+    # the run's quadratic part: dCB's row block k against B (dC), or its column block k against C (dB)
+    run = tl.program_id(1) % splits
+    dcb = dcb_ptr + (((run * batch + b) * nchunks + c) * ngroups + g) * dcb_side * dcb_side
+    rows = tl.arange(0, BLOCK_T)
+    if DB:
+        for ib in range(k, nblocks):
+            t_i, valid_i = _block(t0, ib, Q, seqlen, BLOCK_T)
+            tile = tl.load(dcb + (ib * BLOCK_T + rows)[:, None] * dcb_side + (k * BLOCK_T + rows)[None, :])
+            C_i = _operand(_tile(C_ptr + b * s_Cb + g * s_Cg, t_i, valid_i, s_Ct, nn, dstate, s_Cn), x_ptr, DOT_F32)
+            acc += _dot(tl.trans(tile), C_i, DOT_F32)
     else:
-        # dL_s's part -B_s . dB_s, without the end state's (ssd_bwd_ddt_kernel takes that as R) and the diagonal's
-        B_s = _tile(B_row, t_s, valid_s, s_Bt, nn, dstate, s_Bn)
-        tl.store(dlB_ptr + scratch_row + t_s, tl.sum(B_s * acc, axis=1), mask=valid_s)
-        dy_s = _dy(dout_row, z_row, t_s, valid_s, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z)
-        acc += _diagonal(dy_s, x_row, dt_row, t_s, valid_s, pp, headdim, s_xt, s_xp, s_dtt, bias, lo, hi, SOFTPLUS,
-                         HAS_LIMIT)[:, None] * _tile(C_row, t_s, valid_s, s_Ct, nn, dstate, s_Cn)
-        dends = _operand(_state_tile(dends_ptr, state_row, pp, nn, headdim, dstate), x_ptr, DOT_F32)
-        _store_rows(dB_ptr, out_row, t_s * nheads, valid_s, nn, dstate, acc + _dot(op, dends, DOT_F32) * v[:, None])
+        for jb in range(0, k + 1):
+            t_j, valid_j = _block(t0, jb, Q, seqlen, BLOCK_T)
+            tile = tl.load(dcb + (k * BLOCK_T + rows)[:, None] * dcb_side + (jb * BLOCK_T + rows)[None, :])
+            B_j = _operand(_tile(B_ptr + b * s_Bb + g * s_Bg, t_j, valid_j, s_Bt, nn, dstate, s_Bn), x_ptr, DOT_F32)
+            acc += _dot(tile, B_j, DOT_F32)
+    out_row = ((run * batch + b) * seqlen + t_k) * ngroups + g
+    tl.store(out_ptr + out_row[:, None] * dstate + nn[None, :], acc,
+             mask=valid_k[:, None] & (nn < dstate)[None, :])
 
 
 @triton.jit
