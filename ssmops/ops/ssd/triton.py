@@ -10,6 +10,7 @@ main operators' fakes and autograd.
 
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import torch
@@ -21,7 +22,7 @@ from .. import _triton
 from .checks import check_sequence_values, check_ssd_grad_inputs, check_ssd_inputs, num_chunks
 from .triton_kernels import (
     ssd_bwd_dcb_kernel, ssd_bwd_ddt_kernel, ssd_bwd_dx_kernel, ssd_bwd_group_kernel, ssd_cb_kernel,
-    ssd_chunk_scan_kernel, ssd_state_grads_kernel, ssd_states_fwd_kernel, ssd_varlen_states_kernel,
+    ssd_chunk_scan_kernel, ssd_dt_kernel, ssd_state_grads_kernel, ssd_states_fwd_kernel, ssd_varlen_states_kernel,
 )
 
 # Tiles, warps and software-pipelining stages (num_stages: loads in flight in the GEMM loops; Triton's default
@@ -120,7 +121,27 @@ class _Launch:
         """(batch, seqlen, head/group, channel/state) strides of x, B, C, z or dout; (batch, seqlen,
         head) of dt; (batch, seqlen) of seq_idx; zeros for an absent one."""
         rank = {"dt": 3, "seq": 2}
-        return sum((_strides(self.inputs.get(n), rank.get(n, 4)) for n in names), ())
+        return sum((self.given_strides.get(n) or _strides(self.inputs.get(n), rank.get(n, 4)) for n in names), ())
+
+    given_strides: dict = {}  # an input's strides where its tensor is a flat buffer (dt_processed's)
+
+    def dt_processed(self) -> "_Launch":
+        """This launch with dt in place of dt + dt_bias through softplus and the clamp, as ssd_dt_kernel writes it
+        (float32, a contiguous row of tokens per (batch, head)): dt_bias, softplus and dt_limit are then done. Every
+        kernel but ssd_bwd_ddt_kernel (which differentiates through them) reads it."""
+        dt = self.inputs["dt"]
+        rows = _triton.output((self.batch * self.nheads * self.seqlen,), torch.float32, dt.device)
+        block = 256  # (not chosen from seqlen: that would guard a dynamic one)
+        _triton.launch(ssd_dt_kernel, (triton.cdiv(self.seqlen, block), self.batch * self.nheads), (
+            dt, self.ptr("bias"), rows, self.seqlen, self.nheads, *self.sizes[-2:], *dt.stride(),
+        ), dict(**{k: self.flags[k] for k in ("HAS_BIAS", "SOFTPLUS", "HAS_LIMIT")}, BLOCK_T=block, num_warps=4))
+        processed = copy.copy(self)
+        # (the flat buffer with its strides as numbers: a traced view's strides may not be the ones Inductor
+        # gives it, see _triton.contiguous_when_traced)
+        processed.inputs = dict(self.inputs, dt=rows, bias=None)
+        processed.given_strides = dict(dt=(self.nheads * self.seqlen, 1, self.seqlen))
+        processed.flags = dict(self.flags, HAS_BIAS=False, SOFTPLUS=False, HAS_LIMIT=False)
+        return processed
 
     def state_grid(self, tiles: dict, rows: int) -> tuple:
         return (triton.cdiv(self.headdim, tiles["BLOCK_P"]) * triton.cdiv(self.dstate, tiles["BLOCK_N"]), rows)
@@ -170,7 +191,7 @@ def ssd_fwd(
     x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx = _triton.contiguous_when_traced(
         x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx)
     run = _Launch(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_softplus,
-                  dt_limit)
+                  dt_limit).dt_processed()
     f32 = dict(dtype=torch.float32, device=x.device)
     batch, nheads, headdim, dstate = run.batch, run.nheads, run.headdim, run.dstate
     # every buffer a kernel writes is 1-D (contiguous), viewed as its shape after the launch (_triton.output)
@@ -193,7 +214,7 @@ def ssd_fwd(
         varlen = _triton.output((run.nseq, nheads, headdim, dstate), **f32)
         _triton.launch(ssd_varlen_states_kernel, run.state_grid(tiles, run.nseq * nheads), (
             *(run.ptr(n) for n in ("x", "dt", "A", "B", "bias", "seq")), cu_seqlens, states, varlen, *run.sizes,
-            *x.stride()[1:], *dt.stride()[1:], *B.stride()[1:], seq_idx.stride(1),
+            *x.stride()[1:], *run.token_strides("dt")[1:], *B.stride()[1:], seq_idx.stride(1),
         ), dict(**run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles, num_warps=STATE_WARPS,
                 num_stages=STATE_STAGES))
     return out.view(x.shape), final.view(final_shape), states.view(states_shape), \
@@ -208,8 +229,9 @@ def ssd_bwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, dout = _triton.contiguous_when_traced(
         x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, dout)
-    run = _Launch(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_softplus,
+    raw = _Launch(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_softplus,
                   dt_limit)
+    run = raw.dt_processed()  # (ssd_bwd_ddt_kernel differentiates through dt_bias, softplus and the clamp: raw)
     dims = (run.batch, run.seqlen, run.nheads, run.headdim, run.ngroups, run.dstate, run.nseq)
     check_ssd_grad_inputs(dims, x, chunk_size, dout, chunk_states, dfinal_states, dvarlen_states)
     batch, seqlen, nheads, headdim, ngroups, dstate, _ = dims
@@ -270,9 +292,9 @@ def ssd_bwd(
             num_warps=BWD_WARPS, num_stages=BWD_STAGES))
     dB, dC = _group_grads(run, states_op, dends_op, varlen_args, dvarlen is not None, gated, cb, dlC, dlB)
     _triton.launch(ssd_bwd_ddt_kernel, (nchunks, batch * nheads), (
-        *(run.ptr(n) for n in ("x", "dt", "A", "B", "bias", "seq")), states, dends, *varlen_args, dlC, dlB, R, xdx,
-        ddt, dA_part, dbias_part, *run.sizes, *run.token_strides("x", "dt", "B", "seq"),
-    ), dict(HAS_DVARLEN=dvarlen is not None, **run.flags, BLOCK_T=cfg["BLOCK_T"],
+        *(raw.ptr(n) for n in ("x", "dt", "A", "B", "bias", "seq")), states, dends, *varlen_args, dlC, dlB, R, xdx,
+        ddt, dA_part, dbias_part, *raw.sizes, *raw.token_strides("x", "dt", "B", "seq"),
+    ), dict(HAS_DVARLEN=dvarlen is not None, **raw.flags, BLOCK_T=cfg["BLOCK_T"],
             BLOCK_P=cfg["BLOCK_P"], BLOCK_N=cfg["BLOCK_N"], num_warps=4))
 
     def optional(grad: Tensor, like: Optional[Tensor]) -> Tensor:

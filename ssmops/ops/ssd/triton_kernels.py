@@ -245,6 +245,24 @@ def _head(b, h, heads_per_group, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, bias_ptr, s
 
 
 @triton.jit
+def ssd_dt_kernel(
+    dt_ptr, bias_ptr, out_ptr, seqlen, nheads, lo, hi, s_dtb, s_dtt, s_dth,
+    HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """Grid (cdiv(seqlen, BLOCK_T), batch * nheads). dt after dt_bias, softplus and the clamp, float32, into out
+    (batch, nheads, seqlen) contiguous: the other kernels read a block of one head's dt as one contiguous row
+    (in dt itself, its tokens lie nheads apart: a 32-byte sector each) and compute no softplus."""
+    b, h = _batch_head(tl.program_id(1), nheads)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    valid = t < seqlen
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + h).to(tl.float32)
+    dt = _dt_steps(dt_ptr + b * s_dtb + h * s_dth, t, valid, s_dtt, bias, lo, hi, SOFTPLUS, HAS_LIMIT)[2]
+    tl.store(out_ptr + (b * nheads + h) * seqlen + t, dt, mask=valid)
+
+
+@triton.jit
 def ssd_states_fwd_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, bias_ptr, init_ptr, seq_ptr, states_ptr, states16_ptr, final_ptr,
     seqlen, nheads, headdim, dstate, Q, nchunks, heads_per_group, lo, hi,
