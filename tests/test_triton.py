@@ -752,9 +752,8 @@ def test_triton_ops_trace_into_kernel_launches_on_cuda_tensors():
     the launch's stride numbers are the traced ones, which Inductor does not always keep for a view
     (_triton.contiguous_when_traced); the forward's and the backward's programs take 64 channels (2 warps)
     and read a time-major copy of B and C. The SSD: grids from the sizes (one (headdim, dstate) state tile, 4
-    chunks of 64, batch x nheads = 16, batch x ngroups = 4 for C . B^T, 2 blocks of 32 tokens a chunk in the
-    backward's dX pass, one 64-token block (one block pair) a chunk and batch x ngroups x runs of heads = 4 in its
-    dB and dC passes). The decoding steps, called through the public front end: a launch each, over blocks of 64
+    chunks of 64, batch x nheads = 16, batch x ngroups = 4 for C . B^T, one 64-token block a chunk in the
+    backward's passes (one block pair in its dB and dC passes, over batch x ngroups x runs of heads = 4)). The decoding steps, called through the public front end: a launch each, over blocks of 64
     channels (Mamba-1's tile of 1024 at dstate 16) and per (head, batch). The conv: a dense channel-last x
     reaches its launches as it is (no transposing copy); a slice of a wider projection (Mamba-2's xBC) as a
     dense channel-last copy."""
@@ -786,7 +785,7 @@ def test_triton_ops_trace_into_kernel_launches_on_cuda_tensors():
         "launch ssd_cb_kernel [4] [(4, 4, 1)]",
         "launch ssd_chunk_scan_kernel [8] [(4, 16, 1)]", "launch ssd_dt_kernel [4] [(1, 16, 1)]",
         "launch ssd_state_grads_kernel [8] [(1, 16, 1)]", "launch ssd_cb_kernel [4] [(4, 4, 1)]",
-        "launch ssd_chunk_scan_kernel [8] [(4, 16, 1)]", "launch ssd_bwd_dx_kernel [8] [(8, 16, 1)]", "launch ssd_bwd_dcb_kernel [4] [(4, 4, 1)]",
+        "launch ssd_chunk_scan_kernel [8] [(4, 16, 1)]", "launch ssd_bwd_dx_kernel [8] [(4, 16, 1)]", "launch ssd_bwd_dcb_kernel [4] [(4, 4, 1)]",
         "launch ssd_bwd_group_kernel [8] [(4, 4, 1)]", "launch ssd_bwd_group_kernel [8] [(4, 4, 1)]",
         "launch ssd_bwd_ddt_kernel [4] [(4, 16, 1)]",
     ], proc.stdout

@@ -35,11 +35,12 @@ SCAN_BLOCK_P = 64  # its channels a program (32: 113 registers, but twice the pr
 SCAN_WARPS = 8  # (its 64-token blocks spill on 4)
 SCAN_STAGES = 2  # 128 registers (3 stages: 144)
 DZ_STAGES = 1  # the same kernel recomputing y for dz holds dout's tile too: 128 registers (2 stages: 129)
-# The backward's dX pass takes token blocks of 32 over 8 warps: with headdim and dstate whole (dx sums over
-# dstate) blocks of 64 spill registers at Mamba-2's sizes.
-BWD_BLOCK_T = 32
+# The backward's dX pass takes token blocks of 64 over 8 warps, headdim and dstate whole: 174 registers on sm_90,
+# one program an SM (blocks of 32: 108 registers and two, but twice the programs each reading dE whole and the
+# gated dout's blocks after its own: 6.1 GB requested from the L2 at mamba2-2.7b's layer, not 4.8).
+BWD_BLOCK_T = 64
 BWD_WARPS = 8
-BWD_STAGES = 2  # (109 registers on sm_90; 3 stages: 142 before its loop read the gated dout instead of gating it)
+BWD_STAGES = 2
 # dB and dC: a program walks a run of at most GROUP_HEADS heads of a group (the group's heads split into equal
 # runs; torch sums the runs), summing the gradient of C.B^T over them (ssd_bwd_dcb_kernel, a pair of token blocks
 # a program), then multiplying it by B and C once a run (ssd_bwd_group_kernel, a token block a program).
