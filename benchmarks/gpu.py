@@ -350,7 +350,8 @@ def sweep_tiles(fwd, bwd, repeats: int) -> None:
 
 # The SSD launchers' knobs (ssmops/ops/ssd/triton.py) and the values --sweep tries for each, one knob at a time
 SSD_SWEEP = {"SCAN_WARPS": (4, 8), "SCAN_BLOCK_P": (32, 64), "SCAN_STAGES": (1, 2, 3), "DZ_STAGES": (1, 2, 3),
-             "BWD_BLOCK_T": (32, 64), "BWD_WARPS": (4, 8), "BWD_STAGES": (1, 2, 3), "STATE_WARPS": (4, 8), "STATE_STAGES": (1, 2, 3),
+             "BWD_BLOCK_T": (32, 64), "BWD_WARPS": (4, 8), "BWD_STAGES": (1, 2, 3), "STATE_WARPS": (4, 8),
+             "STATE_STAGES": (1, 2, 3),
              "CB_IN_OPERAND_DTYPE": (False, True), "GROUP_BLOCK_T": (32, 64), "GROUP_HEADS": (4, 8, 16, 32),
              "GROUP_WARPS": (4, 8), "GROUP_STAGES": (1, 2, 3), "DCB_WARPS": (4, 8)}
 
