@@ -756,8 +756,8 @@ def test_triton_ops_trace_into_kernel_launches_on_cuda_tensors():
     backward's passes (one block pair in its dB and dC passes, over batch x ngroups x runs of heads = 4), dt
     processed once a pass in blocks of 256 tokens). The decoding steps, called through the public front end: a
     launch each, over blocks of 64 channels (Mamba-1's tile of 1024 at dstate 16) and per (head, batch). The
-    conv: a dense channel-last x reaches its launches as it is (no transposing copy); a slice of a wider projection (Mamba-2's xBC) as a
-    dense channel-last copy."""
+    conv: a dense channel-last x reaches its launches as it is (no transposing copy); a slice of a wider
+    projection (Mamba-2's xBC) as a dense channel-last copy."""
     proc = run_python(_TRACE_ON_FAKE_CUDA, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = {}
