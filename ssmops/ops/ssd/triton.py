@@ -33,8 +33,8 @@ from .triton_kernels import (
 SCAN_BLOCK_T = 64  # the forward's output kernel: tokens a program (and the side of C.B^T's tiles)
 SCAN_BLOCK_P = 64  # its channels a program (32: 113 registers, but twice the programs and C.B^T reads)
 SCAN_WARPS = 8  # (its 64-token blocks spill on 4)
-SCAN_STAGES = 2  # 128 registers (3 stages: 144)
-DZ_STAGES = 1  # the same kernel recomputing y for dz holds dout's tile too: 128 registers (2 stages: 129)
+SCAN_STAGES = 2  # 112 registers (3 stages: 146)
+DZ_STAGES = 1  # the same kernel recomputing y for dz holds dout's tile too: 127 registers (2 stages: 135)
 # The backward's dX pass takes token blocks of 64 over 8 warps, headdim and dstate whole: 174 registers on sm_90,
 # one program an SM (blocks of 32: 108 registers and two, but twice the programs each reading dE whole and the
 # gated dout's blocks after its own: 6.1 GB requested from the L2 at mamba2-2.7b's layer, not 4.8).
