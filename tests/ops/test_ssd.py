@@ -21,19 +21,20 @@ SSD_BACKENDS = ("default", "cpu", "triton")
 # Triton runs CPU tensors only under its interpreter (tests/test_triton.py runs this file's Triton cases
 # so), about ten seconds a case: these cases run there in the quick suite, the others are marked slow.
 TRITON_QUICK = ("seq=(0, 16, 21, 40)", "batch=1,seq=(0, 10, 16, 33),varlen=True",
-                "D=head,softplus=False,dt_limit=(0.05, 0.6),dtypes=bf16", "seqlen=24,D=head,dtypes=bf16,cb_float32=True")
+                "seqlen=24,D=head,softplus=False,dt_limit=(0.05, 0.6),dtypes=bf16",
+                "seqlen=24,D=head,dtypes=bf16,cb_float32=True", "nheads=6,seq=(0, 16, 21, 40),group_heads=1")
 
 
 def ssd_backend_params(cases=None, quick=TRITON_QUICK):
     """backend_params of SSD_BACKENDS on GRID_DEVICES, with the interpreted Triton cases outside `quick`
-    marked slow (and none of `row_block`, the default backend's knob, but on the CPU; `cb_float32`, Triton's,
-    on Triton only)."""
+    marked slow (and none of `row_block`, the default backend's knob, but on the CPU; `cb_float32` and
+    `group_heads`, Triton's, on Triton only)."""
     params = []
     for param in backend_params(cases, names=SSD_BACKENDS, devices=GRID_DEVICES):
         backend, *case = param.values
         if (backend == "triton" or backend.device != "cpu") and case and case[0].row_block is not None:
             continue
-        if backend != "triton" and case and case[0].cb_float32:
+        if backend != "triton" and case and (case[0].cb_float32 or case[0].group_heads is not None):
             continue
         slow = backend == "triton" and backend.device == "cpu" and case and str(case[0]) not in quick
         params.append(pytest.param(*param.values, marks=[*param.marks, *([pytest.mark.slow] if slow else [])],
@@ -84,6 +85,7 @@ class Case:
     dtypes: str = "fp32"  # fp32 | fp16 | bf16 | mixed
     row_block: int | None = None  # override default._ROW_BLOCK, to exercise several row blocks per chunk
     cb_float32: bool = False  # Triton's C.B^T tiles in float32 for 16-bit inputs (CB_IN_OPERAND_DTYPE off)
+    group_heads: int | None = None  # Triton's GROUP_HEADS: a group's heads in several runs, summed after
 
     def __str__(self):
         fields = (f"{k}={v}" for k, v in dataclasses.asdict(self).items() if v != getattr(Case, k))
@@ -300,6 +302,8 @@ DEFAULT_CASES = [
     Case(dtypes="bf16", seqlen=24, D="head", softplus=False, dt_limit=(0.05, 0.6)),  # 2 chunks (interpreted bf16)
     Case(dtypes="bf16", seqlen=24, D="head", cb_float32=True),
     Case(dtypes="mixed", batch=1, seq=SEQ, varlen=True),
+    Case(nheads=6, seq=SEQ, group_heads=1),  # 3 runs of a group's heads
+    Case(batch=1, nheads=8, seqlen=70, chunk=32, seq=(0, 5, 32, 45), varlen=True, dtypes="bf16", group_heads=2),
 ]
 
 
@@ -343,10 +347,14 @@ def make_cotangents(case: Case, inputs: dict) -> dict:
 def test_backend_matches_oracle(backend, case, monkeypatch):
     if case.row_block is not None:
         monkeypatch.setattr(default, "_ROW_BLOCK", case.row_block)
-    if case.cb_float32:
+    triton_knobs = dict(CB_IN_OPERAND_DTYPE=False) if case.cb_float32 else {}
+    if case.group_heads is not None:
+        triton_knobs["GROUP_HEADS"] = case.group_heads
+    if triton_knobs:
         from ssmops.ops.ssd import triton as ssd_triton
 
-        monkeypatch.setattr(ssd_triton, "CB_IN_OPERAND_DTYPE", False)
+        for knob, value in triton_knobs.items():
+            monkeypatch.setattr(ssd_triton, knob, value)
     inputs = on_device(make_inputs(case), backend.device)
     cotangents = make_cotangents(case, inputs)
     with ssmops.use_backend(backend):
