@@ -343,6 +343,12 @@ def make_cotangents(case: Case, inputs: dict) -> dict:
     return on_device(cots, x.device)
 
 
+def test_triton_quick_cases_are_grid_cases():
+    """Every id of TRITON_QUICK names a case of the grid (an id that drifted from its case would drop the case
+    from the quick set without a word)."""
+    assert set(TRITON_QUICK) <= {str(case) for case in DEFAULT_CASES}
+
+
 @pytest.mark.parametrize("backend, case", ssd_backend_params(DEFAULT_CASES))
 def test_backend_matches_oracle(backend, case, monkeypatch):
     if case.row_block is not None:
