@@ -8,7 +8,8 @@ from torch import Tensor
 
 from ._registry import call_step, operator_for
 from .ops._checks import checked_call
-from .ops.causal_conv1d.checks import check_activation, check_conv_inputs, check_state_indices, check_update_inputs
+from .ops._checks import check_cache_indices
+from .ops.causal_conv1d.checks import check_activation, check_conv_inputs, check_update_inputs
 
 
 def conv_taps(weight: Tensor) -> Tensor:
@@ -84,7 +85,7 @@ def causal_conv1d_update(
     def check():
         check_update_inputs(*inputs)
         if not torch.compiler.is_compiling():  # it reads the indices: eager only (the kernels check too)
-            check_state_indices(conv_state_indices, conv_state.shape[0])
+            check_cache_indices("conv_state_indices", conv_state_indices, conv_state.shape[0], "conv_state")
 
     # (in eager mode on a GPU the Triton launcher itself, as the state's step: `call_step`)
     out = checked_call(lambda: call_step("causal_conv1d_update", x, inputs, (silu,), conv_state), check)

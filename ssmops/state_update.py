@@ -7,7 +7,8 @@ from torch import Tensor
 
 from ._registry import call_step
 from .ops._checks import INPUT_DTYPES, checked_call
-from .ops.state_update.checks import check_multihead_inputs, check_state_batch_indices, check_state_update_inputs
+from .ops._checks import check_cache_indices
+from .ops.state_update.checks import check_multihead_inputs, check_state_update_inputs
 
 
 def _layout(state, state_batch_indices) -> str:
@@ -46,7 +47,7 @@ def _check(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices) -> None:
     else:
         check_state_update_inputs(state, x, dt, A, B, C, D, z, dt_bias)
     if not torch.compiler.is_compiling():  # it reads the indices: eager only (the kernels check too)
-        check_state_batch_indices(state_batch_indices, state.shape[0])
+        check_cache_indices("state_batch_indices", state_batch_indices, state.shape[0], "state")
 
 
 def selective_state_update(

@@ -65,6 +65,22 @@ def check_A(A, dim: int, device, like: str = "u", dtypes=(torch.float32,)) -> in
     return dstate
 
 
+def _capturing(t: Tensor) -> bool:
+    """Whether t's device is capturing a CUDA graph (where nothing may be read back from it)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def check_cache_indices(name: str, indices: Tensor | None, cache_size: int, cache: str) -> None:
+    """The check of a decoding step's cache indices that reads data (for the kernels, not the fake kernels): every
+    one below cache_size (a negative one is padding). Not while a CUDA graph is being captured, where reading a
+    device value is an error (a server capturing its decoding step with indices): the kernels then take an index
+    past the cache as padding too, so that nothing is written outside it."""
+    if indices is None or not indices.numel() or _capturing(indices):
+        return
+    if int(indices.max()) >= cache_size:
+        raise ValueError(f"{name} must be < the {cache}'s cache size {cache_size}, got {indices.tolist()}")
+
+
 def checked_call(call: Callable[[], T], check: Callable[[], object]) -> T:
     """`call()`, a front end's operator call; where it raises, `check()` first, the family's Python checks,
     so that the error a user sees names the argument as a TypeError or ValueError whichever backend ran

@@ -364,6 +364,26 @@ def test_update_errors_name_the_argument(change, error, match):
         torch.ops.ssmops.causal_conv1d_update(*kw.values(), False)
 
 
+@pytest.mark.parametrize("backend", backend_params(names=("default", "triton")))
+def test_index_past_the_cache_is_padding_while_a_cuda_graph_is_captured(backend, monkeypatch):
+    """While a CUDA graph is captured the indices cannot be read back to check them (a server capturing its
+    decoding step): an index past the cache is then padding, nothing written outside it and out = 0, on the
+    backends a GPU runs. The capture is simulated: `_checks._capturing` answers yes for the CPU tensors here."""
+    from ssmops.ops import _checks
+
+    kw = update_inputs(Update(4, 3, 3, indices=True))  # a cache of 5 rows, indices [4, -1, 1]
+    padded = {**kw, "conv_state": kw["conv_state"].clone(),
+              "conv_state_indices": torch.tensor([4, -1, -1], dtype=torch.int32)}
+    past = {**kw, "conv_state": kw["conv_state"].clone(),
+            "conv_state_indices": torch.tensor([4, -1, 5], dtype=torch.int32)}
+    monkeypatch.setattr(_checks, "_capturing", lambda t: True)
+    with ssmops.use_backend(backend):
+        expected = ssmops.causal_conv1d_update(**padded, activation="silu")
+        out = ssmops.causal_conv1d_update(**past, activation="silu")
+    assert torch.equal(out, expected) and torch.equal(out[2], torch.zeros_like(out[2]))
+    assert torch.equal(past["conv_state"], padded["conv_state"])
+
+
 def test_activation_must_be_silu_swish_or_none():
     kw = conv_inputs(Conv())
     with pytest.raises(ValueError, match="activation must be None, 'silu' or 'swish', got 'relu'"):

@@ -101,14 +101,6 @@ def check_update_inputs(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Ten
     return UpdateDims(batch, dim, seqlen, width, state_len, cache_size)
 
 
-def check_state_indices(conv_state_indices: Tensor | None, cache_size: int) -> None:
-    """The check that reads data (for the kernels, not the fake kernel): every index below cache_size."""
-    if conv_state_indices is not None and conv_state_indices.numel() and \
-            int(conv_state_indices.max()) >= cache_size:
-        raise ValueError(f"conv_state_indices must be < the conv_state's cache size {cache_size}, got "
-                         f"{conv_state_indices.tolist()}")
-
-
 def check_activation(activation: str | None) -> bool:
     """The package's activation argument as the operators' `silu` flag."""
     if activation not in (None, "silu", "swish"):

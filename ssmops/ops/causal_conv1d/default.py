@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .checks import check_conv_grad_inputs, check_conv_inputs, check_state_indices, check_update_inputs
+from .._checks import check_cache_indices
+from .checks import check_conv_grad_inputs, check_conv_inputs, check_update_inputs
 from .schema import absent, empty_like_x, is_channel_last
 
 
@@ -123,12 +124,13 @@ def causal_conv1d_update(x, conv_state, weight, bias, cache_seqlens, conv_state_
     batch, dim, seqlen, width, state_len, cache_size = check_update_inputs(
         x, conv_state, weight, bias, cache_seqlens, conv_state_indices)
     if not torch.compiler.is_compiling():  # reads the indices' values: not while traced (ssmops.onnx traces this)
-        check_state_indices(conv_state_indices, cache_size)
+        check_cache_indices("conv_state_indices", conv_state_indices, cache_size, "conv_state")
     if conv_state_indices is None:
         rows, valid = conv_state, None
     else:
-        valid = conv_state_indices >= 0  # negative: a padding row, left alone
-        rows = conv_state[conv_state_indices.clamp(min=0).long()]
+        # negative (or, unchecked under a CUDA graph's capture, past the cache): a padding row, left alone
+        valid = (conv_state_indices >= 0) & (conv_state_indices < cache_size)
+        rows = conv_state[conv_state_indices.clamp(0, cache_size - 1).long()]
     state, xf = rows.float(), x.float()
     if cache_seqlens is None:  # the state holds the stream's last state_len entries, oldest first
         before = state[:, :, state_len - (width - 1):]

@@ -11,7 +11,8 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.library import triton_op
 
 from .. import _triton
-from .checks import check_conv_grad_inputs, check_conv_inputs, check_state_indices, check_update_inputs
+from .._checks import check_cache_indices
+from .checks import check_conv_grad_inputs, check_conv_inputs, check_update_inputs
 from .schema import is_channel_last
 from .triton_kernels import (
     causal_conv1d_dpre_kernel, causal_conv1d_dstream_kernel, causal_conv1d_fwd_kernel, causal_conv1d_update_kernel,
@@ -121,7 +122,7 @@ def causal_conv1d_update(
     plan = _triton.cached_plan(_update_launch, (x, conv_state, weight, bias, cache_seqlens, conv_state_indices),
                                silu)
     if type(conv_state_indices) is Tensor:  # (it reads the indices: not while tracing)
-        check_state_indices(conv_state_indices, conv_state.shape[0])
+        check_cache_indices("conv_state_indices", conv_state_indices, conv_state.shape[0], "conv_state")
     out = _triton.output(plan.out_shape, x.dtype, x.device)  # 1-D while a kernel writes it
     _triton.launch(causal_conv1d_update_kernel, plan.grid, (
         x, conv_state, weight, bias if bias is not None else weight,
@@ -133,10 +134,10 @@ def causal_conv1d_update(
 def _update_launch(x, conv_state, weight, bias, cache_seqlens, conv_state_indices, silu) -> _triton.LaunchPlan:
     """The decoding step's launch, worked out once per signature of its arguments (a step per layer per token:
     `_triton.cached_plan`)."""
-    batch, dim, seqlen, width, state_len, _ = check_update_inputs(
+    batch, dim, seqlen, width, state_len, cache_size = check_update_inputs(
         x, conv_state, weight, bias, cache_seqlens, conv_state_indices)
     block_d = _triton.pow2_tile(dim, 16, 128)
-    numbers = (dim, seqlen, state_len, *x.stride(), *conv_state.stride(), *weight.stride(),
+    numbers = (dim, seqlen, state_len, cache_size, *x.stride(), *conv_state.stride(), *weight.stride(),
                bias.stride(0) if bias is not None else 0)
     meta = dict(CIRCULAR=cache_seqlens is not None, HAS_INDEX=conv_state_indices is not None,
                 HAS_BIAS=bias is not None, SILU=bool(silu), WIDTH=width, BLOCK_D=block_d,

@@ -174,7 +174,7 @@ def causal_conv1d_dstream_kernel(
 @triton.jit
 def causal_conv1d_update_kernel(
     x_ptr, state_ptr, w_ptr, bias_ptr, start_ptr, index_ptr, out_ptr,
-    dim, seqlen, state_len,
+    dim, seqlen, state_len, cache_size,
     s_xb, s_xd, s_xt, s_cb, s_cd, s_cl, s_wd, s_wk, s_bias,
     CIRCULAR: tl.constexpr, HAS_INDEX: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     WIDTH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
@@ -187,9 +187,10 @@ def causal_conv1d_update_kernel(
     b = tl.program_id(1).to(tl.int64)
     mask_d = d < dim
     row = b
-    if HAS_INDEX:  # the batch row's cache entry; a negative index is padding: nothing written, out = 0
+    if HAS_INDEX:  # the batch row's cache entry; a negative index is padding: nothing written, out = 0 (so is one
+        # past the cache, which the launcher's check lets through only while a CUDA graph is captured)
         row = tl.load(index_ptr + b).to(tl.int64)
-        mask_state = mask_d & (d * 0 + row >= 0)
+        mask_state = mask_d & (d * 0 + row >= 0) & (d * 0 + row < cache_size)
         row = tl.maximum(row, 0)
     else:
         mask_state = mask_d

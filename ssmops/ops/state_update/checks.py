@@ -165,11 +165,3 @@ def check_multihead_inputs(
     if z is not None:
         check_tensor("z", z, INPUT_DTYPES, (batch, nheads, headdim), device, like="x")
     return MultiheadDims(batch, nheads, headdim, dstate, ngroups, cache_size)
-
-
-def check_state_batch_indices(state_batch_indices: Tensor | None, cache_size: int) -> None:
-    """The check that reads data (for the kernels, not the fake kernel): every index below cache_size."""
-    if state_batch_indices is not None and state_batch_indices.numel() and \
-            int(state_batch_indices.max()) >= cache_size:
-        raise ValueError(f"state_batch_indices must be < the state's cache size {cache_size}, got "
-                         f"{state_batch_indices.tolist()}")

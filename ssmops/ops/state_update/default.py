@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .checks import check_multihead_inputs, check_state_batch_indices, check_state_update_inputs
+from .._checks import check_cache_indices
+from .checks import check_multihead_inputs, check_state_update_inputs
 from .schema import as_multihead
 
 
@@ -34,7 +35,7 @@ def multihead_state_update(state, x, dt, A, B, C, D, z, dt_bias, state_batch_ind
     batch, nheads, headdim, dstate, ngroups, cache_size = check_multihead_inputs(
         state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices)
     if not torch.compiler.is_compiling():  # reads the indices' values: not while traced (ssmops.onnx traces this)
-        check_state_batch_indices(state_batch_indices, cache_size)
+        check_cache_indices("state_batch_indices", state_batch_indices, cache_size, "state")
     dt = _per_channel(dt, batched=True)  # (batch, nheads, headdim or 1)
     if dt_bias is not None:
         dt = dt + _per_channel(dt_bias, batched=False)
@@ -48,8 +49,9 @@ def multihead_state_update(state, x, dt, A, B, C, D, z, dt_bias, state_batch_ind
     if state_batch_indices is None:
         rows, valid = state, None
     else:
-        valid = state_batch_indices >= 0  # negative: a padding row, left alone
-        rows = state[state_batch_indices.clamp(min=0).long()]
+        # negative (or, unchecked under a CUDA graph's capture, past the cache): a padding row, left alone
+        valid = (state_batch_indices >= 0) & (state_batch_indices < cache_size)
+        rows = state[state_batch_indices.clamp(0, cache_size - 1).long()]
     new_rows = (rows.float() * decay).addcmul_((dt * xf).unsqueeze(-1), Bh)
     y = (new_rows * Ch).sum(-1)
     if D is not None:

@@ -15,7 +15,8 @@ from torch import Tensor
 from torch.library import triton_op
 
 from .. import _triton
-from .checks import check_multihead_inputs, check_state_batch_indices, check_state_update_inputs
+from .._checks import check_cache_indices
+from .checks import check_multihead_inputs, check_state_update_inputs
 from .schema import as_multihead
 from .triton_kernels import multihead_state_update_kernel, selective_state_update_kernel
 
@@ -78,7 +79,7 @@ def _multihead_launch(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices,
     A_strides = tuple(A.stride()) if A.dim() == 3 else (A.stride(0), 0, 0)
     bias_strides = per_head(dt_bias, 2)
     numbers = (
-        headdim, dstate, nheads // ngroups,
+        headdim, dstate, nheads // ngroups, cache_size,
         *state.stride(), *x.stride(), *dt_strides, *A_strides, *B.stride(), *C.stride(), *per_head(D, 2),
         *(z.stride() if z is not None else (0, 0, 0)), *bias_strides,
     )
@@ -96,7 +97,7 @@ def multihead_state_update(
     plan = _triton.cached_plan(_multihead_launch, (state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices),
                                dt_softplus)
     if type(state_batch_indices) is Tensor:  # (it reads the indices: not while tracing)
-        check_state_batch_indices(state_batch_indices, state.shape[0])
+        check_cache_indices("state_batch_indices", state_batch_indices, state.shape[0], "state")
     out = _triton.output(plan.out_shape, x.dtype, x.device)  # 1-D while a kernel writes it
     # (Mamba-1's layout passes its tensors as they are: the views the plan was worked out on share their memory)
     _triton.launch(multihead_state_update_kernel, plan.grid, (

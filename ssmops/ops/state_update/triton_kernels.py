@@ -49,7 +49,7 @@ def selective_state_update_kernel(
 @triton.jit
 def multihead_state_update_kernel(
     state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, index_ptr, out_ptr,
-    headdim, dstate, heads_per_group,
+    headdim, dstate, heads_per_group, cache_size,
     s_sb, s_sh, s_sp, s_sn, s_xb, s_xh, s_xp, s_tb, s_th, s_tp, s_Ah, s_Ap, s_An,
     s_Bb, s_Bg, s_Bn, s_Cb, s_Cg, s_Cn, s_Dh, s_Dp, s_zb, s_zh, s_zp, s_biash, s_biasp,
     DT_CHANNEL: tl.constexpr, A_ELEMENT: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
@@ -73,9 +73,10 @@ def multihead_state_update_kernel(
     mask = mask_p[:, None] & (nn < dstate)[None, :]
     row = b
     real = mask_p  # (BLOCK_P,): the channels to write
-    if HAS_INDEX:  # the batch row's cache entry; a negative index is padding: nothing written, y = 0
+    if HAS_INDEX:  # the batch row's cache entry; a negative index is padding: nothing written, y = 0 (so is one
+        # past the cache, which the launcher's check lets through only while a CUDA graph is captured)
         row = tl.load(index_ptr + b).to(tl.int64)
-        real = mask_p & (pp * 0 + row >= 0)
+        real = mask_p & (pp * 0 + row >= 0) & (pp * 0 + row < cache_size)
         mask = mask & real[:, None]
         row = tl.maximum(row, 0)
     x = tl.load(x_ptr + b * s_xb + h * s_xh + pp * s_xp, mask=mask_p, other=0.0).to(tl.float32)
