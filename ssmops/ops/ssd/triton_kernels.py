@@ -7,7 +7,9 @@ decay from the chunk start through token l), the chunk's outputs are
 
 with S the (headdim, dstate) state entering the chunk, w_l = exp(L_l) where token l is in the
 sequence of the token before the chunk (else 0: seq_idx restarted the state), and the sum over
-the tokens s of l's sequence. The state after a token e of the chunk is
+the tokens s of l's sequence. The terms of other sequences are selected out, never multiplied by 0,
+and L sums over a token's own sequence: a NaN or inf in one sequence reaches no other (0 * NaN = NaN,
+NaN - NaN = NaN). The state after a token e of the chunk is
 
     H_e = w_e S + sum_{s <= e, seq_s = seq_e} exp(L_e - L_s) dt_s x_s B_s^T.
 
@@ -139,6 +141,29 @@ def _seq_at(seq_row, t, s_seqt, HAS_SEQ: tl.constexpr):
 
 
 @triton.jit
+def _add_within_sequence(a1, seq1, a2, seq2):
+    """associative_scan's combine for sums that restart where the (non-decreasing) sequence id changes."""
+    return tl.where(seq1 == seq2, a1 + a2, a2), seq2
+
+
+@triton.jit
+def _log_decays(a, seq, HAS_SEQ: tl.constexpr):
+    """L: the sum of a over the block's tokens up to each one, of its own sequence only with seq_idx (an
+    earlier sequence's NaN or inf dt must not reach a later one's decays: a difference of sums would not
+    take it out, NaN - NaN)."""
+    if HAS_SEQ:
+        L = tl.associative_scan((a, seq), 0, _add_within_sequence)[0]
+    else:
+        L = tl.cumsum(a, axis=0)
+    return L
+
+
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
 def _tile(row, t, valid, s_t, cols, ncols, s_c):
     """(tokens, cols) float32 tile of a (seqlen, ncols) matrix."""
     return tl.load(row + t[:, None] * s_t + cols[None, :] * s_c, mask=valid[:, None] & (cols < ncols)[None, :],
@@ -215,9 +240,14 @@ def _state_at(state, t0, e, seq_before, Q, seqlen, x_row, dt_row, B_row, seq_row
         weight = tl.where(keep, dt * tl.exp(to_e), 0.0)
         X = _tile(x_row, t, valid, s_xt, pp, headdim, s_xp) * weight[:, None]
         Bt = _tile(B_row, t, valid, s_Bt, nn, dstate, s_Bn)
+        if HAS_SEQ:  # the tokens of other sequences are selected out of both operands: they may hold a NaN or inf
+            X = tl.where(keep[:, None], X, 0.0)
+            Bt = tl.where(keep[:, None], Bt, 0.0)
         acc += _dot(tl.trans(_operand(X, x_row, DOT_F32)), _operand(Bt, x_row, DOT_F32), DOT_F32)
-    kept = tl.where(seq_e == seq_before, tl.exp(after), 0.0)
-    return kept * state + acc
+    kept = tl.exp(after) * state
+    if HAS_SEQ:  # (selected: a NaN state of the sequence before must not reach another)
+        kept = tl.where(seq_e == seq_before, kept, 0.0)
+    return kept + acc
 
 
 @triton.jit
@@ -365,24 +395,41 @@ def ssd_chunk_scan_kernel(
         run += tl.sum(_dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1], axis=0)
     t_l, valid_l = _block(t0, i, Q, seqlen, BLOCK_T)
     dt_l, a_l = _dt(dt_row, t_l, valid_l, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
-    L_l = tl.cumsum(a_l, axis=0)  # from the block start
     seq_l = _seq(seq_row, t_l, valid_l, s_seqt, HAS_SEQ)
+    L_l = _log_decays(a_l, seq_l, HAS_SEQ)  # from the block start
     C_l = _operand(_tile(C_row, t_l, valid_l, s_Ct, nn, dstate, s_Cn), x_ptr, DOT_F32)
     # the entering state, read by C and decayed to each token of the sequence before the chunk
     state = _state_tile(states_ptr, (b * nchunks + c) * nheads + h, pp, nn, headdim, dstate)
-    w_l = tl.where(valid_l & (seq_l == _seq_at(seq_row, t0 - 1, s_seqt, HAS_SEQ)), tl.exp(run + L_l), 0.0)
+    seq_first = _seq_at(seq_row, tl.minimum(t0 + i * BLOCK_T, seqlen - 1), s_seqt, HAS_SEQ)  # the row block's first
+    seq_before = _seq_at(seq_row, t0 - 1, s_seqt, HAS_SEQ)
+    if HAS_SEQ:  # (selected: a NaN state of the sequence before must not reach another through the product)
+        state = tl.where(seq_first == seq_before, state, 0.0)
+    w_l = tl.where(valid_l & (seq_l == seq_before), tl.exp(run + L_l), 0.0)
     y = _dot(C_l, tl.trans(_operand(state, x_ptr, DOT_F32)), DOT_F32) * w_l[:, None]
     # the chunk's tokens up to this block, through (C B^T * decay mask), walked back from it so that
-    # L_l - L_s is summed over the blocks between (see _state_at)
+    # L_l - L_s is summed over the blocks between (see _state_at). With seq_idx only the row block's first
+    # sequence reaches it from earlier blocks, and the product spreads a NaN or inf to every row (0 * NaN): their
+    # tokens of other sequences are selected out of X_s, and once they are summed (the row block itself comes
+    # last), the rows of the block's later sequences.
     Qp = blocks_per_chunk * BLOCK_T
     cb_tile = ((b * nchunks + c) * (nheads // heads_per_group) + h // heads_per_group) * Qp * Qp
     cb_rows = cb_ptr + cb_tile + (i * BLOCK_T + tl.arange(0, BLOCK_T))[:, None] * Qp
-    between = 0.0
-    for jj in range(0, i + 1):
+    between = 0.0  # the sum of a over the blocks between the column block and the row block
+    for k in range(0, i + 1):
+        if HAS_SEQ:
+            jj = (k + 1) % (i + 1)
+        else:
+            jj = k
         t_s, valid_s = _block(t0, i - jj, Q, seqlen, BLOCK_T)
         dt_s, a_s = _dt(dt_row, t_s, valid_s, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
+        seq_s = _seq(seq_row, t_s, valid_s, s_seqt, HAS_SEQ)
+        # relative to the row block's start; with seq_idx summed back over (s, row block) directly: from this
+        # block's start the sum would carry the a of the tokens before s, those of another sequence too
+        if HAS_SEQ:
+            L_s = tl.where(jj == 0, L_l, -(between + tl.cumsum(a_s, axis=0, reverse=True) - a_s))
         between += tl.where(jj > 0, tl.sum(a_s, axis=0), 0.0)
-        L_s = tl.cumsum(a_s, axis=0) - between  # relative to the row block's start
+        if not HAS_SEQ:
+            L_s = tl.cumsum(a_s, axis=0) - between
         CB = tl.load(cb_rows + ((i - jj) * BLOCK_T + tl.arange(0, BLOCK_T))[None, :],
                      mask=valid_l[:, None] & valid_s[None, :], other=0.0).to(tl.float32)
         X_s = _tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp) * dt_s[:, None]
@@ -390,11 +437,17 @@ def ssd_chunk_scan_kernel(
         # meets it with the zeros above the diagonal too (0 * NaN = NaN): there it enters as 0, and
         # reaches its rows after the loop
         X_s = tl.where((X_s * 0.0 == 0.0) | (jj > 0), X_s, 0.0)
-        M = _decayed(CB, L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l,
-                     _seq(seq_row, t_s, valid_s, s_seqt, HAS_SEQ), False)
+        if HAS_SEQ:
+            X_s = tl.where((seq_s == seq_first)[:, None] | (jj == 0), X_s, 0.0)
+            y = tl.where((seq_l == seq_first)[:, None] | (jj > 0), y, 0.0)
+        M = _decayed(CB, L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l, seq_s, False)
         y += _dot(_operand(M, x_ptr, DOT_F32), _operand(X_s, x_ptr, DOT_F32), DOT_F32)
     x_l = _tile(x_row, t_l, valid_l, s_xt, pp, headdim, s_xp)
-    y += tl.cumsum(x_l * dt_l[:, None] * 0.0, axis=0)  # (the row block's NaN and inf: 0 before, NaN from it on)
+    if HAS_SEQ:  # the row block's NaN and inf, to the rows whose sequence is the last with one up to them: NaN
+        last_bad = tl.associative_scan(tl.where(x_l * dt_l[:, None] * 0.0 == 0.0, -1, seq_l[:, None]), 0, _maximum)
+        y = tl.where(last_bad == seq_l[:, None], float("nan"), y)
+    else:
+        y += tl.cumsum(x_l * dt_l[:, None] * 0.0, axis=0)  # (the row block's NaN and inf: 0 before, NaN from it on)
     if HAS_D:
         if D_CHANNEL:
             y += tl.load(D_ptr + h * s_Dh + pp, mask=pp < headdim, other=0.0).to(tl.float32)[None, :] * x_l
