@@ -336,6 +336,42 @@ def ssd_fwd(
     return out, state, chunk_states.view(batch, -1, headdim, dstate), varlen_states
 
 
+def _all_finite(*tensors: Tensor | None) -> bool:
+    """Whether every element of the tensors given is finite (one reduction and one sync)."""
+    return bool(torch.stack([t.detach().isfinite().all() for t in tensors if t is not None]).all())
+
+
+def _by_sequence(chunk: _Chunk, seq_idx: Tensor, local: dict, shared: dict, state: Tensor, dout: Tensor,
+                 dstate: Tensor | None, dvarlen: list[Tensor] | None, dt_softplus: bool,
+                 dt_limit: list[float]) -> tuple[list[Tensor], list[Tensor]]:
+    """The chunk's outputs (under autograd) and their cotangents, each row's sequences scanned one by one, as
+    the backward takes them where a NaN or inf is about: autograd's products of a masked GEMM multiply the
+    zeros of one sequence by another's values (0 * NaN = NaN, in the gradients of either), and selecting
+    element by element cannot undo that once a GEMM has summed them. A sequence that continues the one before
+    the chunk enters with `state`, the others with zeros; the end state and the varlen states come from the
+    sequences they end."""
+    rows, before = chunk.slice(seq_idx).tolist(), chunk.seq_before(seq_idx).tolist()
+    outputs, cotangents = [], []
+    cotangent_of_state = [dstate] + (dvarlen or [None] * (len(chunk.state_offsets) - 1))
+    for b, row in enumerate(rows):
+        starts = [0] + [t for t in range(1, len(row)) if row[t] != row[t - 1]]
+        for start, stop in zip(starts, starts[1:] + [len(row)]):
+            def piece(t: Tensor | None) -> Tensor | None:
+                return None if t is None else t[b : b + 1, start:stop]
+
+            entering = state[b : b + 1] if start == 0 and row[0] == before[b] else torch.zeros_like(state[:1])
+            ends = [(i, t - start) for i, t in enumerate(chunk.state_offsets)
+                    if start <= t < stop and cotangent_of_state[i] is not None]
+            y, states = _chunk_scan(
+                piece(local["x"]), piece(local["dt"]), shared["A"], piece(local["B"]), piece(local["C"]),
+                shared.get("D"), piece(local.get("z")), shared.get("dt_bias"), entering, None, None,
+                [t for _, t in ends], dt_softplus, dt_limit,
+            )  # fmt: skip
+            outputs += [y, *states]
+            cotangents += [dout[b : b + 1, start:stop], *(cotangent_of_state[i][b : b + 1] for i, _ in ends)]
+    return outputs, cotangents
+
+
 def ssd_bwd(
     x: Tensor,
     dt: Tensor,
@@ -376,19 +412,25 @@ def ssd_bwd(
         local = {name: chunk.slice(t).detach().requires_grad_() for name, t in per_token.items()}
         state_needs_grad = chunk.index > 0 or initial_states is not None
         state = chunk_states[:, chunk.index].detach().requires_grad_(state_needs_grad)
+        dout_c = chunk.slice(dout).float()
+        dvarlen_c = None if dvarlen_states is None else [dvarlen_states[i][None] for i in chunk.varlen_ids]
         with _autograd_enabled():
-            y, (end_state, *varlen_ends) = _chunk_scan(
-                local["x"], local["dt"], shared["A"], local["B"], local["C"], shared.get("D"), local.get("z"),
-                shared.get("dt_bias"), state, chunk.slice(seq_idx), chunk.seq_before(seq_idx), chunk.state_offsets,
-                dt_softplus, dt_limit,
-            )  # fmt: skip
-        outputs, cotangents = [y], [chunk.slice(dout).float()]
-        if dstate is not None:
-            outputs.append(end_state)
-            cotangents.append(dstate)
-        if dvarlen_states is not None:
-            outputs += varlen_ends
-            cotangents += [dvarlen_states[i][None] for i in chunk.varlen_ids]
+            if seq_idx is not None and not _all_finite(*local.values(), state, dout_c, dstate, *(dvarlen_c or [])):
+                outputs, cotangents = _by_sequence(chunk, seq_idx, local, shared, state, dout_c, dstate, dvarlen_c,
+                                                   dt_softplus, dt_limit)
+            else:
+                y, (end_state, *varlen_ends) = _chunk_scan(
+                    local["x"], local["dt"], shared["A"], local["B"], local["C"], shared.get("D"), local.get("z"),
+                    shared.get("dt_bias"), state, chunk.slice(seq_idx), chunk.seq_before(seq_idx),
+                    chunk.state_offsets, dt_softplus, dt_limit,
+                )  # fmt: skip
+                outputs, cotangents = [y], [dout_c]
+                if dstate is not None:
+                    outputs.append(end_state)
+                    cotangents.append(dstate)
+                if dvarlen_c is not None:
+                    outputs += varlen_ends
+                    cotangents += dvarlen_c
         inputs = {**local, **shared, **({"state": state} if state_needs_grad else {})}
         results = dict(zip(inputs, torch.autograd.grad(outputs, list(inputs.values()), cotangents,
                                                        materialize_grads=True)))
