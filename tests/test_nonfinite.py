@@ -380,9 +380,9 @@ def test_ssd_non_finite_input_reaches_no_later_sequence(backend, device, name, i
 
 
 # The backward passes that still let a NaN or inf cross a restart (issue 59; docs/limits.md): strict, so
-# that a fix shows here. Inputs: the poisoned inputs of an earlier sequence (the gradients of a later one);
-# "dout": a NaN in a later sequence's output gradient (the gradients of an earlier one).
-BACKWARD_GAPS = {"default": {"x", "B", "dout"}, "cpu": {"x", "dt", "B"}, "triton": {"x", "dt", "B", "dout"}}
+# that a fix shows here. POISON_IDS: a sequence's poisoned input (the gradients of the others); "dout": a NaN
+# in a later sequence's output gradient (the gradients of the earlier ones).
+BACKWARD_GAPS = {"triton": {*POISON_IDS, "dout"}}
 
 
 def _mark_backward_gap(request, backend: str, source: str) -> None:
@@ -391,20 +391,24 @@ def _mark_backward_gap(request, backend: str, source: str) -> None:
 
 
 @pytest.mark.parametrize("backend, device", PACKED_TARGETS)
-@pytest.mark.parametrize("name, index, value", POISONS[:3] + POISONS[4:5], ids=POISON_IDS[:3] + POISON_IDS[4:5])
-def test_ssd_non_finite_input_reaches_no_later_sequences_gradients(backend, device, name, index, value, chunk_size,
+@pytest.mark.parametrize("name, index, value", POISONS, ids=POISON_IDS)
+def test_ssd_non_finite_input_reaches_no_other_sequences_gradients(backend, device, name, index, value, chunk_size,
                                                                    request):
-    """Backward: the gradients of a later sequence's inputs stay what they are without an earlier
-    sequence's NaN or inf."""
-    _mark_backward_gap(request, backend, name)
+    """Backward: the gradients of the other sequences' inputs (the later ones', and the earlier ones' with
+    initial_states) stay what they are without one sequence's NaN or inf."""
+    _mark_backward_gap(request, backend, POISON_IDS[POISONS.index((name, index, value))])
     kw = _packed_ssd_problem()
     poisoned = {**kw, name: kw[name].clone()}
     poisoned[name][index] = value
     weights = torch.randn(kw["x"].shape, generator=torch.Generator().manual_seed(1))
     got, clean = (_packed_ssd(k, backend, device, chunk_size, weights) for k in (poisoned, kw))
-    start = _later(index)
+    start, own = _later(index), max(b for b in PACKED if b <= index[1])
     for k in ("x", "dt", "B", "C", "z"):
         _assert_same_finite(got[k][:, start:], clean[k][:, start:], f"d{k} of the later sequences")
+        if own > 0:
+            _assert_same_finite(got[k][:, :own], clean[k][:, :own], f"d{k} of the earlier sequences")
+    if own > 0:
+        _assert_same_finite(got["initial_states"], clean["initial_states"], "dinitial_states")
 
 
 @pytest.mark.parametrize("backend, device", PACKED_TARGETS)
