@@ -164,6 +164,11 @@ def _maximum(a, b):
 
 
 @triton.jit
+def _minimum(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
 def _tile(row, t, valid, s_t, cols, ncols, s_c):
     """(tokens, cols) float32 tile of a (seqlen, ncols) matrix."""
     return tl.load(row + t[:, None] * s_t + cols[None, :] * s_c, mask=valid[:, None] & (cols < ncols)[None, :],
@@ -516,19 +521,24 @@ def ssd_state_grads_kernel(
             a = _dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1]
             L = run + tl.cumsum(a, axis=0)
             run += tl.sum(a, axis=0)
-            w = tl.where(valid & (_seq(seq_row, t, valid, s_seqt, HAS_SEQ) == seq_before), tl.exp(L), 0.0)
-            dy = _dy(dout_row, z_row, t, valid, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z) * w[:, None]
+            keep = valid & (_seq(seq_row, t, valid, s_seqt, HAS_SEQ) == seq_before)
+            dy = _dy(dout_row, z_row, t, valid, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z) * \
+                tl.where(keep, tl.exp(L), 0.0)[:, None]
             C_t = _tile(C_row, t, valid, s_Ct, nn, dstate, s_Cn)
+            if HAS_SEQ:  # the other sequences' rows are selected out of both operands: either may hold a NaN
+                dy = tl.where(keep[:, None], dy, 0.0)
+                C_t = tl.where(keep[:, None], C_t, 0.0)
             acc += _dot(tl.trans(_operand(dy, C_ptr, DOT_F32)), _operand(C_t, C_ptr, DOT_F32), DOT_F32)
         if HAS_DVARLEN:
             for i in range(tl.load(first_ptr + c), tl.load(first_ptr + c + 1)):
                 e = tl.load(cu_ptr + i + 1).to(tl.int32) - 1
                 L_e = _log_decay_through(t0, e, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT,
                                          BLOCK_T)
-                kept = tl.where(_seq_at(seq_row, e, s_seqt, HAS_SEQ) == seq_before, tl.exp(L_e), 0.0)
-                acc += kept * _state_tile(dvarlen_ptr, i * nheads + h, pp, nn, headdim, dstate)
+                acc += tl.where(_seq_at(seq_row, e, s_seqt, HAS_SEQ) == seq_before,
+                                tl.exp(L_e) * _state_tile(dvarlen_ptr, i * nheads + h, pp, nn, headdim, dstate), 0.0)
         seq_end = _seq_at(seq_row, tl.minimum(t0 + Q, seqlen) - 1, s_seqt, HAS_SEQ)
-        grad = tl.where(seq_end == seq_before, tl.exp(run), 0.0) * grad + acc
+        # (selected: the gradient of a later sequence's state, NaN perhaps, must not reach an earlier one)
+        grad = tl.where(seq_end == seq_before, tl.exp(run) * grad, 0.0) + acc
     if HAS_INIT:
         _store_state_tile(dinit_ptr, b * nheads + h, pp, nn, headdim, dstate, grad)
 
@@ -592,25 +602,82 @@ def _dC_rows(t0, i, Q, seqlen, nheads, headdim, dstate, x_row, dt_row, B_row, C_
     dy_l = _dy(dout_row, z_row, t_l, valid_l, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z)
     diagonal = _diagonal(dy_l, x_row, dt_row, t_l, valid_l, pp, headdim, s_xt, s_xp, s_dtt, bias, lo, hi, SOFTPLUS,
                          HAS_LIMIT)
-    w_l = tl.where(valid_l & (seq_l == seq_before), tl.exp(run + L_l), 0.0)
+    carried = valid_l & (seq_l == seq_before)
     state = _operand(_state_tile(states_ptr, state_row, pp, nn, headdim, dstate), x_ptr, DOT_F32)
-    dC = _dot(_operand(dy_l * w_l[:, None], x_ptr, DOT_F32), state, DOT_F32)
+    dC = _dot(_operand(dy_l * tl.where(carried, tl.exp(run + L_l), 0.0)[:, None], x_ptr, DOT_F32), state, DOT_F32)
+    if HAS_SEQ:  # (selected: a NaN state or dy of one sequence must not reach another's rows)
+        dC = tl.where(carried[:, None], dC, 0.0)
     dy_l = _operand(dy_l, x_ptr, DOT_F32)
-    between = 0.0  # walked back from the row block (exponents as in ssd_chunk_scan_kernel)
-    for jj in range(0, i + 1):
+    # walked back from the row block, exponents as in ssd_chunk_scan_kernel, and with seq_idx likewise the row
+    # block itself last: its rows of later sequences are selected out of what the earlier blocks give (the
+    # product spreads a NaN of B to every row), and the row block's non-finite B enters as 0 and reaches its
+    # rows of its sequence after the loop
+    seq_first = _seq_at(seq_row, tl.minimum(t0 + i * BLOCK_T, seqlen - 1), s_seqt, HAS_SEQ)
+    between = 0.0
+    for k in range(0, i + 1):
+        if HAS_SEQ:
+            jj = (k + 1) % (i + 1)
+        else:
+            jj = k
         t_s, valid_s = _block(t0, i - jj, Q, seqlen, BLOCK_T)
         dt_s, a_s = _dt(dt_row, t_s, valid_s, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
+        seq_s = _seq(seq_row, t_s, valid_s, s_seqt, HAS_SEQ)
+        if HAS_SEQ:
+            L_s = tl.where(jj == 0, L_l, -(between + tl.cumsum(a_s, axis=0, reverse=True) - a_s))
         between += tl.where(jj > 0, tl.sum(a_s, axis=0), 0.0)
-        L_s = tl.cumsum(a_s, axis=0) - between
+        if not HAS_SEQ:
+            L_s = tl.cumsum(a_s, axis=0) - between
         X_s = _operand(_tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp) * dt_s[:, None], x_ptr, DOT_F32)
-        dM = _decayed(_dot(dy_l, tl.trans(X_s), DOT_F32), L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l,
-                      _seq(seq_row, t_s, valid_s, s_seqt, HAS_SEQ), True)
+        dM = _decayed(_dot(dy_l, tl.trans(X_s), DOT_F32), L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l, seq_s, True)
         B_s = _tile(B_row, t_s, valid_s, s_Bt, nn, dstate, s_Bn)
+        if HAS_SEQ:
+            B_s = tl.where(((seq_s == seq_first)[:, None] | (jj == 0)) & ((B_s * 0.0 == 0.0) | (jj > 0)), B_s, 0.0)
+            dC = tl.where((seq_l == seq_first)[:, None] | (jj > 0), dC, 0.0)
         dC += _dot(_operand(dM, x_ptr, DOT_F32), _operand(B_s, x_ptr, DOT_F32), DOT_F32)
     C_l = _tile(C_row, t_l, valid_l, s_Ct, nn, dstate, s_Cn)
+    B_l = _tile(B_row, t_l, valid_l, s_Bt, nn, dstate, s_Bn)
+    if HAS_SEQ:  # the row block's NaN and inf of B, to its rows after them of their sequence: NaN
+        last_bad = tl.associative_scan(tl.where(B_l * 0.0 == 0.0, -1, seq_l[:, None]), 0, _maximum)
+        dC = tl.where(last_bad == seq_l[:, None], float("nan"), dC)
     tl.store(dlC_ptr + scratch_row + t_l, tl.sum(C_l * dC, axis=1), mask=valid_l)
-    dC += diagonal[:, None] * _tile(B_row, t_l, valid_l, s_Bt, nn, dstate, s_Bn)
+    dC += diagonal[:, None] * B_l
     _store_rows(dC_ptr, out_row, t_l * nheads, valid_l, nn, dstate, dC)
+
+
+@triton.jit
+def _varlen_parts(acc, op, j, c, t0, h, nheads, Q, seqlen, headdim, dstate, t_s, valid_s, seq_s, L_s, a_s, dt_row,
+                  seq_row, cu_ptr, first_ptr, dvarlen_ptr, x_ptr, bias, A, lo, hi, pp, nn, s_dtt, s_seqt,
+                  DX: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                  DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr):
+    """acc plus the parts of the varlen states that end in chunk c (ssd_bwd_block_kernel's columns s of block j):
+    v_e op dV_e (op: B_s for dX, X_s for dB), v_e = exp(L_e - L_s) for s <= e of e's sequence. With seq_idx
+    the exponent is summed from s on, and the other tokens' products are selected out (dV may hold a NaN)."""
+    before = 0.0
+    if not HAS_SEQ:
+        for k in range(0, j):
+            t, valid = _block(t0, k, Q, seqlen, BLOCK_T)
+            before += tl.sum(_dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1], axis=0)
+    for k in range(tl.load(first_ptr + c), tl.load(first_ptr + c + 1)):
+        e = tl.load(cu_ptr + k + 1).to(tl.int32) - 1
+        ends = valid_s & (t_s <= e) & (seq_s == _seq_at(seq_row, e, s_seqt, HAS_SEQ))
+        if HAS_SEQ:  # over (s, e]: the block's tokens after s, then those after the block
+            a_e = tl.where(t_s <= e, a_s, 0.0)
+            start = (j + 1) * BLOCK_T
+            to_e = tl.cumsum(a_e, axis=0, reverse=True) - a_e + _log_decay_through(
+                t0 + start, e, Q - start, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT, BLOCK_T)
+        else:
+            to_e = _log_decay_through(t0, e, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT,
+                                      BLOCK_T) - before - L_s
+        v_e = tl.where(ends, tl.exp(to_e), 0.0)
+        dV = _operand(_state_tile(dvarlen_ptr, k * nheads + h, pp, nn, headdim, dstate), x_ptr, DOT_F32)
+        if DX:
+            part = _dot(op, tl.trans(dV), DOT_F32) * v_e[:, None]
+        else:
+            part = _dot(op, dV, DOT_F32) * v_e[:, None]
+        if HAS_SEQ:
+            part = tl.where(ends[:, None], part, 0.0)
+        acc += part
+    return acc
 
 
 @triton.jit
@@ -656,8 +723,8 @@ def ssd_bwd_block_kernel(
     nblocks = tl.cdiv(tl.minimum(Q, seqlen - t0), BLOCK_T)
     t_s, valid_s = _block(t0, j, Q, seqlen, BLOCK_T)
     dt_s, a_s = _dt(dt_row, t_s, valid_s, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
-    L_s = tl.cumsum(a_s, axis=0)  # from the block start
     seq_s = _seq(seq_row, t_s, valid_s, s_seqt, HAS_SEQ)
+    L_s = _log_decays(a_s, seq_s, HAS_SEQ)  # from the block start
     if MODE == "dC":
         _dC_rows(t0, j, Q, seqlen, nheads, headdim, dstate, x_row, dt_row, B_row, C_row, seq_row, z_row, dout_row,
                  bias, A, lo, hi, seq_before, state_row, scratch_row, out_row, states_ptr, dC_ptr, dlC_ptr, x_ptr,
@@ -672,51 +739,80 @@ def ssd_bwd_block_kernel(
         op = _operand(_tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp) * dt_s[:, None], x_ptr, DOT_F32)  # X_s
         acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
     # The state after the chunk, H_end = w_end S + sum_s v_s X_s B_s^T, v_s = exp(L_end - L_s), and the
-    # varlen states ending in the chunk likewise: dX_s += v_s dE B_s, dB_s += v_s dE^T X_s.
-    to_end = 0.0  # L_end less L at this block's start, summed forward so that it rounds as the sum it is
-    for i in range(j, nblocks):
+    # varlen states ending in the chunk likewise: dX_s += v_s dE B_s, dB_s += v_s dE^T X_s. With seq_idx the
+    # exponents are summed from s on (L_s sums over s's own sequence) and the products of the tokens of other
+    # sequences are selected out, as a NaN of dE, B or x would reach them.
+    to_end = 0.0  # L_end less L at the end of this block, summed forward so that it rounds as the sum it is
+    for i in range(j + 1, nblocks):
         t, valid = _block(t0, i, Q, seqlen, BLOCK_T)
         to_end += tl.sum(_dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1], axis=0)
-    v = tl.where(valid_s & (seq_s == seq_end), tl.exp(to_end - L_s), 0.0)
+    if HAS_SEQ:
+        after_s = tl.cumsum(a_s, axis=0, reverse=True) - a_s  # the sum of a over the block after s
+        to_end += after_s
+    else:
+        to_end += tl.sum(a_s, axis=0) - L_s
+    ends = valid_s & (seq_s == seq_end)
+    v = tl.where(ends, tl.exp(to_end), 0.0)
     if DX:
         acc = _dot(op, tl.trans(_operand(_state_tile(dends_ptr, state_row, pp, nn, headdim, dstate), x_ptr,
                                          DOT_F32)), DOT_F32) * v[:, None]
+        if HAS_SEQ:
+            acc = tl.where(ends[:, None], acc, 0.0)
         R = tl.sum(_tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp) * acc, axis=1) * dt_s
+        if HAS_SEQ:
+            R = tl.where(ends, R, 0.0)
         tl.store(R_ptr + scratch_row + t_s, R, mask=valid_s)
-    if HAS_DVARLEN:
-        before = 0.0
-        for k in range(0, j):
-            t, valid = _block(t0, k, Q, seqlen, BLOCK_T)
-            before += tl.sum(_dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1], axis=0)
-        for k in range(tl.load(first_ptr + c), tl.load(first_ptr + c + 1)):
-            e = tl.load(cu_ptr + k + 1).to(tl.int32) - 1
-            L_e = _log_decay_through(t0, e, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT, BLOCK_T)
-            v_e = tl.where(valid_s & (t_s <= e) & (seq_s == _seq_at(seq_row, e, s_seqt, HAS_SEQ)),
-                           tl.exp(L_e - before - L_s), 0.0)
-            dV = _operand(_state_tile(dvarlen_ptr, k * nheads + h, pp, nn, headdim, dstate), x_ptr, DOT_F32)
-            if DX:
-                acc += _dot(op, tl.trans(dV), DOT_F32) * v_e[:, None]
-            else:
-                acc += _dot(op, dV, DOT_F32) * v_e[:, None]
+    if HAS_DVARLEN and not HAS_SEQ:
+        acc = _varlen_parts(acc, op, j, c, t0, h, nheads, Q, seqlen, headdim, dstate, t_s, valid_s, seq_s, L_s, a_s,
+                            dt_row, seq_row, cu_ptr, first_ptr, dvarlen_ptr, x_ptr, bias, A, lo, hi, pp, nn, s_dtt,
+                            s_seqt, DX, HAS_SEQ, SOFTPLUS, HAS_LIMIT, DOT_F32, BLOCK_T)
     # (tiles used once are read again rather than kept: registers are this kernel's limit)
     cb_rows = cb_ptr + ((b * nchunks + c) * (nheads // heads_per_group) + h // heads_per_group) * cb_side * cb_side
-    between = 0.0  # the sum of a from this block's start to the row block's
-    for i in range(j, nblocks):
+    # With seq_idx the block itself comes last: only the sequence of its last token reaches the later blocks,
+    # whose rows of it are taken alone, and whose NaN the product spreads to every column: the columns of
+    # other sequences are selected out before the block's own rows are added
+    seq_last = _seq_at(seq_row, tl.minimum(t0 + tl.minimum(j * BLOCK_T + BLOCK_T, Q), seqlen) - 1, s_seqt, HAS_SEQ)
+    between = 0.0  # the sum of a from this block's start (with seq_idx: its end) to the row block's
+    for k in range(j, nblocks):
+        if HAS_SEQ:
+            i = tl.where(k + 1 < nblocks, k + 1, j)
+        else:
+            i = k
         t_l, valid_l = _block(t0, i, Q, seqlen, BLOCK_T)
         a_l = _dt(dt_row, t_l, valid_l, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1]
-        L_l = between + tl.cumsum(a_l, axis=0)
         seq_l = _seq(seq_row, t_l, valid_l, s_seqt, HAS_SEQ)
-        between += tl.sum(a_l, axis=0)
-        dy_l = _operand(_tile(gated_row, t_l, valid_l, s_yt, pp, headdim, s_yp), x_ptr, DOT_F32)
+        if HAS_SEQ:
+            L_l = tl.where(i == j, L_s, between + tl.cumsum(a_l, axis=0))
+            L_c = tl.where(i == j, L_s, -after_s)
+            between += tl.where(i == j, 0.0, tl.sum(a_l, axis=0))
+        else:
+            L_l = between + tl.cumsum(a_l, axis=0)
+            L_c = L_s
+            between += tl.sum(a_l, axis=0)
+        dy_l = _tile(gated_row, t_l, valid_l, s_yt, pp, headdim, s_yp)
+        if DX and HAS_SEQ:  # (the block's own non-finite dy enters as 0, and reaches its columns after the loop)
+            dy_l = tl.where(((seq_l == seq_last)[:, None] | (i == j)) & ((dy_l * 0.0 == 0.0) | (i != j)), dy_l, 0.0)
+            acc = tl.where((seq_s == seq_last)[:, None] | (i != j), acc, 0.0)
+        dy_l = _operand(dy_l, x_ptr, DOT_F32)
         if DX:  # C_l . B_s from ssd_cb_kernel's tiles
             CB = tl.load(cb_rows + (t_l - t0)[:, None] * cb_side + (t_s - t0)[None, :],
                          mask=valid_l[:, None] & valid_s[None, :], other=0.0).to(tl.float32)
-            M = _decayed(CB, L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l, seq_s, False)
+            M = _decayed(CB, L_l, L_c, t_l, t_s, valid_l, valid_s, seq_l, seq_s, False)
             acc += _dot(tl.trans(_operand(M, x_ptr, DOT_F32)), dy_l, DOT_F32)
         else:  # without the diagonal l = s, added below (see _dC_rows)
             C_l = _operand(_tile(C_row, t_l, valid_l, s_Ct, nn, dstate, s_Cn), x_ptr, DOT_F32)
-            dM = _decayed(_dot(dy_l, tl.trans(op), DOT_F32), L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l, seq_s, True)
+            dM = _decayed(_dot(dy_l, tl.trans(op), DOT_F32), L_l, L_c, t_l, t_s, valid_l, valid_s, seq_l, seq_s, True)
             acc += _dot(tl.trans(_operand(dM, x_ptr, DOT_F32)), C_l, DOT_F32)
+    if HAS_SEQ:
+        if DX:  # the block's NaN and inf of dy, to its columns before them of their sequence: NaN
+            dy_s = _tile(gated_row, t_s, valid_s, s_yt, pp, headdim, s_yp)
+            first_bad = tl.associative_scan(tl.where(dy_s * 0.0 == 0.0, 2147483647, seq_s[:, None]), 0, _minimum,
+                                            reverse=True)
+            acc = tl.where(first_bad == seq_s[:, None], float("nan"), acc)
+        if HAS_DVARLEN:
+            acc = _varlen_parts(acc, op, j, c, t0, h, nheads, Q, seqlen, headdim, dstate, t_s, valid_s, seq_s, L_s,
+                                a_s, dt_row, seq_row, cu_ptr, first_ptr, dvarlen_ptr, x_ptr, bias, A, lo, hi, pp, nn,
+                                s_dtt, s_seqt, DX, HAS_SEQ, SOFTPLUS, HAS_LIMIT, DOT_F32, BLOCK_T)
     if DX:
         x_s = _tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp)
         tl.store(xdx_ptr + scratch_row + t_s, tl.sum(x_s * acc, axis=1), mask=valid_s)
@@ -738,7 +834,10 @@ def ssd_bwd_block_kernel(
         acc += _diagonal(dy_s, x_row, dt_row, t_s, valid_s, pp, headdim, s_xt, s_xp, s_dtt, bias, lo, hi, SOFTPLUS,
                          HAS_LIMIT)[:, None] * _tile(C_row, t_s, valid_s, s_Ct, nn, dstate, s_Cn)
         dends = _operand(_state_tile(dends_ptr, state_row, pp, nn, headdim, dstate), x_ptr, DOT_F32)
-        _store_rows(dB_ptr, out_row, t_s * nheads, valid_s, nn, dstate, acc + _dot(op, dends, DOT_F32) * v[:, None])
+        end_part = _dot(op, dends, DOT_F32) * v[:, None]
+        if HAS_SEQ:
+            end_part = tl.where(ends[:, None], end_part, 0.0)
+        _store_rows(dB_ptr, out_row, t_s * nheads, valid_s, nn, dstate, acc + end_part)
 
 
 @triton.jit
@@ -779,11 +878,10 @@ def ssd_bwd_ddt_kernel(
             _add_at(dlC_ptr + scratch_row + e, tl.sum(tl.sum(dV * H_e, axis=1), axis=0))
             tl.debug_barrier()
     # the end state's part of da, first to last (R is turned into it in place)
-    kept_end = tl.where(seq_end == seq_before, tl.exp(
-        _log_decay_through(t0, tl.minimum(t0 + Q, seqlen) - 1, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS,
-                           HAS_LIMIT, BLOCK_T)), 0.0)
-    da_end = kept_end * tl.sum(tl.sum(_state_tile(dends_ptr, state_row, pp, nn, headdim, dstate) * state, axis=1),
-                               axis=0)
+    L_end = _log_decay_through(t0, tl.minimum(t0 + Q, seqlen) - 1, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi,
+                               SOFTPLUS, HAS_LIMIT, BLOCK_T)
+    da_end = tl.where(seq_end == seq_before, tl.exp(L_end) * tl.sum(tl.sum(
+        _state_tile(dends_ptr, state_row, pp, nn, headdim, dstate) * state, axis=1), axis=0), 0.0)
     for j in range(0, nblocks):
         t, valid = _block(t0, j, Q, seqlen, BLOCK_T)
         R = tl.load(R_ptr + scratch_row + t, mask=valid, other=0.0)
@@ -791,7 +889,9 @@ def ssd_bwd_ddt_kernel(
         da_end += tl.sum(R, axis=0)
     tl.debug_barrier()
     # the rest of da, last to first; ddt = x . dX + A da, through the clamp and softplus; dA = sum dt da
-    after = 0.0
+    # (with seq_idx da_t sums dL over t's own sequence: a later sequence's NaN must not reach it)
+    after = 0.0  # the sum of dL over the blocks after this one (with seq_idx: over their first token's sequence)
+    after_seq = -1
     dA_acc = 0.0
     dbias_acc = 0.0
     for jj in range(0, nblocks):
@@ -799,8 +899,17 @@ def ssd_bwd_ddt_kernel(
         raw, pre, dt = _dt_steps(dt_row, t, valid, s_dtt, bias, lo, hi, SOFTPLUS, HAS_LIMIT)
         dl = tl.load(dlC_ptr + scratch_row + t, mask=valid, other=0.0) - \
             tl.load(dlB_ptr + scratch_row + t, mask=valid, other=0.0)
-        da = after + tl.cumsum(dl, axis=0, reverse=True) + tl.load(R_ptr + scratch_row + t, mask=valid, other=0.0)
-        after += tl.sum(dl, axis=0)
+        R = tl.load(R_ptr + scratch_row + t, mask=valid, other=0.0)
+        if HAS_SEQ:
+            seq = _seq(seq_row, t, valid, s_seqt, HAS_SEQ)
+            first = _seq_at(seq_row, t0 + (nblocks - 1 - jj) * BLOCK_T, s_seqt, HAS_SEQ)
+            da = tl.where(seq == after_seq, after, 0.0) + \
+                tl.associative_scan((dl, seq), 0, _add_within_sequence, reverse=True)[0] + R
+            after = tl.where(first == after_seq, after, 0.0) + tl.sum(tl.where(seq == first, dl, 0.0), axis=0)
+            after_seq = first
+        else:
+            da = after + tl.cumsum(dl, axis=0, reverse=True) + R
+            after += tl.sum(dl, axis=0)
         dA_acc += tl.sum(dt * da, axis=0)
         ddt = tl.load(xdx_ptr + scratch_row + t, mask=valid, other=0.0) + A * da
         if HAS_LIMIT:
