@@ -379,24 +379,11 @@ def test_ssd_non_finite_input_reaches_no_later_sequence(backend, device, name, i
     assert not out[:, index[1]].isfinite().all(), "the non-finite input did not reach its own token"
 
 
-# The backward passes that still let a NaN or inf cross a restart (issue 59; docs/limits.md): strict, so
-# that a fix shows here. POISON_IDS: a sequence's poisoned input (the gradients of the others); "dout": a NaN
-# in a later sequence's output gradient (the gradients of the earlier ones).
-BACKWARD_GAPS = {"triton": {*POISON_IDS, "dout"}}
-
-
-def _mark_backward_gap(request, backend: str, source: str) -> None:
-    if source in BACKWARD_GAPS.get(backend, ()):
-        request.applymarker(pytest.mark.xfail(strict=True, reason=f"{backend}'s backward: a restart multiplies by 0"))
-
-
 @pytest.mark.parametrize("backend, device", PACKED_TARGETS)
 @pytest.mark.parametrize("name, index, value", POISONS, ids=POISON_IDS)
-def test_ssd_non_finite_input_reaches_no_other_sequences_gradients(backend, device, name, index, value, chunk_size,
-                                                                   request):
+def test_ssd_non_finite_input_reaches_no_other_sequences_gradients(backend, device, name, index, value, chunk_size):
     """Backward: the gradients of the other sequences' inputs (the later ones', and the earlier ones' with
     initial_states) stay what they are without one sequence's NaN or inf."""
-    _mark_backward_gap(request, backend, POISON_IDS[POISONS.index((name, index, value))])
     kw = _packed_ssd_problem()
     poisoned = {**kw, name: kw[name].clone()}
     poisoned[name][index] = value
@@ -413,10 +400,9 @@ def test_ssd_non_finite_input_reaches_no_other_sequences_gradients(backend, devi
 
 @pytest.mark.parametrize("backend, device", PACKED_TARGETS)
 @pytest.mark.parametrize("token", [30, 26, 14], ids=["third", "third-first-token", "second"])
-def test_ssd_non_finite_gradient_reaches_no_earlier_sequence(backend, device, token, chunk_size, request):
+def test_ssd_non_finite_gradient_reaches_no_earlier_sequence(backend, device, token, chunk_size):
     """Backward: a NaN in a later sequence's output gradient leaves the gradients of the earlier
     sequences' inputs (initial_states too) what they are without it."""
-    _mark_backward_gap(request, backend, "dout")
     kw = _packed_ssd_problem()
     weights = torch.randn(kw["x"].shape, generator=torch.Generator().manual_seed(1))
     poisoned = weights.clone()
