@@ -283,3 +283,197 @@ def test_scan_non_finite_input_reaches_no_earlier_output(backend, device, data):
 
     expected = ssmops.selective_scan_ref(**_on(poisoned, "cpu", torch.float64), return_last_state=True)
     _assert_causal(run(poisoned), run(kw), expected, t, time_dim=-1)
+
+
+# --- packed sequences: a restart selects a zero state, it does not multiply by 0 ----------------
+
+# Three sequences in one row: tokens [0, 12), [12, 25), [25, 37). In chunks of 16 a restart falls inside
+# each chunk and the second sequence carries its state across the chunks' boundary; in chunks of 32 cut into
+# blocks of 8 (default) or 16 (Triton) tokens, the second sequence reaches the third's block inside a chunk.
+PACKED = (0, 12, 25, 37)
+
+
+@pytest.fixture(params=[16, 32], ids=["chunks", "blocks"])
+def chunk_size(request, monkeypatch) -> int:
+    """The chunk size, with the blocks of the backends' chunks made small for 32."""
+    from ssmops.ops.ssd import default, triton as ssd_triton
+
+    if request.param == 32:
+        monkeypatch.setattr(default, "_ROW_BLOCK", 8)
+        monkeypatch.setattr(ssd_triton, "SCAN_BLOCK_T", 16)
+        monkeypatch.setattr(ssd_triton, "BWD_BLOCK_T", 16)
+        monkeypatch.setattr(ssd_triton, "GROUP_BLOCK_T", 16)
+    return request.param
+
+
+def _packed(length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """seq_idx (1, length) and cu_seqlens of PACKED's sequences, cut at length."""
+    bounds = [b for b in PACKED if b < length] + [length]
+    seq_idx = torch.cat([torch.full((e - s,), i, dtype=torch.int32) for i, (s, e) in
+                         enumerate(zip(bounds, bounds[1:]))])[None]
+    return seq_idx, torch.tensor(bounds, dtype=torch.int32)
+
+
+def _packed_ssd_problem() -> dict:
+    g = torch.Generator().manual_seed(0)
+    seq_idx, cu_seqlens = _packed(37)
+    return dict(x=torch.randn(1, 37, 2, 4, generator=g), dt=torch.rand(1, 37, 2, generator=g),
+                A=-torch.rand(2, generator=g) - 0.1, B=torch.randn(1, 37, 1, 8, generator=g),
+                C=torch.randn(1, 37, 1, 8, generator=g), D=torch.randn(2, generator=g),
+                z=torch.randn(1, 37, 2, 4, generator=g), dt_bias=torch.randn(2, generator=g) * 0.1,
+                initial_states=torch.randn(1, 2, 4, 8, generator=g), seq_idx=seq_idx, cu_seqlens=cu_seqlens,
+                dt_softplus=True)
+
+
+def _packed_ssd(kw: dict, backend: str, device: str, chunk_size: int, weights: torch.Tensor | None = None):
+    """(out, final_states, varlen_states) of `backend` (or the reference), and with `weights` the
+    gradients of (out * weights).sum() + the states' sums for x, dt, B, C, z and initial_states."""
+    if backend == "reference":
+        fn, kw = ssd_scan_ref, _on(kw, "cpu", torch.float64)
+    else:
+        fn, kw = ssmops.mamba_chunk_scan_combined, {**_on(kw, device), "chunk_size": chunk_size}
+    names = ["x", "dt", "B", "C", "z", "initial_states"]
+    leaves = {k: kw[k].detach().clone().requires_grad_(weights is not None) for k in names}
+    with contextlib.nullcontext() if backend == "reference" else ssmops.use_backend(backend):
+        results = fn(**{**kw, **leaves}, return_final_states=True, return_varlen_states=True)
+        if weights is None:
+            return tuple(r.detach().cpu() for r in results)
+        out, final, varlen = results
+        loss = (out * weights.to(out)).sum() + final.sum() + varlen.sum()
+        return dict(zip(names, (g.cpu() for g in torch.autograd.grad(loss, list(leaves.values())))))
+
+
+def _assert_same_finite(got: torch.Tensor, clean: torch.Tensor, what: str) -> None:
+    assert got.isfinite().all(), f"{what}: a non-finite input of another sequence reached it"
+    assert rel_err(got, clean) <= 1e-5, f"{what}: changed by another sequence's non-finite input"
+
+
+PACKED_TARGETS = [pytest.param("reference", "cpu", id="reference"), *_targets()]
+# (input, index, value): in the first sequence, and in the second (which spans a chunk boundary) at a
+# token of the first chunk, whose state enters the next chunk, where the third sequence starts
+POISONS = [("x", (0, 5, 1, 2), math.nan), ("x", (0, 14, 0, 1), math.inf), ("dt", (0, 5, 1), math.nan),
+           ("dt", (0, 14, 0), math.inf), ("B", (0, 11, 0, 3), math.nan), ("B", (0, 14, 0, 5), -math.inf)]
+POISON_IDS = ["x-nan-first", "x-inf-second", "dt-nan-first", "dt-inf-second", "B-nan-first-last-token",
+              "B-minus-inf-second"]
+
+
+def _later(index: tuple) -> int:
+    """The first token of the sequence after the one of token index[1]."""
+    return next(b for b in PACKED if b > index[1])
+
+
+@pytest.mark.parametrize("backend, device", PACKED_TARGETS)
+@pytest.mark.parametrize("name, index, value", POISONS, ids=POISON_IDS)
+def test_ssd_non_finite_input_reaches_no_later_sequence(backend, device, name, index, value, chunk_size):
+    """A NaN or inf in one packed sequence (seq_idx, cu_seqlens) leaves the outputs and states of the
+    later sequences of its row what they are without it: a restart selects a zero state (issue 59)."""
+    kw = _packed_ssd_problem()
+    poisoned = {**kw, name: kw[name].clone()}
+    poisoned[name][index] = value
+    start = _later(index)
+    (out, final, varlen), (clean_out, clean_final, clean_varlen) = (
+        _packed_ssd(k, backend, device, chunk_size) for k in (poisoned, kw))
+    _assert_same_finite(out[:, start:], clean_out[:, start:], "the later sequences' outputs")
+    _assert_same_finite(final, clean_final, "final_states")
+    later = PACKED.index(start)
+    _assert_same_finite(varlen[later:], clean_varlen[later:], "the later sequences' varlen_states")
+    assert not out[:, index[1]].isfinite().all(), "the non-finite input did not reach its own token"
+
+
+@pytest.mark.parametrize("backend, device", PACKED_TARGETS)
+@pytest.mark.parametrize("name, index, value", POISONS, ids=POISON_IDS)
+def test_ssd_non_finite_input_reaches_no_other_sequences_gradients(backend, device, name, index, value, chunk_size):
+    """Backward: the gradients of the other sequences' inputs (the later ones', and the earlier ones' with
+    initial_states) stay what they are without one sequence's NaN or inf."""
+    kw = _packed_ssd_problem()
+    poisoned = {**kw, name: kw[name].clone()}
+    poisoned[name][index] = value
+    weights = torch.randn(kw["x"].shape, generator=torch.Generator().manual_seed(1))
+    got, clean = (_packed_ssd(k, backend, device, chunk_size, weights) for k in (poisoned, kw))
+    start, own = _later(index), max(b for b in PACKED if b <= index[1])
+    for k in ("x", "dt", "B", "C", "z"):
+        _assert_same_finite(got[k][:, start:], clean[k][:, start:], f"d{k} of the later sequences")
+        if own > 0:
+            _assert_same_finite(got[k][:, :own], clean[k][:, :own], f"d{k} of the earlier sequences")
+    if own > 0:
+        _assert_same_finite(got["initial_states"], clean["initial_states"], "dinitial_states")
+
+
+@pytest.mark.parametrize("backend, device", PACKED_TARGETS)
+@pytest.mark.parametrize("token", [30, 26, 14], ids=["third", "third-first-token", "second"])
+def test_ssd_non_finite_gradient_reaches_no_earlier_sequence(backend, device, token, chunk_size):
+    """Backward: a NaN in a later sequence's output gradient leaves the gradients of the earlier
+    sequences' inputs (initial_states too) what they are without it."""
+    kw = _packed_ssd_problem()
+    weights = torch.randn(kw["x"].shape, generator=torch.Generator().manual_seed(1))
+    poisoned = weights.clone()
+    poisoned[0, token, 1, 2] = math.nan
+    got, clean = (_packed_ssd(kw, backend, device, chunk_size, w) for w in (poisoned, weights))
+    start = max(b for b in PACKED if b <= token)
+    for k in ("x", "dt", "B", "C", "z"):
+        _assert_same_finite(got[k][:, :start], clean[k][:, :start], f"d{k} of the earlier sequences")
+    _assert_same_finite(got["initial_states"], clean["initial_states"], "dinitial_states")
+
+
+# The causal conv: sequences [0, 7), [7, 13), [13, 20), width 4 (a window spans three tokens back).
+CONV_PACKED = (0, 7, 13, 20)
+
+
+def _packed_conv(kw: dict, backend: str, device: str, weights: torch.Tensor | None = None):
+    """(out, final_states) of `backend` (or the reference), or with `weights` the gradients of
+    (out * weights).sum() + final_states.sum() for x and initial_states."""
+    from ssmops.ops.causal_conv1d.reference import causal_conv1d_ref
+
+    leaves = {k: kw[k].detach().clone().to(device).requires_grad_(weights is not None) for k in ("x", "initial_states")}
+    args = dict(weight=kw["weight"].to(device), bias=kw["bias"].to(device), seq_idx=kw["seq_idx"].to(device), **leaves)
+    if backend == "reference":
+        out, final = causal_conv1d_ref(**args, silu=True)
+    else:
+        with ssmops.use_backend(backend):
+            out, final = ssmops.causal_conv1d_fn(**args, return_final_states=True, activation="silu")
+    if weights is None:
+        return out.detach().cpu(), final.detach().cpu()
+    grads = torch.autograd.grad((out * weights.to(out)).sum() + final.sum(), list(leaves.values()))
+    return dict(zip(leaves, (g.cpu() for g in grads)))
+
+
+def _packed_conv_problem() -> dict:
+    g = torch.Generator().manual_seed(0)
+    seq_idx = torch.cat([torch.full((e - s,), i, dtype=torch.int32)
+                         for i, (s, e) in enumerate(zip(CONV_PACKED, CONV_PACKED[1:]))])[None]
+    return dict(x=torch.randn(1, 4, 20, generator=g), weight=torch.randn(4, 4, generator=g),
+                bias=torch.randn(4, generator=g), initial_states=torch.randn(1, 4, 3, generator=g), seq_idx=seq_idx)
+
+
+CONV_TARGETS = [pytest.param("reference", "cpu", id="reference"), *_targets()]
+
+
+@pytest.mark.parametrize("backend, device", CONV_TARGETS)
+@pytest.mark.parametrize("token, value", [(6, math.nan), (3, math.inf), (12, -math.inf)],
+                         ids=["nan-first-last-token", "inf-first", "minus-inf-second-last-token"])
+def test_conv_non_finite_input_reaches_no_later_sequence(backend, device, token, value):
+    """The causal conv's windows do not reach across a restart (seq_idx), non-finite values included:
+    forward (the later sequences' outputs and the final states) and backward (their dx)."""
+    kw = _packed_conv_problem()
+    poisoned = {**kw, "x": kw["x"].clone()}
+    poisoned["x"][0, 1, token] = value
+    start = next(b for b in CONV_PACKED if b > token)
+    (out, final), (clean_out, clean_final) = (_packed_conv(k, backend, device) for k in (poisoned, kw))
+    _assert_same_finite(out[..., start:], clean_out[..., start:], "the later sequences' outputs")
+    _assert_same_finite(final, clean_final, "final_states")
+    weights = torch.randn(kw["x"].shape, generator=torch.Generator().manual_seed(1))
+    got, clean = (_packed_conv(k, backend, device, weights) for k in (poisoned, kw))
+    _assert_same_finite(got["x"][..., start:], clean["x"][..., start:], "dx of the later sequences")
+
+
+@pytest.mark.parametrize("backend, device", CONV_TARGETS)
+@pytest.mark.parametrize("token", [13, 9], ids=["third-first-token", "second"])
+def test_conv_non_finite_gradient_reaches_no_earlier_sequence(backend, device, token):
+    kw = _packed_conv_problem()
+    weights = torch.randn(kw["x"].shape, generator=torch.Generator().manual_seed(1))
+    poisoned = weights.clone()
+    poisoned[0, 1, token] = math.nan
+    got, clean = (_packed_conv(kw, backend, device, w) for w in (poisoned, weights))
+    start = max(b for b in CONV_PACKED if b <= token)
+    _assert_same_finite(got["x"][..., :start], clean["x"][..., :start], "dx of the earlier sequences")
+    _assert_same_finite(got["initial_states"], clean["initial_states"], "dinitial_states")

@@ -427,12 +427,14 @@ struct Decay {
     if (sc.mono)
       for (int64_t j = 0; j < i0; j += W) st(f + j, vexp(bc(sc.cs[i0]) - ld(sc.cs + j)));
   }
-  vf at(int64_t j, int v) const {
-    const int q = v / W;
-    if (sc.mono && j < i0) return gv[q] * bc(f[j]);
-    const vf e = vexp(ld(sc.cs + i0 + v) - bc(sc.cs[j]));
+  // the lanes of the panel's columns v.. that row j reaches: i >= j, i < T
+  vi reach(int64_t j, int v) const {
     const vi jv = vi{} + static_cast<int32_t>(j), Tv = vi{} + static_cast<int32_t>(T);
-    return (iv[q] >= jv) & (iv[q] < Tv) ? e : bc(0.0f);
+    return (iv[v / W] >= jv) & (iv[v / W] < Tv);
+  }
+  vf at(int64_t j, int v) const {
+    if (sc.mono && j < i0) return gv[v / W] * bc(f[j]);
+    return reach(j, v) ? vexp(ld(sc.cs + i0 + v) - bc(sc.cs[j])) : bc(0.0f);
   }
 };
 
@@ -711,7 +713,10 @@ __attribute__((noinline)) void seg_bwd(const SsdArgs& a, const Geo& g, const Seg
         const vf dtj = bc(sc.dt[j]);
         vf sd = bc(0.0f), sr = bc(0.0f);
         for (int v = 0; v < NR; v += W) {
-          const vf E = dec.at(j, v), G = ld(cb + v) * E, Pv = ld(pr + v);
+          // (the lanes row j does not reach are selected out: past T they read the next segment's C.B^T,
+          // which may hold a NaN, and dPt's scratch, never written; a product with a 0 decay would carry it)
+          const vi in = dec.reach(j, v);
+          const vf E = dec.at(j, v), G = in ? ld(cb + v) * E : bc(0.0f), Pv = in ? ld(pr + v) : bc(0.0f);
           st(dcb + v, Pv * E * dtj);
           const vf PG = Pv * G, R = PG * dtj;
           sd += PG;
@@ -880,7 +885,10 @@ int sum_heads(const SsdArgs& a, const Geo& g, float* dCB, float* dCh, float* dBh
 }
 
 // Phase C for chunk c: item (b, grp, row panel) turns the group's summed gradients into
-//   dC_i = dCh_i + sum_{j<=i} dCB_ji B_j,   dB_j = dBh_j + sum_{i>=j} dCB_ji C_i.
+//   dC_i = dCh_i + sum_{j<=i} dCB_ji B_j,   dB_j = dBh_j + sum_{i>=j} dCB_ji C_i,
+// the sums over i's (j's) own segment: dCB is 0 between segments (their link is the state), and
+// the B and C rows of another sequence may hold a NaN or inf, which a product with 0 would carry in.
+// A panel's rows are taken segment by segment.
 int phase_c(const SsdArgs& a, const Geo& g, const GroupBufs& gb, const float* dCB, const float* dCh,
             const float* dBh, int64_t c) {
   const int64_t t0 = c * g.Q, Tc = imin(g.Q, g.L - t0), np = cdiv(Tc, MR), N = g.N;
@@ -888,27 +896,35 @@ int phase_c(const SsdArgs& a, const Geo& g, const GroupBufs& gb, const float* dC
   return run_items(a, g.b * g.G * np, scratch, [&](int64_t item, Arena& ar) {
     const int64_t q = item % np, bg = item / np, b = bg / g.G, grp = bg % g.G;
     const GroupChunk gc = gb.at(g, bg);
-    const int64_t i0 = q * MR, m = imin(MR, Tc - i0), hb = b * g.H + grp * g.hpg;  // the group's first head
+    const int64_t hb = b * g.H + grp * g.hpg;  // the group's first head
+    const int64_t sb = a.seg_offset[b * g.nc + c], se = a.seg_offset[b * g.nc + c + 1];
     const float* cb = dCB + hb * g.Q * g.Qp;
     float* Ap = ar.get(MR * Tc);
     float* tile = ar.get(MR * N);
-    for (int which = 0; which < 2; ++which) {
-      // dC: A(r, k=j) = dCB[j][i0+r], j < min(Tc, i0+MR);  dB: A(r, k=i-i0) = dCB[i0+r][i], i >= i0
-      const int64_t kb = which == 0 ? 0 : i0, ke = which == 0 ? imin(Tc, i0 + MR) : Tc;
-      for (int64_t k = kb; k < ke; ++k)
-        for (int r = 0; r < MR; ++r)
-          Ap[(k - kb) * MR + r] = r >= m                ? 0.0f  // below the diagonal: zero (not stored)
-                                  : which == 0 ? (k <= i0 + r ? cb[k * g.Qp + i0 + r] : 0.0f)
-                                               : (k >= i0 + r ? cb[(i0 + r) * g.Qp + k] : 0.0f);
-      const float* Bp = which == 0 ? gc.Bpack : gc.Cpack + i0 * NR;
-      gemm(m, N, Ap, (ke - kb) * MR, Bp, g.Q * NR, [&](int64_t, int64_t) { return all_k(ke - kb); },
-           Store{tile, N, false});
-      const float* part = (which == 0 ? dCh : dBh) + (hb * g.Q + i0) * N;
-      float* dst = which == 0 ? a.dC : a.dB;
-      for (int64_t r = 0; r < m; ++r) {
-        float* o = dst + ((b * g.L + t0 + i0 + r) * g.G + grp) * N;
-        for (int64_t n = 0; n < N; ++n) o[n] = tile[r * N + n] + part[r * N + n];
+    int64_t k_seg = sb;  // the segment of row i0
+    for (int64_t i0 = q * MR; i0 < imin(q * MR + MR, Tc);) {
+      while (k_seg + 1 < se && a.seg_start[k_seg + 1] <= i0) ++k_seg;
+      const int64_t s0 = a.seg_start[k_seg], s1 = k_seg + 1 < se ? a.seg_start[k_seg + 1] : Tc;
+      const int64_t m = imin(imin(q * MR + MR, Tc), s1) - i0;
+      for (int which = 0; which < 2; ++which) {
+        // dC: A(r, k=j) = dCB[j][i0+r], s0 <= j <= i0+r;  dB: A(r, k=i) = dCB[i0+r][i], i0+r <= i < s1
+        const int64_t kb = which == 0 ? s0 : i0, ke = which == 0 ? i0 + m : s1;
+        for (int64_t k = kb; k < ke; ++k)
+          for (int r = 0; r < MR; ++r)
+            Ap[(k - kb) * MR + r] = r >= m                ? 0.0f  // below the diagonal: zero (not stored)
+                                    : which == 0 ? (k <= i0 + r ? cb[k * g.Qp + i0 + r] : 0.0f)
+                                                 : (k >= i0 + r ? cb[(i0 + r) * g.Qp + k] : 0.0f);
+        const float* Bp = (which == 0 ? gc.Bpack : gc.Cpack) + kb * NR;
+        gemm(m, N, Ap, (ke - kb) * MR, Bp, g.Q * NR, [&](int64_t, int64_t) { return all_k(ke - kb); },
+             Store{tile, N, false});
+        const float* part = (which == 0 ? dCh : dBh) + (hb * g.Q + i0) * N;
+        float* dst = which == 0 ? a.dC : a.dB;
+        for (int64_t r = 0; r < m; ++r) {
+          float* o = dst + ((b * g.L + t0 + i0 + r) * g.G + grp) * N;
+          for (int64_t n = 0; n < N; ++n) o[n] = tile[r * N + n] + part[r * N + n];
+        }
       }
+      i0 += m;
     }
   });
 }

@@ -67,8 +67,8 @@ def _pre_activation(stream: Tensor, weight: Tensor, bias: Tensor | None, masks: 
         pre += layout.channels(bias.float())
     for k, mask in enumerate(masks):
         window = stream.narrow(layout.time, k, seqlen)
-        if mask is not None:
-            window = window * layout.per_token(mask)
+        if mask is not None:  # selected, not multiplied: an earlier sequence's NaN must not reach (0 * NaN)
+            window = torch.where(layout.per_token(mask), window, 0.0)
         pre.addcmul_(window, layout.channels(w[:, k]))
     return pre
 
@@ -82,7 +82,7 @@ def causal_conv1d_fwd(x, weight, bias, seq_idx, initial_states, silu):
     out = F.silu(pre) if silu else pre
     final = stream.narrow(layout.time, seqlen, width - 1)
     if final_mask is not None:
-        final = final * layout.per_token(final_mask)
+        final = torch.where(layout.per_token(final_mask), final, 0.0)
     return (empty_like_x(x).copy_(layout.back(out)),
             x.new_empty(batch, dim, width - 1).copy_(layout.back(final)))
 
@@ -104,13 +104,14 @@ def causal_conv1d_bwd(x, weight, bias, seq_idx, initial_states, dout, dfinal_sta
     dweight = torch.empty(dim, width, device=x.device)
     reduce = (0, layout.time)
     for k, mask in enumerate(masks + [None]):
-        grad = dpre if mask is None else dpre * layout.per_token(mask)
+        grad = dpre if mask is None else torch.where(layout.per_token(mask), dpre, 0.0)
         dstream.narrow(layout.time, k, seqlen).addcmul_(grad, layout.channels(w[:, k]))
-        dweight[:, k] = (grad * stream.narrow(layout.time, k, seqlen)).sum(reduce)
+        product = grad * stream.narrow(layout.time, k, seqlen)  # (an entry of another sequence may be NaN)
+        dweight[:, k] = (product if mask is None else torch.where(layout.per_token(mask), product, 0.0)).sum(reduce)
     if dfinal_states is not None:
         dfinal = layout.view(dfinal_states).float()
         if final_mask is not None:
-            dfinal = dfinal * layout.per_token(final_mask)
+            dfinal = torch.where(layout.per_token(final_mask), dfinal, 0.0)
         dstream.narrow(layout.time, seqlen, width - 1).add_(dfinal)
     dx = empty_like_x(x).copy_(layout.back(dstream.narrow(layout.time, width - 1, seqlen)))
     dbias = absent(x) if bias is None else dpre.sum(reduce).to(bias.dtype)

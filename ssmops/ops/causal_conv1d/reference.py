@@ -20,7 +20,7 @@ def causal_conv1d_ref(
     width - 1)), both in x's dtype, computed in float32::
 
         stream = cat(initial_states or zeros, x)     (the initial states are in token 0's sequence)
-        pre_t  = bias + sum_k weight[:, k] * stream[t + k] * [seq of t + k == seq of t]
+        pre_t  = bias + sum_k weight[:, k] * stream[t + k] over the k with seq of t + k == seq of t
         out_t  = silu(pre_t) if silu else pre_t
         final_states = the last width - 1 entries of stream, those outside the last token's sequence zeroed
     """
@@ -35,12 +35,12 @@ def causal_conv1d_ref(
     for t in range(seqlen):
         pre = torch.zeros(batch, dim, device=x.device) if bias is None else bias.float().expand(batch, dim)
         for k in range(width):
-            same = (stream_seq[:, t + k] == stream_seq[:, t + width - 1]).float()[:, None]
-            pre = pre + w[:, k] * stream[:, :, t + k] * same
+            same = (stream_seq[:, t + k] == stream_seq[:, t + width - 1])[:, None]
+            pre = pre + torch.where(same, w[:, k] * stream[:, :, t + k], 0.0)  # (selected: 0 * NaN is NaN)
         outs.append(F.silu(pre) if silu else pre)
     out = torch.stack(outs, dim=-1) if outs else stream[:, :, :0]
-    in_last = (stream_seq[:, seqlen:] == stream_seq[:, -1:]).float()[:, None]  # (batch, 1, width - 1)
-    final_states = stream[:, :, seqlen:] * in_last
+    in_last = (stream_seq[:, seqlen:] == stream_seq[:, -1:])[:, None]  # (batch, 1, width - 1)
+    final_states = torch.where(in_last, stream[:, :, seqlen:], 0.0)
     return out.to(x.dtype), final_states.to(x.dtype)
 
 

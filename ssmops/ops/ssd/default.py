@@ -81,25 +81,43 @@ def _by_head(t: Tensor, nheads: int) -> Tensor:
     return t.transpose(1, 2).reshape(batch, tokens, nheads, ngroups * width // nheads)
 
 
+def _log_decay(a: Tensor, seq: Tensor | None) -> Tensor:
+    """log_decay_l = the sum of a (batch, length, nheads) over the chunk's tokens up to l. With seq
+    (batch, length), where a is not all finite (one reduction tells), the sum runs over l's own
+    sequence only: a NaN or inf in an earlier sequence's dt must not reach the decays of a later one
+    (a cumulative sum would carry it on, and differences of sums would not take it out: NaN - NaN)."""
+    log_decay = torch.cumsum(a, dim=1)
+    if seq is None or log_decay.detach()[:, -1].isfinite().all():
+        return log_decay
+    length = a.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=a.device).tril()
+    own = causal & (seq[:, :, None] == seq[:, None, :])  # (batch, l, s): s is in l's sequence and before it
+    return torch.where(own[..., None], a[:, None], 0.0).sum(2)
+
+
 def _decayed_to(xdt: Tensor, log_decay: Tensor, t: int, same_seq: Tensor | None = None) -> Tensor:
     """dt_s * x_s * exp(log_decay_t - log_decay_s) for the tokens s <= t: their
-    contribution to the state after token t. `same_seq` (batch, t + 1) zeroes the
-    tokens of earlier sequences. Returns (batch, t + 1, nheads, headdim)."""
+    contribution to the state after token t. `same_seq` (batch, t + 1) selects the tokens of
+    t's sequence, 0 for the others (selected, not multiplied: they may hold a NaN).
+    Returns (batch, t + 1, nheads, headdim)."""
     weight = _decay(log_decay[:, t : t + 1] - log_decay[:, : t + 1])  # (batch, t + 1, nheads)
-    if same_seq is not None:
-        weight = weight * same_seq[..., None]
-    return xdt[:, : t + 1] * weight[..., None]
+    decayed = xdt[:, : t + 1] * weight[..., None]
+    return decayed if same_seq is None else torch.where(same_seq[..., None, None], decayed, 0.0)
 
 
-def _causal_product(mixer: Tensor, xdt: Tensor) -> Tensor:
+def _causal_product(mixer: Tensor, xdt: Tensor, seq: Tensor | None = None) -> Tensor:
     """mixer @ xdt for lower-triangular mixers (n, block, block) and xdt (n, block, headdim), where a
-    NaN or inf in xdt's row s reaches the rows from s on only. The product meets it with the zeros
-    above the diagonal too (0 * NaN = NaN): where xdt is not all finite (one reduction tells; a sum
-    that overflows only takes the slower way), it enters the product as 0 and reaches its rows
-    through the cumulative sum of 0 * xdt, 0 before it and NaN from it on (no gradient: 0)."""
+    NaN or inf in xdt's row s reaches the rows from s on of its own sequence only (seq (n, block): the
+    rows' sequence ids; one sequence without it). The product meets it with the zeros above the
+    diagonal and between sequences too (0 * NaN = NaN): where xdt is not all finite (one reduction
+    tells; a sum that overflows only takes the slower way), it enters the product as 0 and reaches
+    its rows as a NaN added to them, those where the last non-finite row so far is of their
+    sequence (no gradient: 0)."""
     if xdt.detach().sum().isfinite():
         return mixer @ xdt
-    from_it_on = torch.cumsum(xdt.detach() * 0.0, dim=1)
+    seq = torch.zeros(xdt.shape[:2], dtype=torch.long, device=xdt.device) if seq is None else seq.long()
+    last_bad_seq = torch.where(xdt.detach().isfinite(), -1, seq[..., None]).cummax(dim=1).values
+    from_it_on = torch.where(last_bad_seq == seq[..., None], math.nan, 0.0).to(xdt.dtype)
     return torch.baddbmm(from_it_on, mixer, xdt.nan_to_num(0.0, 0.0, 0.0))
 
 
@@ -145,19 +163,20 @@ def _chunk_scan(
     C_g = _pad_tokens(C.float(), length).transpose(1, 2)
     if seq is not None:
         seq = torch.cat([seq, seq[:, -1:].expand(batch, length - q)], dim=1)
-    log_decay = torch.cumsum(dt * A, dim=1)  # (batch, length, nheads): log of the decay from the chunk start through l
+    log_decay = _log_decay(dt * A, seq)  # (batch, length, nheads): log of the decay from the chunk start through l
 
     # The carried state, read by C and decayed to each token (unless a new sequence began since).
-    carry = _decay(log_decay)
-    if seq is not None:
-        carry = carry * (seq == seq_before[:, None])[..., None]
+    # Between sequences products are selected out, never multiplied by 0: an earlier sequence's NaN
+    # or inf must not reach a later one (0 * NaN = NaN), as in the reference.
     state_g = state.reshape(batch, ngroups, -1, state.shape[-1])  # (batch, ngroups, heads_per_group * headdim, dstate)
-    y = _by_head(C_g @ state_g.transpose(-1, -2), nheads) * carry[..., None]
+    y = _by_head(C_g @ state_g.transpose(-1, -2), nheads) * _decay(log_decay)[..., None]
+    if seq is not None:
+        y = torch.where((seq == seq_before[:, None])[..., None, None], y, 0.0)
 
     # C_l . B_s, zero between different sequences; the causal mask is applied per block below.
     CB = C_g @ B_g.transpose(-1, -2)  # (batch, ngroups, length, length)
     if seq is not None:
-        CB = CB * (seq[:, None, :, None] == seq[:, None, None, :])
+        CB = torch.where(seq[:, None, :, None] == seq[:, None, None, :], CB, 0.0)
 
     # Diagonal blocks: the per-head decay between two tokens of a block, causal.
     block_decay = log_decay.view(batch, nblocks, block, nheads).permute(0, 3, 1, 2)  # (batch, nheads, nblocks, block)
@@ -168,10 +187,18 @@ def _chunk_scan(
     # rather than multiplying it: above the diagonal the decay is the exp of a positive sum (up to
     # e^87, or NaN from a later dt) and CB may hold a later token's NaN, and 0 * inf = NaN, in the
     # product as in its gradient.
-    mixer = (decay.unflatten(1, (ngroups, -1)) * CB_diagonal[:, :, None]).tril_()
+    mixer = decay.unflatten(1, (ngroups, -1)) * CB_diagonal[:, :, None]
+    seq_by_block = None
+    if seq is not None:  # (the decay between two sequences may be NaN: one of an earlier sequence's dt)
+        seq_by_block = seq.view(batch, 1, nblocks, block).expand(batch, nheads, nblocks, block)
+        same = (seq_by_block[..., :, None] == seq_by_block[..., None, :]).unflatten(1, (ngroups, -1))
+        mixer = torch.where(same, mixer, 0.0)
+        seq_by_block = seq_by_block.reshape(-1, block)
+    mixer = mixer.tril_()
     # Head-major copy: bmm copies matrices one by one unless they are contiguous.
     xdt_by_head = xdt.transpose(1, 2).reshape(-1, block, headdim)  # (batch * nheads * nblocks, block, headdim)
-    y_diagonal = _causal_product(mixer.reshape(-1, block, block), xdt_by_head).view(batch, nheads, length, headdim)
+    y_diagonal = _causal_product(mixer.reshape(-1, block, block), xdt_by_head, seq_by_block)
+    y_diagonal = y_diagonal.view(batch, nheads, length, headdim)
     y = y + y_diagonal.transpose(1, 2)
 
     # Earlier blocks: their tokens decayed to the token before the row block, through the
@@ -181,9 +208,14 @@ def _chunk_scan(
     for r0 in range(block, length, block):
         r1 = r0 + block
         # (batch, ngroups, r0, heads_per_group * headdim)
-        earlier = _by_group(_decayed_to(xdt, log_decay, r0 - 1), ngroups)
+        # (with seq: the tokens of the sequence at r0 - 1, which reach the rows of that sequence alone)
+        in_seq = None if seq is None else seq[:, :r0] == seq[:, r0 - 1 : r0]
+        earlier = _by_group(_decayed_to(xdt, log_decay, r0 - 1, in_seq), ngroups)
         reach = _decay(log_decay[:, r0:r1] - log_decay[:, r0 - 1 : r0])[..., None]
-        from_earlier.append(_by_head(CB[:, :, r0:r1, :r0] @ earlier, nheads) * reach)
+        rows = _by_head(CB[:, :, r0:r1, :r0] @ earlier, nheads) * reach
+        if seq is not None:
+            rows = torch.where((seq[:, r0:r1] == seq[:, r0 - 1 : r0])[..., None, None], rows, 0.0)
+        from_earlier.append(rows)
     y = y + torch.cat(from_earlier, dim=1)
 
     y = y[:, :q]
@@ -196,11 +228,12 @@ def _chunk_scan(
     for t in state_offsets:
         same_seq = None if seq is None else seq[:, : t + 1] == seq[:, t : t + 1]
         contributions = _by_group(_decayed_to(xdt, log_decay, t, same_seq), ngroups)
-        new = (contributions.transpose(-1, -2) @ B_g[:, :, : t + 1]).reshape(state.shape)
-        keep = _decay(log_decay[:, t])  # (batch, nheads)
+        B_t = B_g[:, :, : t + 1] if seq is None else torch.where(same_seq[:, None, :, None], B_g[:, :, : t + 1], 0.0)
+        new = (contributions.transpose(-1, -2) @ B_t).reshape(state.shape)
+        kept = state * _decay(log_decay[:, t])[..., None, None]  # (batch, nheads, headdim, dstate)
         if seq is not None:
-            keep = keep * (seq[:, t] == seq_before)[:, None]
-        states.append(new + state * keep[..., None, None])
+            kept = torch.where((seq[:, t] == seq_before)[:, None, None, None], kept, 0.0)
+        states.append(new + kept)
     return y, states
 
 
@@ -303,6 +336,42 @@ def ssd_fwd(
     return out, state, chunk_states.view(batch, -1, headdim, dstate), varlen_states
 
 
+def _all_finite(*tensors: Tensor | None) -> bool:
+    """Whether every element of the tensors given is finite (one reduction and one sync)."""
+    return bool(torch.stack([t.detach().isfinite().all() for t in tensors if t is not None]).all())
+
+
+def _by_sequence(chunk: _Chunk, seq_idx: Tensor, local: dict, shared: dict, state: Tensor, dout: Tensor,
+                 dstate: Tensor | None, dvarlen: list[Tensor] | None, dt_softplus: bool,
+                 dt_limit: list[float]) -> tuple[list[Tensor], list[Tensor]]:
+    """The chunk's outputs (under autograd) and their cotangents, each row's sequences scanned one by one, as
+    the backward takes them where a NaN or inf is about: autograd's products of a masked GEMM multiply the
+    zeros of one sequence by another's values (0 * NaN = NaN, in the gradients of either), and selecting
+    element by element cannot undo that once a GEMM has summed them. A sequence that continues the one before
+    the chunk enters with `state`, the others with zeros; the end state and the varlen states come from the
+    sequences they end."""
+    rows, before = chunk.slice(seq_idx).tolist(), chunk.seq_before(seq_idx).tolist()
+    outputs, cotangents = [], []
+    cotangent_of_state = [dstate] + (dvarlen or [None] * (len(chunk.state_offsets) - 1))
+    for b, row in enumerate(rows):
+        starts = [0] + [t for t in range(1, len(row)) if row[t] != row[t - 1]]
+        for start, stop in zip(starts, starts[1:] + [len(row)]):
+            def piece(t: Tensor | None) -> Tensor | None:
+                return None if t is None else t[b : b + 1, start:stop]
+
+            entering = state[b : b + 1] if start == 0 and row[0] == before[b] else torch.zeros_like(state[:1])
+            ends = [(i, t - start) for i, t in enumerate(chunk.state_offsets)
+                    if start <= t < stop and cotangent_of_state[i] is not None]
+            y, states = _chunk_scan(
+                piece(local["x"]), piece(local["dt"]), shared["A"], piece(local["B"]), piece(local["C"]),
+                shared.get("D"), piece(local.get("z")), shared.get("dt_bias"), entering, None, None,
+                [t for _, t in ends], dt_softplus, dt_limit,
+            )  # fmt: skip
+            outputs += [y, *states]
+            cotangents += [dout[b : b + 1, start:stop], *(cotangent_of_state[i][b : b + 1] for i, _ in ends)]
+    return outputs, cotangents
+
+
 def ssd_bwd(
     x: Tensor,
     dt: Tensor,
@@ -343,19 +412,25 @@ def ssd_bwd(
         local = {name: chunk.slice(t).detach().requires_grad_() for name, t in per_token.items()}
         state_needs_grad = chunk.index > 0 or initial_states is not None
         state = chunk_states[:, chunk.index].detach().requires_grad_(state_needs_grad)
+        dout_c = chunk.slice(dout).float()
+        dvarlen_c = None if dvarlen_states is None else [dvarlen_states[i][None] for i in chunk.varlen_ids]
         with _autograd_enabled():
-            y, (end_state, *varlen_ends) = _chunk_scan(
-                local["x"], local["dt"], shared["A"], local["B"], local["C"], shared.get("D"), local.get("z"),
-                shared.get("dt_bias"), state, chunk.slice(seq_idx), chunk.seq_before(seq_idx), chunk.state_offsets,
-                dt_softplus, dt_limit,
-            )  # fmt: skip
-        outputs, cotangents = [y], [chunk.slice(dout).float()]
-        if dstate is not None:
-            outputs.append(end_state)
-            cotangents.append(dstate)
-        if dvarlen_states is not None:
-            outputs += varlen_ends
-            cotangents += [dvarlen_states[i][None] for i in chunk.varlen_ids]
+            if seq_idx is not None and not _all_finite(*local.values(), state, dout_c, dstate, *(dvarlen_c or [])):
+                outputs, cotangents = _by_sequence(chunk, seq_idx, local, shared, state, dout_c, dstate, dvarlen_c,
+                                                   dt_softplus, dt_limit)
+            else:
+                y, (end_state, *varlen_ends) = _chunk_scan(
+                    local["x"], local["dt"], shared["A"], local["B"], local["C"], shared.get("D"), local.get("z"),
+                    shared.get("dt_bias"), state, chunk.slice(seq_idx), chunk.seq_before(seq_idx),
+                    chunk.state_offsets, dt_softplus, dt_limit,
+                )  # fmt: skip
+                outputs, cotangents = [y], [dout_c]
+                if dstate is not None:
+                    outputs.append(end_state)
+                    cotangents.append(dstate)
+                if dvarlen_c is not None:
+                    outputs += varlen_ends
+                    cotangents += dvarlen_c
         inputs = {**local, **shared, **({"state": state} if state_needs_grad else {})}
         results = dict(zip(inputs, torch.autograd.grad(outputs, list(inputs.values()), cotangents,
                                                        materialize_grads=True)))

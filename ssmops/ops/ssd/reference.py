@@ -108,8 +108,8 @@ def ssd_scan_ref(
     previous_seq = None if seq_idx is None else torch.zeros_like(seq_idx[:, 0])
     ys = []
     for t in range(seqlen):
-        if seq_idx is not None:  # a new sequence starts from a zero state
-            state = state * (seq_idx[:, t] == previous_seq).to(compute)[:, None, None, None]
+        if seq_idx is not None:  # a new sequence starts from a zero state (selected: 0 * NaN would be NaN)
+            state = torch.where((seq_idx[:, t] == previous_seq)[:, None, None, None], state, 0.0)
             previous_seq = seq_idx[:, t]
         drive = (dt[:, t, :, None] * xc[:, t])[..., None] * Bh[:, t, :, None, :]  # (batch, nheads, headdim, dstate)
         state = decay[:, t, :, None, None] * state + drive

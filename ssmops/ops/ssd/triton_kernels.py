@@ -7,7 +7,9 @@ decay from the chunk start through token l), the chunk's outputs are
 
 with S the (headdim, dstate) state entering the chunk, w_l = exp(L_l) where token l is in the
 sequence of the token before the chunk (else 0: seq_idx restarted the state), and the sum over
-the tokens s of l's sequence. The state after a token e of the chunk is
+the tokens s of l's sequence. The terms of other sequences are selected out, never multiplied by 0,
+and L sums over a token's own sequence: a NaN or inf in one sequence reaches no other (0 * NaN = NaN,
+NaN - NaN = NaN). The state after a token e of the chunk is
 
     H_e = w_e S + sum_{s <= e, seq_s = seq_e} exp(L_e - L_s) dt_s x_s B_s^T.
 
@@ -143,6 +145,34 @@ def _seq_at(seq_row, t, s_seqt, HAS_SEQ: tl.constexpr):
 
 
 @triton.jit
+def _add_within_sequence(a1, seq1, a2, seq2):
+    """associative_scan's combine for sums that restart where the (non-decreasing) sequence id changes."""
+    return tl.where(seq1 == seq2, a1 + a2, a2), seq2
+
+
+@triton.jit
+def _log_decays(a, seq, HAS_SEQ: tl.constexpr):
+    """L: the sum of a over the block's tokens up to each one, of its own sequence only with seq_idx (an
+    earlier sequence's NaN or inf dt must not reach a later one's decays: a difference of sums would not
+    take it out, NaN - NaN)."""
+    if HAS_SEQ:
+        L = tl.associative_scan((a, seq), 0, _add_within_sequence)[0]
+    else:
+        L = tl.cumsum(a, axis=0)
+    return L
+
+
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _minimum(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
 def _tile(row, t, valid, s_t, cols, ncols, s_c):
     """(tokens, cols) float32 tile of a (seqlen, ncols) matrix."""
     return tl.load(row + t[:, None] * s_t + cols[None, :] * s_c, mask=valid[:, None] & (cols < ncols)[None, :],
@@ -219,9 +249,14 @@ def _state_at(state, t0, e, seq_before, Q, seqlen, x_row, dt_row, B_row, seq_row
         weight = tl.where(keep, dt * tl.exp(to_e), 0.0)
         X = _tile(x_row, t, valid, s_xt, pp, headdim, s_xp) * weight[:, None]
         Bt = _tile(B_row, t, valid, s_Bt, nn, dstate, s_Bn)
+        if HAS_SEQ:  # the tokens of other sequences are selected out of both operands: they may hold a NaN or inf
+            X = tl.where(keep[:, None], X, 0.0)
+            Bt = tl.where(keep[:, None], Bt, 0.0)
         acc += _dot(tl.trans(_operand(X, x_row, DOT_F32)), _operand(Bt, x_row, DOT_F32), DOT_F32)
-    kept = tl.where(seq_e == seq_before, tl.exp(after), 0.0)
-    return kept * state + acc
+    kept = tl.exp(after) * state
+    if HAS_SEQ:  # (selected: a NaN state of the sequence before must not reach another)
+        kept = tl.where(seq_e == seq_before, kept, 0.0)
+    return kept + acc
 
 
 @triton.jit
@@ -387,24 +422,41 @@ def ssd_chunk_scan_kernel(
         run += tl.sum(_dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1], axis=0)
     t_l, valid_l = _block(t0, i, Q, seqlen, BLOCK_T)
     dt_l, a_l = _dt(dt_row, t_l, valid_l, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
-    L_l = tl.cumsum(a_l, axis=0)  # from the block start
     seq_l = _seq(seq_row, t_l, valid_l, s_seqt, HAS_SEQ)
+    L_l = _log_decays(a_l, seq_l, HAS_SEQ)  # from the block start
     C_l = _operand(_tile(C_row, t_l, valid_l, s_Ct, nn, dstate, s_Cn), x_ptr, DOT_F32)
     # the entering state, read by C and decayed to each token of the sequence before the chunk
     state = _state_tile(states_ptr, (b * nchunks + c) * nheads + h, pp, nn, headdim, dstate)
-    w_l = tl.where(valid_l & (seq_l == _seq_at(seq_row, t0 - 1, s_seqt, HAS_SEQ)), tl.exp(run + L_l), 0.0)
+    seq_first = _seq_at(seq_row, tl.minimum(t0 + i * BLOCK_T, seqlen - 1), s_seqt, HAS_SEQ)  # the row block's first
+    seq_before = _seq_at(seq_row, t0 - 1, s_seqt, HAS_SEQ)
+    if HAS_SEQ:  # (selected: a NaN state of the sequence before must not reach another through the product)
+        state = tl.where(seq_first == seq_before, state, 0.0)
+    w_l = tl.where(valid_l & (seq_l == seq_before), tl.exp(run + L_l), 0.0)
     y = _dot(C_l, tl.trans(_operand(state, x_ptr, DOT_F32)), DOT_F32) * w_l[:, None]
     # the chunk's tokens up to this block, through (C B^T * decay mask), walked back from it so that
-    # L_l - L_s is summed over the blocks between (see _state_at)
+    # L_l - L_s is summed over the blocks between (see _state_at). With seq_idx only the row block's first
+    # sequence reaches it from earlier blocks, and the product spreads a NaN or inf to every row (0 * NaN): their
+    # tokens of other sequences are selected out of X_s, and once they are summed (the row block itself comes
+    # last), the rows of the block's later sequences.
     Qp = blocks_per_chunk * BLOCK_T
     cb_tile = ((b * nchunks + c) * (nheads // heads_per_group) + h // heads_per_group) * Qp * Qp
     cb_rows = cb_ptr + cb_tile + (i * BLOCK_T + tl.arange(0, BLOCK_T))[:, None] * Qp
-    between = 0.0
-    for jj in range(0, i + 1):
+    between = 0.0  # the sum of a over the blocks between the column block and the row block
+    for k in range(0, i + 1):
+        if HAS_SEQ:
+            jj = (k + 1) % (i + 1)
+        else:
+            jj = k
         t_s, valid_s = _block(t0, i - jj, Q, seqlen, BLOCK_T)
         dt_s, a_s = _dt(dt_row, t_s, valid_s, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
+        seq_s = _seq(seq_row, t_s, valid_s, s_seqt, HAS_SEQ)
+        # relative to the row block's start; with seq_idx summed back over (s, row block) directly: from this
+        # block's start the sum would carry the a of the tokens before s, those of another sequence too
+        if HAS_SEQ:
+            L_s = tl.where(jj == 0, L_l, -(between + tl.cumsum(a_s, axis=0, reverse=True) - a_s))
         between += tl.where(jj > 0, tl.sum(a_s, axis=0), 0.0)
-        L_s = tl.cumsum(a_s, axis=0) - between  # relative to the row block's start
+        if not HAS_SEQ:
+            L_s = tl.cumsum(a_s, axis=0) - between
         CB = tl.load(cb_rows + ((i - jj) * BLOCK_T + tl.arange(0, BLOCK_T))[None, :],
                      mask=valid_l[:, None] & valid_s[None, :], other=0.0).to(tl.float32)
         X_s = _tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp) * dt_s[:, None]
@@ -412,11 +464,17 @@ def ssd_chunk_scan_kernel(
         # meets it with the zeros above the diagonal too (0 * NaN = NaN): there it enters as 0, and
         # reaches its rows after the loop
         X_s = tl.where((X_s * 0.0 == 0.0) | (jj > 0), X_s, 0.0)
-        M = _decayed(CB, L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l,
-                     _seq(seq_row, t_s, valid_s, s_seqt, HAS_SEQ), False)
+        if HAS_SEQ:
+            X_s = tl.where((seq_s == seq_first)[:, None] | (jj == 0), X_s, 0.0)
+            y = tl.where((seq_l == seq_first)[:, None] | (jj > 0), y, 0.0)
+        M = _decayed(CB, L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l, seq_s, False)
         y += _dot(_operand(M, x_ptr, DOT_F32), _operand(X_s, x_ptr, DOT_F32), DOT_F32)
     x_l = _tile(x_row, t_l, valid_l, s_xt, pp, headdim, s_xp)
-    y += tl.cumsum(x_l * dt_l[:, None] * 0.0, axis=0)  # (the row block's NaN and inf: 0 before, NaN from it on)
+    if HAS_SEQ:  # the row block's NaN and inf, to the rows whose sequence is the last with one up to them: NaN
+        last_bad = tl.associative_scan(tl.where(x_l * dt_l[:, None] * 0.0 == 0.0, -1, seq_l[:, None]), 0, _maximum)
+        y = tl.where(last_bad == seq_l[:, None], float("nan"), y)
+    else:
+        y += tl.cumsum(x_l * dt_l[:, None] * 0.0, axis=0)  # (the row block's NaN and inf: 0 before, NaN from it on)
     if HAS_D:
         if D_CHANNEL:
             y += tl.load(D_ptr + h * s_Dh + pp, mask=pp < headdim, other=0.0).to(tl.float32)[None, :] * x_l
@@ -485,19 +543,24 @@ def ssd_state_grads_kernel(
             a = _dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1]
             L = run + tl.cumsum(a, axis=0)
             run += tl.sum(a, axis=0)
-            w = tl.where(valid & (_seq(seq_row, t, valid, s_seqt, HAS_SEQ) == seq_before), tl.exp(L), 0.0)
-            dy = _dy(dout_row, z_row, t, valid, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z) * w[:, None]
+            keep = valid & (_seq(seq_row, t, valid, s_seqt, HAS_SEQ) == seq_before)
+            dy = _dy(dout_row, z_row, t, valid, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z) * \
+                tl.where(keep, tl.exp(L), 0.0)[:, None]
             C_t = _tile(C_row, t, valid, s_Ct, nn, dstate, s_Cn)
+            if HAS_SEQ:  # the other sequences' rows are selected out of both operands: either may hold a NaN
+                dy = tl.where(keep[:, None], dy, 0.0)
+                C_t = tl.where(keep[:, None], C_t, 0.0)
             acc += _dot(tl.trans(_operand(dy, C_ptr, DOT_F32)), _operand(C_t, C_ptr, DOT_F32), DOT_F32)
         if HAS_DVARLEN:
             for i in range(tl.load(first_ptr + c), tl.load(first_ptr + c + 1)):
                 e = tl.load(cu_ptr + i + 1).to(tl.int32) - 1
                 L_e = _log_decay_through(t0, e, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT,
                                          BLOCK_T)
-                kept = tl.where(_seq_at(seq_row, e, s_seqt, HAS_SEQ) == seq_before, tl.exp(L_e), 0.0)
-                acc += kept * _state_tile(dvarlen_ptr, i * nheads + h, pp, nn, headdim, dstate)
+                acc += tl.where(_seq_at(seq_row, e, s_seqt, HAS_SEQ) == seq_before,
+                                tl.exp(L_e) * _state_tile(dvarlen_ptr, i * nheads + h, pp, nn, headdim, dstate), 0.0)
         seq_end = _seq_at(seq_row, tl.minimum(t0 + Q, seqlen) - 1, s_seqt, HAS_SEQ)
-        grad = tl.where(seq_end == seq_before, tl.exp(run), 0.0) * grad + acc
+        # (selected: the gradient of a later sequence's state, NaN perhaps, must not reach an earlier one)
+        grad = tl.where(seq_end == seq_before, tl.exp(run) * grad, 0.0) + acc
     if HAS_INIT:
         _store_state_tile(dinit_ptr, b * nheads + h, pp, nn, headdim, dstate, grad)
 
@@ -537,6 +600,43 @@ def _chunk_rows(b, h, c, nheads, nchunks, seqlen):
 
 
 @triton.jit
+def _end_decays(t0, j, nblocks, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, a_s, valid_s, seq_s, seq_end,
+                SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_T: tl.constexpr):
+    """(ends, v) of block j's tokens s: which are of the sequence of the chunk's last token, and v_s = exp(L_end -
+    L_s) for those (0 else), the exponent summed from s on (a difference of sums from the block start would take
+    an earlier sequence's NaN dt in, NaN - NaN)."""
+    to_end = _log_decay_from(t0, j + 1, nblocks, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT,
+                             BLOCK_T) + tl.cumsum(a_s, axis=0, reverse=True) - a_s
+    ends = valid_s & (seq_s == seq_end)
+    return ends, tl.where(ends, tl.exp(to_end), 0.0)
+
+
+@triton.jit
+def _varlen_parts(acc, op, j, c, t0, h, nheads, Q, seqlen, headdim, dstate, t_s, valid_s, seq_s, a_s, dt_row,
+                  seq_row, cu_ptr, first_ptr, dvarlen_ptr, x_ptr, bias, A, lo, hi, pp, nn, s_dtt, s_seqt,
+                  DX: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                  DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr):
+    """acc plus the parts of the varlen states that end in chunk c, for block j's tokens s: v_e op dV_e (op: B_s
+    for dX, X_s for dB), v_e = exp(L_e - L_s) for s <= e of e's sequence, the exponent summed from s on; the
+    other tokens' products selected out (dV may hold a NaN)."""
+    start = (j + 1) * BLOCK_T
+    for k in range(tl.load(first_ptr + c), tl.load(first_ptr + c + 1)):
+        e = tl.load(cu_ptr + k + 1).to(tl.int32) - 1
+        ends = valid_s & (t_s <= e) & (seq_s == _seq_at(seq_row, e, s_seqt, HAS_SEQ))
+        # over (s, e]: the block's tokens after s, then those after the block
+        a_e = tl.where(t_s <= e, a_s, 0.0)
+        to_e = tl.cumsum(a_e, axis=0, reverse=True) - a_e + _log_decay_through(
+            t0 + start, e, Q - start, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT, BLOCK_T)
+        dV = _operand(_state_tile(dvarlen_ptr, k * nheads + h, pp, nn, headdim, dstate), x_ptr, DOT_F32)
+        if DX:
+            part = _dot(op, tl.trans(dV), DOT_F32)
+        else:
+            part = _dot(op, dV, DOT_F32)
+        acc += tl.where(ends[:, None], part * tl.exp(to_e)[:, None], 0.0)
+    return acc
+
+
+@triton.jit
 def ssd_bwd_dx_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, seq_ptr, dends_ptr, cb_ptr, dout_ptr,
     gated_ptr, dvarlen_ptr, cu_ptr, first_ptr, dx_ptr, dD_ptr, R_ptr, xdx_ptr,
@@ -572,40 +672,56 @@ def ssd_bwd_dx_kernel(
     nblocks = tl.cdiv(tl.minimum(Q, seqlen - t0), BLOCK_T)
     t_s, valid_s = _block(t0, j, Q, seqlen, BLOCK_T)
     dt_s, a_s = _dt(dt_row, t_s, valid_s, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
-    L_s = tl.cumsum(a_s, axis=0)  # from the block start
     seq_s = _seq(seq_row, t_s, valid_s, s_seqt, HAS_SEQ)
+    L_s = _log_decays(a_s, seq_s, HAS_SEQ)  # from the block start
     B_s = _operand(_tile(B_row, t_s, valid_s, s_Bt, nn, dstate, s_Bn), x_ptr, DOT_F32)
     # The state after the chunk, H_end = w_end S + sum_s v_s X_s B_s^T, v_s = exp(L_end - L_s), and the
-    # varlen states ending in the chunk likewise: dX_s += v_s dE B_s.
-    v = tl.where(valid_s & (seq_s == seq_end), tl.exp(_log_decay_from(t0, j, nblocks, Q, seqlen, dt_row, s_dtt,
-                                                                        bias, A, lo, hi, SOFTPLUS, HAS_LIMIT,
-                                                                        BLOCK_T) - L_s), 0.0)
-    acc = _dot(B_s, tl.trans(_operand(_state_tile(dends_ptr, state_row, pp, nn, headdim, dstate), x_ptr, DOT_F32)),
-               DOT_F32) * v[:, None]
-    R = tl.sum(_tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp) * acc, axis=1) * dt_s
+    # varlen states ending in the chunk likewise: dX_s += v_s dE B_s, the other sequences' rows selected out
+    # (a NaN of dE or B would reach them).
+    ends, v = _end_decays(t0, j, nblocks, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, a_s, valid_s, seq_s, seq_end,
+                          SOFTPLUS, HAS_LIMIT, BLOCK_T)
+    acc = tl.where(ends[:, None], _dot(B_s, tl.trans(_operand(_state_tile(dends_ptr, state_row, pp, nn, headdim,
+                                                                           dstate), x_ptr, DOT_F32)), DOT_F32) *
+                   v[:, None], 0.0)
+    R = tl.where(ends, tl.sum(_tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp) * acc, axis=1) * dt_s, 0.0)
     tl.store(R_ptr + scratch_row + t_s, R, mask=valid_s)
-    if HAS_DVARLEN:
-        before = _log_decay_before(t0, j, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT, BLOCK_T)
-        for k in range(tl.load(first_ptr + c), tl.load(first_ptr + c + 1)):
-            e = tl.load(cu_ptr + k + 1).to(tl.int32) - 1
-            v_e = _varlen_decay(t0, e, before, L_s, t_s, valid_s, seq_s, Q, seqlen, dt_row, seq_row, s_dtt, s_seqt,
-                                bias, A, lo, hi, SOFTPLUS, HAS_LIMIT, HAS_SEQ, BLOCK_T)
-            dV = _operand(_state_tile(dvarlen_ptr, k * nheads + h, pp, nn, headdim, dstate), x_ptr, DOT_F32)
-            acc += _dot(B_s, tl.trans(dV), DOT_F32) * v_e[:, None]
     # (tiles used once are read again rather than kept: registers are this kernel's limit)
     cb_rows = cb_ptr + ((b * nchunks + c) * (nheads // heads_per_group) + h // heads_per_group) * cb_side * cb_side
-    between = 0.0  # the sum of a from this block's start to the row block's
-    for i in range(j, nblocks):
+    # With seq_idx the block itself comes last: only the sequence of its last token reaches the later blocks,
+    # whose rows of it are taken alone, and whose NaN the product spreads to every column: the columns of
+    # other sequences are selected out before the block's own rows are added
+    seq_last = _seq_at(seq_row, tl.minimum(t0 + tl.minimum(j * BLOCK_T + BLOCK_T, Q), seqlen) - 1, s_seqt, HAS_SEQ)
+    after_s = tl.cumsum(a_s, axis=0, reverse=True) - a_s  # the sum of a over the block after s
+    between = 0.0  # the sum of a from this block's end to the row block's
+    for k in range(j, nblocks):
+        if HAS_SEQ:
+            i = tl.where(k + 1 < nblocks, k + 1, j)
+        else:
+            i = k
         t_l, valid_l = _block(t0, i, Q, seqlen, BLOCK_T)
         a_l = _dt(dt_row, t_l, valid_l, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1]
-        L_l = between + tl.cumsum(a_l, axis=0)
         seq_l = _seq(seq_row, t_l, valid_l, s_seqt, HAS_SEQ)
-        between += tl.sum(a_l, axis=0)
-        dy_l = _operand(_tile(gated_row, t_l, valid_l, s_yt, pp, headdim, s_yp), x_ptr, DOT_F32)
+        # L_l - L_s over (s, l]: in block j from the block start, else the blocks between and the block after s
+        L_l = tl.where(i == j, L_s, between + tl.cumsum(a_l, axis=0))
+        L_c = tl.where(i == j, L_s, -after_s)
+        between += tl.where(i == j, 0.0, tl.sum(a_l, axis=0))
+        dy_l = _tile(gated_row, t_l, valid_l, s_yt, pp, headdim, s_yp)
+        if HAS_SEQ:  # (the block's own non-finite dy enters as 0, and reaches its columns after the loop)
+            dy_l = tl.where(((seq_l == seq_last)[:, None] | (i == j)) & ((dy_l * 0.0 == 0.0) | (i != j)), dy_l, 0.0)
+            acc = tl.where((seq_s == seq_last)[:, None] | (i != j), acc, 0.0)
         CB = tl.load(cb_rows + (t_l - t0)[:, None] * cb_side + (t_s - t0)[None, :],
                      mask=valid_l[:, None] & valid_s[None, :], other=0.0).to(tl.float32)  # ssd_cb_kernel's C_l . B_s
-        M = _decayed(CB, L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l, seq_s, False)
-        acc += _dot(tl.trans(_operand(M, x_ptr, DOT_F32)), dy_l, DOT_F32)
+        M = _decayed(CB, L_l, L_c, t_l, t_s, valid_l, valid_s, seq_l, seq_s, False)
+        acc += _dot(tl.trans(_operand(M, x_ptr, DOT_F32)), _operand(dy_l, x_ptr, DOT_F32), DOT_F32)
+    if HAS_SEQ:  # the block's NaN and inf of dy, to its columns before them of their sequence: NaN
+        dy_s = _tile(gated_row, t_s, valid_s, s_yt, pp, headdim, s_yp)
+        first_bad = tl.associative_scan(tl.where(dy_s * 0.0 == 0.0, 2147483647, seq_s[:, None]), 0, _minimum,
+                                        reverse=True)
+        acc = tl.where(first_bad == seq_s[:, None], float("nan"), acc)
+    if HAS_DVARLEN:
+        acc = _varlen_parts(acc, B_s, j, c, t0, h, nheads, Q, seqlen, headdim, dstate, t_s, valid_s, seq_s, a_s,
+                            dt_row, seq_row, cu_ptr, first_ptr, dvarlen_ptr, x_ptr, bias, A, lo, hi, pp, nn, s_dtt,
+                            s_seqt, True, HAS_SEQ, SOFTPLUS, HAS_LIMIT, DOT_F32, BLOCK_T)
     x_s = _tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp)
     tl.store(xdx_ptr + scratch_row + t_s, tl.sum(x_s * acc, axis=1), mask=valid_s)
     dy_s = _dy(dout_row, z_row, t_s, valid_s, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z)
@@ -629,23 +745,6 @@ def _log_decay_from(t0, j, nblocks, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, S
         t, valid = _block(t0, i, Q, seqlen, BLOCK_T)
         L += tl.sum(_dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1], axis=0)
     return L
-
-
-@triton.jit
-def _log_decay_before(t0, j, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS: tl.constexpr,
-                      HAS_LIMIT: tl.constexpr, BLOCK_T: tl.constexpr):
-    """The sum of a over the chunk's blocks before block j."""
-    return _log_decay_from(t0, 0, j, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT, BLOCK_T)
-
-
-@triton.jit
-def _varlen_decay(t0, e, before, L_s, t_s, valid_s, seq_s, Q, seqlen, dt_row, seq_row, s_dtt, s_seqt, bias, A, lo,
-                  hi, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_SEQ: tl.constexpr, BLOCK_T: tl.constexpr):
-    """v_e,s = exp(L_e - L_s) for the tokens s of a block (before: the sum of a over the blocks before it,
-    L_s: from its start) in the sequence of a varlen end e and not after it, else 0."""
-    L_e = _log_decay_through(t0, e, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT, BLOCK_T)
-    return tl.where(valid_s & (t_s <= e) & (seq_s == _seq_at(seq_row, e, s_seqt, HAS_SEQ)),
-                    tl.exp(L_e - before - L_s), 0.0)
 
 
 @triton.jit
@@ -698,7 +797,8 @@ def ssd_bwd_dcb_kernel(
     cb_tile = cb_ptr + ((b * nchunks + c) * ngroups + g) * cb_side * cb_side
     CB = tl.load(cb_tile + (t_l - t0)[:, None] * cb_side + (t_s - t0)[None, :],
                  mask=valid_l[:, None] & valid_s[None, :], other=0.0).to(tl.float32)
-    strict = t_s[None, :] < t_l[:, None]
+    # the pairs of C.dC's and B.dB's terms (C.B^T of another sequence's tokens may hold its NaN)
+    strict = (t_s[None, :] < t_l[:, None]) & (seq_s[None, :] == seq_l[:, None])
     acc = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
     for r in range(0, heads_per_group // splits):
         h = h0 + r
@@ -707,17 +807,19 @@ def ssd_bwd_dcb_kernel(
             s_xb, s_xh, s_dtb, s_dth, 0, 0, 0, 0, s_seqb, HAS_BIAS)
         a_l = _dt(dt_row, t_l, valid_l, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1]
         dt_s, a_s = _dt(dt_row, t_s, valid_s, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
-        # L_l - L_s summed over the blocks between, walked back from block i (as ssd_chunk_scan_kernel's)
+        # L_l - L_s over (s, l]: in one block from its start (a sequence's own sums with seq_idx), else the row
+        # block's up to l, the blocks between (walked back from block i, as ssd_chunk_scan_kernel's) and block j's
+        # after s
         between = 0.0
         for kk in range(0, i - j - 1):
             t, valid = _block(t0, i - 1 - kk, Q, seqlen, BLOCK_T)
             between += tl.sum(_dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1], axis=0)
-        between += tl.where(j < i, tl.sum(a_s, axis=0), 0.0)
+        L_l = _log_decays(a_l, seq_l, HAS_SEQ)
+        L_s = tl.where(j < i, -(between + tl.cumsum(a_s, axis=0, reverse=True) - a_s), L_l)
         dy_l = _operand(_tile(gated_ptr + b * s_yb + h * s_yh, t_l, valid_l, s_yt, pp, headdim, s_yp), x_ptr,
                         DOT_F32)
         X_s = _operand(_tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp) * dt_s[:, None], x_ptr, DOT_F32)
-        dM = _decayed(_dot(dy_l, tl.trans(X_s), DOT_F32), tl.cumsum(a_l, axis=0),
-                      tl.cumsum(a_s, axis=0) - between, t_l, t_s, valid_l, valid_s, seq_l, seq_s, False)
+        dM = _decayed(_dot(dy_l, tl.trans(X_s), DOT_F32), L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l, seq_s, False)
         acc += dM
         q = tl.where(strict, dM * CB, 0.0)
         tl.store(dlC_ptr + ((j * batch + b) * nheads + h) * seqlen + t_l, tl.sum(q, axis=1), mask=valid_l)
@@ -763,70 +865,95 @@ def ssd_bwd_group_kernel(
     t_k, valid_k = _block(t0, k, Q, seqlen, BLOCK_T)
     seq_row = seq_ptr + b * s_seqb
     seq_k = _seq(seq_row, t_k, valid_k, s_seqt, HAS_SEQ)
+    B_row, C_row = B_ptr + b * s_Bb + g * s_Bg, C_ptr + b * s_Cb + g * s_Cg
     if DB:  # the state after the chunk (v) and the varlen states: the tokens of the sequence at their ends
         seq_out = _seq_at(seq_row, tl.minimum(t0 + Q, seqlen) - 1, s_seqt, HAS_SEQ)
-        dl_tile = _tile(B_ptr + b * s_Bb + g * s_Bg, t_k, valid_k, s_Bt, nn, dstate, s_Bn)
+        dl_tile = _tile(B_row, t_k, valid_k, s_Bt, nn, dstate, s_Bn)
     else:  # the state entering the chunk (w): the tokens of the sequence before it
         seq_out = _seq_at(seq_row, t0 - 1, s_seqt, HAS_SEQ)
-        dl_tile = _tile(C_ptr + b * s_Cb + g * s_Cg, t_k, valid_k, s_Ct, nn, dstate, s_Cn)
+        dl_tile = _tile(C_row, t_k, valid_k, s_Ct, nn, dstate, s_Cn)
     acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    varlen = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)  # (added after dCB's part: see below)
     for r in range(0, heads_per_group // splits):
         h = h0 + r
         x_row, dt_row, _, _, _, bias, A = _head(
             b, h, heads_per_group, x_ptr, dt_ptr, A_ptr, x_ptr, x_ptr, bias_ptr, seq_ptr,
             s_xb, s_xh, s_dtb, s_dth, 0, 0, 0, 0, s_seqb, HAS_BIAS)
         dt_k, a_k = _dt(dt_row, t_k, valid_k, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
-        L_k = tl.cumsum(a_k, axis=0)  # from the block start
         state = _operand(_state_tile(states_ptr, (b * nchunks + c) * nheads + h, pp, nn, headdim, dstate), x_ptr,
                          DOT_F32)
         dl_row = (b * nheads + h) * seqlen
         dl = tl.zeros([BLOCK_T], dtype=tl.float32)
+        # each head's state part, its other sequences' rows selected out (a NaN of the state would reach them)
         if DB:
-            v = tl.where(valid_k & (seq_k == seq_out), tl.exp(_log_decay_from(
-                t0, k, nblocks, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT, BLOCK_T) - L_k), 0.0)
+            ends, v = _end_decays(t0, k, nblocks, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, a_k, valid_k, seq_k,
+                                  seq_out, SOFTPLUS, HAS_LIMIT, BLOCK_T)
             X_k = _operand(_tile(x_row, t_k, valid_k, s_xt, pp, headdim, s_xp) * dt_k[:, None], x_ptr, DOT_F32)
-            acc += _dot(X_k, state, DOT_F32) * v[:, None]
+            acc += tl.where(ends[:, None], _dot(X_k, state, DOT_F32) * v[:, None], 0.0)
             if HAS_DVARLEN:
-                before = _log_decay_before(t0, k, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT,
-                                           BLOCK_T)
-                part = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-                for e_i in range(tl.load(first_ptr + c), tl.load(first_ptr + c + 1)):
-                    e = tl.load(cu_ptr + e_i + 1).to(tl.int32) - 1
-                    v_e = _varlen_decay(t0, e, before, L_k, t_k, valid_k, seq_k, Q, seqlen, dt_row, seq_row, s_dtt,
-                                        s_seqt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT, HAS_SEQ, BLOCK_T)
-                    dV = _operand(_state_tile(dvarlen_ptr, e_i * nheads + h, pp, nn, headdim, dstate), x_ptr,
-                                  DOT_F32)
-                    part += _dot(X_k, dV, DOT_F32) * v_e[:, None]
-                acc += part
+                part = _varlen_parts(tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32), X_k, k, c, t0, h, nheads, Q,
+                                     seqlen, headdim, dstate, t_k, valid_k, seq_k, a_k, dt_row, seq_row, cu_ptr,
+                                     first_ptr, dvarlen_ptr, x_ptr, bias, A, lo, hi, pp, nn, s_dtt, s_seqt, False,
+                                     HAS_SEQ, SOFTPLUS, HAS_LIMIT, DOT_F32, BLOCK_T)
+                varlen += part
                 dl = tl.sum(dl_tile * part, axis=1)
             for ib in range(k, nblocks):
                 dl += tl.load(dl_part_ptr + (ib * batch * nheads * seqlen + dl_row) + t_k, mask=valid_k, other=0.0)
         else:
-            w = tl.where(valid_k & (seq_k == seq_out), tl.exp(_log_decay_before(
-                t0, k, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT, BLOCK_T) + L_k), 0.0)
+            carried = valid_k & (seq_k == seq_out)
+            w = tl.where(carried, tl.exp(_log_decay_from(t0, 0, k, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS,
+                                                         HAS_LIMIT, BLOCK_T) + tl.cumsum(a_k, axis=0)), 0.0)
             dy = _tile(gated_ptr + b * s_yb + h * s_yh, t_k, valid_k, s_yt, pp, headdim, s_yp)
-            part = _dot(_operand(dy * w[:, None], x_ptr, DOT_F32), state, DOT_F32)
+            part = tl.where(carried[:, None], _dot(_operand(dy * w[:, None], x_ptr, DOT_F32), state, DOT_F32), 0.0)
             acc += part
             dl = tl.sum(dl_tile * part, axis=1)
             for jb in range(0, k + 1):
                 dl += tl.load(dl_part_ptr + (jb * batch * nheads * seqlen + dl_row) + t_k, mask=valid_k, other=0.0)
         tl.store(dl_ptr + dl_row + t_k, dl, mask=valid_k)
-    # the run's quadratic part: dCB's row block k against B (dC), or its column block k against C (dB)
+    # The run's quadratic part: dCB's row block k against B (dC), or its column block k against C (dB). With
+    # seq_idx the block itself comes last: the other blocks reach its rows (columns) of one sequence only, its
+    # first (last), whose rows alone are taken from B (C) there; the block's rows of other sequences, which a NaN
+    # of B (C) in the product would reach, are selected out before the block itself is added, and its own
+    # non-finite B (C) enters as 0 and reaches its rows of its sequence after (before) it.
     run = tl.program_id(1) % splits
     dcb = dcb_ptr + (((run * batch + b) * nchunks + c) * ngroups + g) * dcb_side * dcb_side
     rows = tl.arange(0, BLOCK_T)
     if DB:
-        for ib in range(k, nblocks):
-            t_i, valid_i = _block(t0, ib, Q, seqlen, BLOCK_T)
-            tile = tl.load(dcb + (ib * BLOCK_T + rows)[:, None] * dcb_side + (k * BLOCK_T + rows)[None, :])
-            C_i = _operand(_tile(C_ptr + b * s_Cb + g * s_Cg, t_i, valid_i, s_Ct, nn, dstate, s_Cn), x_ptr, DOT_F32)
-            acc += _dot(tl.trans(tile), C_i, DOT_F32)
+        seq_one = _seq_at(seq_row, tl.minimum(t0 + tl.minimum(k * BLOCK_T + BLOCK_T, Q), seqlen) - 1, s_seqt,
+                          HAS_SEQ)
+        trips = nblocks - k
     else:
-        for jb in range(0, k + 1):
-            t_j, valid_j = _block(t0, jb, Q, seqlen, BLOCK_T)
-            tile = tl.load(dcb + (k * BLOCK_T + rows)[:, None] * dcb_side + (jb * BLOCK_T + rows)[None, :])
-            B_j = _operand(_tile(B_ptr + b * s_Bb + g * s_Bg, t_j, valid_j, s_Bt, nn, dstate, s_Bn), x_ptr, DOT_F32)
-            acc += _dot(tile, B_j, DOT_F32)
+        seq_one = _seq_at(seq_row, tl.minimum(t0 + k * BLOCK_T, seqlen - 1), s_seqt, HAS_SEQ)
+        trips = k + 1
+    for kk in range(0, trips):
+        if DB:
+            i = k + kk
+            if HAS_SEQ:
+                i = tl.where(k + kk + 1 < nblocks, k + kk + 1, k)
+            t_i, valid_i = _block(t0, i, Q, seqlen, BLOCK_T)
+            tile = tl.trans(tl.load(dcb + (i * BLOCK_T + rows)[:, None] * dcb_side + (k * BLOCK_T + rows)[None, :]))
+            M = _tile(C_row, t_i, valid_i, s_Ct, nn, dstate, s_Cn)
+        else:
+            i = kk
+            t_i, valid_i = _block(t0, i, Q, seqlen, BLOCK_T)
+            tile = tl.load(dcb + (k * BLOCK_T + rows)[:, None] * dcb_side + (i * BLOCK_T + rows)[None, :])
+            M = _tile(B_row, t_i, valid_i, s_Bt, nn, dstate, s_Bn)
+        if HAS_SEQ:
+            seq_i = _seq(seq_row, t_i, valid_i, s_seqt, HAS_SEQ)
+            M = tl.where(((seq_i == seq_one)[:, None] | (i == k)) & ((M * 0.0 == 0.0) | (i != k)), M, 0.0)
+            acc = tl.where((seq_k == seq_one)[:, None] | (i != k), acc, 0.0)
+        acc += _dot(tile, _operand(M, x_ptr, DOT_F32), DOT_F32)
+    if HAS_SEQ:  # the block's own NaN and inf of B (C) to its rows after (before) them of their sequence: NaN
+        if DB:
+            own = _tile(C_row, t_k, valid_k, s_Ct, nn, dstate, s_Cn)
+            bad = tl.associative_scan(tl.where(own * 0.0 == 0.0, 2147483647, seq_k[:, None]), 0, _minimum,
+                                      reverse=True)
+        else:
+            own = _tile(B_row, t_k, valid_k, s_Bt, nn, dstate, s_Bn)
+            bad = tl.associative_scan(tl.where(own * 0.0 == 0.0, -1, seq_k[:, None]), 0, _maximum)
+        acc = tl.where(bad == seq_k[:, None], float("nan"), acc)
+    if DB and HAS_DVARLEN:
+        acc += varlen
     out_row = ((run * batch + b) * seqlen + t_k) * ngroups + g
     tl.store(out_ptr + out_row[:, None] * dstate + nn[None, :], acc,
              mask=valid_k[:, None] & (nn < dstate)[None, :])
@@ -870,11 +997,10 @@ def ssd_bwd_ddt_kernel(
             _add_at(dlC_ptr + scratch_row + e, tl.sum(tl.sum(dV * H_e, axis=1), axis=0))
             tl.debug_barrier()
     # the end state's part of da, first to last (R is turned into it in place)
-    kept_end = tl.where(seq_end == seq_before, tl.exp(
-        _log_decay_through(t0, tl.minimum(t0 + Q, seqlen) - 1, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS,
-                           HAS_LIMIT, BLOCK_T)), 0.0)
-    da_end = kept_end * tl.sum(tl.sum(_state_tile(dends_ptr, state_row, pp, nn, headdim, dstate) * state, axis=1),
-                               axis=0)
+    L_end = _log_decay_through(t0, tl.minimum(t0 + Q, seqlen) - 1, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi,
+                               SOFTPLUS, HAS_LIMIT, BLOCK_T)
+    da_end = tl.where(seq_end == seq_before, tl.exp(L_end) * tl.sum(tl.sum(
+        _state_tile(dends_ptr, state_row, pp, nn, headdim, dstate) * state, axis=1), axis=0), 0.0)
     for j in range(0, nblocks):
         t, valid = _block(t0, j, Q, seqlen, BLOCK_T)
         R = tl.load(R_ptr + scratch_row + t, mask=valid, other=0.0)
@@ -882,7 +1008,9 @@ def ssd_bwd_ddt_kernel(
         da_end += tl.sum(R, axis=0)
     tl.debug_barrier()
     # the rest of da, last to first; ddt = x . dX + A da, through the clamp and softplus; dA = sum dt da
-    after = 0.0
+    # (with seq_idx da_t sums dL over t's own sequence: a later sequence's NaN must not reach it)
+    after = 0.0  # the sum of dL over the blocks after this one (with seq_idx: over their first token's sequence)
+    after_seq = -1
     dA_acc = 0.0
     dbias_acc = 0.0
     for jj in range(0, nblocks):
@@ -890,8 +1018,17 @@ def ssd_bwd_ddt_kernel(
         raw, pre, dt = _dt_steps(dt_row, t, valid, s_dtt, bias, lo, hi, SOFTPLUS, HAS_LIMIT)
         dl = tl.load(dlC_ptr + scratch_row + t, mask=valid, other=0.0) - \
             tl.load(dlB_ptr + scratch_row + t, mask=valid, other=0.0)
-        da = after + tl.cumsum(dl, axis=0, reverse=True) + tl.load(R_ptr + scratch_row + t, mask=valid, other=0.0)
-        after += tl.sum(dl, axis=0)
+        R = tl.load(R_ptr + scratch_row + t, mask=valid, other=0.0)
+        if HAS_SEQ:
+            seq = _seq(seq_row, t, valid, s_seqt, HAS_SEQ)
+            first = _seq_at(seq_row, t0 + (nblocks - 1 - jj) * BLOCK_T, s_seqt, HAS_SEQ)
+            da = tl.where(seq == after_seq, after, 0.0) + \
+                tl.associative_scan((dl, seq), 0, _add_within_sequence, reverse=True)[0] + R
+            after = tl.where(first == after_seq, after, 0.0) + tl.sum(tl.where(seq == first, dl, 0.0), axis=0)
+            after_seq = first
+        else:
+            da = after + tl.cumsum(dl, axis=0, reverse=True) + R
+            after += tl.sum(dl, axis=0)
         dA_acc += tl.sum(dt * da, axis=0)
         ddt = tl.load(xdx_ptr + scratch_row + t, mask=valid, other=0.0) + A * da
         if HAS_LIMIT:
