@@ -645,6 +645,16 @@ def _dC_rows(t0, i, Q, seqlen, nheads, headdim, dstate, x_row, dt_row, B_row, C_
 
 
 @triton.jit
+def _rows_operand(gated_row, C_row, t, valid, pp, nn, headdim, dstate, s_yt, s_yp, s_Ct, s_Cn, DX: tl.constexpr):
+    """ssd_bwd_block_kernel's rows l, float32: dy_l (the gated dout) for dX, C_l for dB."""
+    if DX:
+        r = _tile(gated_row, t, valid, s_yt, pp, headdim, s_yp)
+    else:
+        r = _tile(C_row, t, valid, s_Ct, nn, dstate, s_Cn)
+    return r
+
+
+@triton.jit
 def _varlen_parts(acc, op, j, c, t0, h, nheads, Q, seqlen, headdim, dstate, t_s, valid_s, seq_s, L_s, a_s, dt_row,
                   seq_row, cu_ptr, first_ptr, dvarlen_ptr, x_ptr, bias, A, lo, hi, pp, nn, s_dtt, s_seqt,
                   DX: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
@@ -789,26 +799,26 @@ def ssd_bwd_block_kernel(
             L_l = between + tl.cumsum(a_l, axis=0)
             L_c = L_s
             between += tl.sum(a_l, axis=0)
-        dy_l = _tile(gated_row, t_l, valid_l, s_yt, pp, headdim, s_yp)
-        if DX and HAS_SEQ:  # (the block's own non-finite dy enters as 0, and reaches its columns after the loop)
-            dy_l = tl.where(((seq_l == seq_last)[:, None] | (i == j)) & ((dy_l * 0.0 == 0.0) | (i != j)), dy_l, 0.0)
+        # the rows' GEMM operand: dy_l for dX, C_l for dB
+        rows = _rows_operand(gated_row, C_row, t_l, valid_l, pp, nn, headdim, dstate, s_yt, s_yp, s_Ct, s_Cn, DX)
+        if HAS_SEQ:  # (the block's own non-finite rows enter as 0, and reach its columns after the loop)
+            rows = tl.where(((seq_l == seq_last)[:, None] | (i == j)) & ((rows * 0.0 == 0.0) | (i != j)), rows, 0.0)
             acc = tl.where((seq_s == seq_last)[:, None] | (i != j), acc, 0.0)
-        dy_l = _operand(dy_l, x_ptr, DOT_F32)
+        rows = _operand(rows, x_ptr, DOT_F32)
         if DX:  # C_l . B_s from ssd_cb_kernel's tiles
             CB = tl.load(cb_rows + (t_l - t0)[:, None] * cb_side + (t_s - t0)[None, :],
                          mask=valid_l[:, None] & valid_s[None, :], other=0.0).to(tl.float32)
             M = _decayed(CB, L_l, L_c, t_l, t_s, valid_l, valid_s, seq_l, seq_s, False)
-            acc += _dot(tl.trans(_operand(M, x_ptr, DOT_F32)), dy_l, DOT_F32)
+            acc += _dot(tl.trans(_operand(M, x_ptr, DOT_F32)), rows, DOT_F32)
         else:  # without the diagonal l = s, added below (see _dC_rows)
-            C_l = _operand(_tile(C_row, t_l, valid_l, s_Ct, nn, dstate, s_Cn), x_ptr, DOT_F32)
+            dy_l = _operand(_tile(gated_row, t_l, valid_l, s_yt, pp, headdim, s_yp), x_ptr, DOT_F32)
             dM = _decayed(_dot(dy_l, tl.trans(op), DOT_F32), L_l, L_c, t_l, t_s, valid_l, valid_s, seq_l, seq_s, True)
-            acc += _dot(tl.trans(_operand(dM, x_ptr, DOT_F32)), C_l, DOT_F32)
-    if HAS_SEQ:
-        if DX:  # the block's NaN and inf of dy, to its columns before them of their sequence: NaN
-            dy_s = _tile(gated_row, t_s, valid_s, s_yt, pp, headdim, s_yp)
-            first_bad = tl.associative_scan(tl.where(dy_s * 0.0 == 0.0, 2147483647, seq_s[:, None]), 0, _minimum,
-                                            reverse=True)
-            acc = tl.where(first_bad == seq_s[:, None], float("nan"), acc)
+            acc += _dot(tl.trans(_operand(dM, x_ptr, DOT_F32)), rows, DOT_F32)
+    if HAS_SEQ:  # the block's NaN and inf of dy (C), to its columns up to them of their sequence: NaN
+        own = _rows_operand(gated_row, C_row, t_s, valid_s, pp, nn, headdim, dstate, s_yt, s_yp, s_Ct, s_Cn, DX)
+        first_bad = tl.associative_scan(tl.where(own * 0.0 == 0.0, 2147483647, seq_s[:, None]), 0, _minimum,
+                                        reverse=True)
+        acc = tl.where(first_bad == seq_s[:, None], float("nan"), acc)
         if HAS_DVARLEN:
             acc = _varlen_parts(acc, op, j, c, t0, h, nheads, Q, seqlen, headdim, dstate, t_s, valid_s, seq_s, L_s,
                                 a_s, dt_row, seq_row, cu_ptr, first_ptr, dvarlen_ptr, x_ptr, bias, A, lo, hi, pp, nn,
