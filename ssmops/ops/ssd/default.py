@@ -25,6 +25,12 @@ carry for the chunk before. Autograd of the same `_chunk_scan` that the forward 
 instead of hand-written backward formulas, keeps one statement of the math (no second
 derivation to drift from the first) at the cost of some autograd overhead per chunk,
 and it is deterministic: the graph is a fixed sequence of GEMMs and reductions.
+
+Packed sequences (seq_idx) are kept apart as in the reference: the products between two
+sequences are selected out, never multiplied by 0, so that a NaN or inf in one reaches no
+other. A masked GEMM's gradient cannot be selected so (it sums one sequence's zeros times
+another's values), so where a chunk holds a NaN or inf its gradients are taken with each
+sequence scanned on its own (`_by_sequence`).
 """
 
 from __future__ import annotations

@@ -145,7 +145,9 @@ def ssd_chunked_ref(
 
     Within a chunk the scan is a masked quadratic form, (C B^T * decay mask) @ (dt * x); across
     chunks a state is passed, read by each chunk's C. Indices: c chunk, l and s tokens of a chunk
-    (l the output, s the input), h head, p headdim, n dstate.
+    (l the output, s the input), h head, p headdim, n dstate. Its masks multiply (a statement of the
+    algorithm, not of the kernels' care with non-finite values: a NaN or inf reaches every product of
+    its chunk here, where ssd_scan_ref and the backends keep it to its own sequence and later tokens).
     """
     compute = _compute_dtype(x, dt, A, B, C, D, z, dt_bias, initial_states)
     batch, seqlen, nheads, headdim = x.shape
