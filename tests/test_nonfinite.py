@@ -456,17 +456,20 @@ CONV_TARGETS = [pytest.param("reference", "cpu", id="reference"), *_targets()]
                          ids=["nan-first-last-token", "inf-first", "minus-inf-second-last-token"])
 def test_conv_non_finite_input_reaches_no_later_sequence(backend, device, token, value):
     """The causal conv's windows do not reach across a restart (seq_idx), non-finite values included:
-    forward (the later sequences' outputs and the final states) and backward (their dx)."""
+    forward (the later sequences' outputs and the final states) and backward (the other sequences' dx)."""
     kw = _packed_conv_problem()
     poisoned = {**kw, "x": kw["x"].clone()}
     poisoned["x"][0, 1, token] = value
-    start = next(b for b in CONV_PACKED if b > token)
+    start, own = next(b for b in CONV_PACKED if b > token), max(b for b in CONV_PACKED if b <= token)
     (out, final), (clean_out, clean_final) = (_packed_conv(k, backend, device) for k in (poisoned, kw))
     _assert_same_finite(out[..., start:], clean_out[..., start:], "the later sequences' outputs")
     _assert_same_finite(final, clean_final, "final_states")
     weights = torch.randn(kw["x"].shape, generator=torch.Generator().manual_seed(1))
     got, clean = (_packed_conv(k, backend, device, weights) for k in (poisoned, kw))
     _assert_same_finite(got["x"][..., start:], clean["x"][..., start:], "dx of the later sequences")
+    if own > 0:
+        _assert_same_finite(got["x"][..., :own], clean["x"][..., :own], "dx of the earlier sequences")
+        _assert_same_finite(got["initial_states"], clean["initial_states"], "dinitial_states")
 
 
 @pytest.mark.parametrize("backend, device", CONV_TARGETS)
