@@ -110,7 +110,7 @@ sanitize: install-test
 	rm -rf build/sanitize build/sanitize-tmp
 	SSMOPS_SANITIZE=1 MAX_JOBS=2 $(PY) setup.py -q build --build-base build/sanitize-tmp --build-lib build/sanitize
 	cd build/sanitize && $(SANITIZE_ENV) ../../$(PY) -m pytest -q -p no:cacheprovider -x \
-		../../tests/test_native.py ../../tests/test_hardening.py ../../tests/test_properties.py \
+		../../tests/test_native.py ../../tests/test_hardening.py ../../tests/test_properties.py ../../tests/test_nonfinite.py \
 		-k "(cpu or test_native) and not million"
 	cd build/sanitize && $(SANITIZE_ENV) ../../$(PY) -m pytest -q -p no:cacheprovider -x \
 		../../tests/ops/test_linear.py ../../tests/ops/test_state_update.py ../../tests/ops/test_mamba_step.py \
