@@ -216,3 +216,28 @@ def test_prompts_of_different_lengths_decode_as_if_alone(name):
                                    rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="at least one token"):
         model.generate([prompts[0], prompts[0][:0]], max_length=10)
+
+
+@pytest.mark.parametrize("block", ["mamba", "mamba2"])
+def test_decay_rates_are_kept_between_steps_while_A_log_is_unchanged(block):
+    """A decoding step's A = -exp(A_log) is worked out once and kept while A_log is the same tensor at the same
+    version; an in-place change (an optimizer step, load_state_dict) or a new parameter is seen, and with
+    autograd recording the rates are computed afresh and reach A_log."""
+    from ssmops.modules import Mamba, Mamba2
+    from ssmops.modules.decay import decay_rates
+
+    torch.manual_seed(0)
+    mixer = Mamba(d_model=16, d_state=4) if block == "mamba" else Mamba2(d_model=32, headdim=8, d_state=8)
+    with torch.no_grad():
+        first = decay_rates(mixer, mixer.A_log)
+        assert decay_rates(mixer, mixer.A_log) is first
+        torch.testing.assert_close(first, -torch.exp(mixer.A_log.float()))
+        mixer.A_log.add_(0.5)
+        second = decay_rates(mixer, mixer.A_log)
+        torch.testing.assert_close(second, -torch.exp(mixer.A_log.float()))
+        mixer.A_log = torch.nn.Parameter(mixer.A_log + 1.0)
+        torch.testing.assert_close(decay_rates(mixer, mixer.A_log), -torch.exp(mixer.A_log.float()))
+    rates = decay_rates(mixer, mixer.A_log)
+    assert rates.requires_grad
+    rates.sum().backward()
+    torch.testing.assert_close(mixer.A_log.grad, -torch.exp(mixer.A_log.detach().float()))

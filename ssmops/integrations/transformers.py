@@ -41,6 +41,7 @@ from ..causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from ..ops.mamba_step.packing import FUSED_STEP_MAX_BATCH, fused_step_serves, step_arguments
 from ..selective_scan import selective_scan_fn
 from ..linear import weight_only_linear
+from ..modules.decay import decay_rates
 from ..ssd_combined import mamba_chunk_scan_combined
 from ..state_update import selective_state_update
 
@@ -229,7 +230,7 @@ def _mamba_forward(self, hidden_states: Tensor, cache=None, attention_mask: Tens
     else:
         dt = self.dt_proj.weight @ dt.transpose(1, 2)  # (batch, d_inner, seqlen); the bias goes to the scan
     dt_bias = self.dt_proj.bias.float() if self.dt_proj.bias is not None else None
-    A = -torch.exp(self.A_log.float())
+    A = decay_rates(self, self.A_log)
     y = _selective_scan(self, cache, ssm_state, x.transpose(1, 2), dt, A, B.transpose(1, 2), C.transpose(1, 2),
                         self.D.float(), gate, dt_bias, state_shape=(x.shape[0], *A.shape))
     return _linear(self.out_proj, y.transpose(1, 2).to(dtype))
@@ -253,7 +254,7 @@ def _zamba_forward(self, hidden_states: Tensor, cache=None, attention_mask: Tens
     dt, B, C = torch.einsum("hpd,bhdl->bhpl", self.x_proj_weight, x_heads).split([rank, dstate, dstate], dim=2)
     dt = torch.einsum("hdr,bhrl->bhdl", self.dt_proj_weight, dt).reshape(batch, -1, seq_len)
     dt_bias = self.dt_proj_bias.float().reshape(-1) if self.dt_proj_bias is not None else None
-    A = -torch.exp(self.A_log.float())  # (heads, head_dim, dstate)
+    A = decay_rates(self, self.A_log)  # (heads, head_dim, dstate)
     y = _selective_scan(self, cache, ssm_state, x_heads.reshape(batch, -1, seq_len), dt, A.reshape(-1, dstate),
                         B, C, self.D.float().reshape(-1), gate, dt_bias, state_shape=(batch, *A.shape))
     return _linear(self.out_proj, y.transpose(1, 2).to(dtype))
@@ -280,7 +281,7 @@ def _mamba2_forward(self, hidden_states: Tensor, cache=None, attention_mask: Ten
     xBC = _conv(self, xBC.transpose(1, 2), cache, conv_state, seq_idx)
     xBC = _apply_mask(xBC.transpose(1, 2), attention_mask)
     x, B, C = xBC.split([self.intermediate_size, groups * dstate, groups * dstate], dim=-1)
-    A = -torch.exp(self.A_log.float())
+    A = decay_rates(self, self.A_log)
     gated_norm = getattr(self, "mamba_rms_norm", True)  # Falcon-H1 may gate without a norm: in the scan
     z = None if gated_norm else gate
 

@@ -24,6 +24,7 @@ from ..mamba_inner import mamba_inner_fn
 from ..ops.mamba_step.packing import fused_step_serves, step_arguments
 from ..selective_scan import selective_scan_fn
 from ..state_update import selective_state_update
+from .decay import decay_rates
 from .linear import Linear, linear
 
 
@@ -180,7 +181,7 @@ class Mamba(nn.Module):
         x = causal_conv1d_update(x, conv_state, self.conv1d.weight, self.conv1d.bias, activation="silu")
         dt, B, C = torch.split(self.x_proj(x), [self.dt_rank, self.d_state, self.d_state], dim=-1)
         dt = linear(dt, self.dt_proj, bias=False)
-        A = -torch.exp(self.A_log.float())
+        A = decay_rates(self, self.A_log)
         y = selective_state_update(
             ssm_state, x, dt, A, B, C, self.D.float(), z=z, dt_bias=self.dt_proj.bias, dt_softplus=True
         )

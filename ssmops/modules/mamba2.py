@@ -24,6 +24,7 @@ from ..layernorm_gated import RMSNorm as RMSNormGated
 from ..layernorm_gated import rmsnorm_fn
 from ..ssd_combined import mamba_chunk_scan_combined, mamba_split_conv1d_scan_combined
 from ..state_update import selective_state_update
+from .decay import decay_rates
 from .linear import Linear
 from .mamba import states_from_cache
 
@@ -255,7 +256,7 @@ class Mamba2(nn.Module):
         heads = (self.nheads, self.headdim)
         # dt (batch, nheads), A, dt_bias and D per head as they are (the step's per-head forms: one decay per
         # head), not expanded over headdim as mamba_ssm's kernel needs them: no views to build per token
-        A = -torch.exp(self.A_log.float())
+        A = decay_rates(self, self.A_log)
         D = self.D.unflatten(0, heads) if self.D_has_hdim else self.D
         dt_bias, softplus = self.dt_bias, True
         if self.dt_limit != (0.0, float("inf")):  # the scan clamps dt, so the step does too
