@@ -237,6 +237,11 @@ def test_decay_rates_are_kept_between_steps_while_A_log_is_unchanged(block):
         torch.testing.assert_close(second, -torch.exp(mixer.A_log.float()))
         mixer.A_log = torch.nn.Parameter(mixer.A_log + 1.0)
         torch.testing.assert_close(decay_rates(mixer, mixer.A_log), -torch.exp(mixer.A_log.float()))
+    with torch.inference_mode():  # an inference tensor has no version: never kept
+        made = torch.nn.Parameter(mixer.A_log.detach() * 2, requires_grad=False)
+        torch.testing.assert_close(decay_rates(mixer, made), -torch.exp(made.float()))
+        made.add_(1.0)
+        torch.testing.assert_close(decay_rates(mixer, made), -torch.exp(made.float()))
     rates = decay_rates(mixer, mixer.A_log)
     assert rates.requires_grad
     rates.sum().backward()

@@ -15,7 +15,8 @@ def decay_rates(owner: nn.Module, A_log: Tensor) -> Tensor:
     kernels, not this cache) the result is kept on `owner` and reused while A_log is the same tensor at the same
     version (an optimizer step or load_state_dict changes it in place, which bumps the version)."""
     if (A_log.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling() or \
-            (A_log.is_cuda and torch.cuda.is_current_stream_capturing()):
+            (A_log.is_cuda and torch.cuda.is_current_stream_capturing()) or A_log.is_inference():
+        # (an inference tensor, made under inference_mode, has no version counter to tell a change by)
         return -torch.exp(A_log.float())
     kept = owner.__dict__.get("_ssmops_decay_rates")
     if kept is None or kept[0]() is not A_log or kept[1] != A_log._version:
