@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ssmops.models import MambaLMHeadModel
+from conftest import CountOps
 from ssmops.modules.linear import Linear
 from test_models import tiny_config, train
 from test_models_mamba2 import tiny_model as tiny_mamba2_model
@@ -246,3 +247,18 @@ def test_decay_rates_are_kept_between_steps_while_A_log_is_unchanged(block):
     assert rates.requires_grad
     rates.sum().backward()
     torch.testing.assert_close(mixer.A_log.grad, -torch.exp(mixer.A_log.detach().float()))
+
+
+def test_mamba2_step_computes_its_decay_rates_once():
+    """Mamba2.step's later tokens reuse A = -exp(A_log): no exp among a step's operators after the first."""
+    from ssmops.modules import Mamba2
+
+    torch.manual_seed(0)
+    mixer = Mamba2(d_model=32, headdim=8, d_state=8)
+    conv_state, ssm_state = mixer.allocate_inference_cache(2, 1, dtype=torch.float32)
+    with torch.no_grad():
+        first = mixer.step(torch.randn(2, 1, 32), conv_state, ssm_state)[0]
+        with CountOps() as ops:
+            second = mixer.step(torch.randn(2, 1, 32), conv_state, ssm_state)[0]
+    assert ops.counts["aten.exp"] == 0 and ops.counts["aten.neg"] == 0, ops.counts
+    assert first.isfinite().all() and second.isfinite().all()
