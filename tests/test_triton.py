@@ -342,6 +342,29 @@ def test_triton_ssd_backward_is_deterministic():
         assert torch.equal(a, b)
 
 
+if TRITON_INSTALLED:  # (a JIT function's names are the module's globals)
+    import triton
+    import triton.language as tl
+
+    from ssmops.ops.ssd.triton_kernels import _pair
+
+    @triton.jit
+    def _block_pairs_kernel(out_ptr):
+        i, j = _pair(tl.program_id(0))
+        tl.store(out_ptr + 2 * tl.program_id(0), i)
+        tl.store(out_ptr + 2 * tl.program_id(0) + 1, j)
+
+
+@needs_interpreter
+def test_triton_ssd_block_pairs_enumerate_the_lower_triangle():
+    """ssd_bwd_dcb_kernel's program p takes the p-th block pair (i, j), j <= i, from a float square root with a
+    correction either way: every pair once, in order, up to 32 blocks a chunk (528 pairs)."""
+    expected = [(i, j) for i in range(32) for j in range(i + 1)]
+    out = torch.full((len(expected), 2), -1, dtype=torch.int32)
+    _block_pairs_kernel[(len(expected),)](out)
+    assert [tuple(row) for row in out.tolist()] == expected
+
+
 def _check_state_update_against_default(kw: dict, state, step) -> None:
     """step(**kw) with `state` (holding kw["state"]'s values) updated in place, against the
     default backend (tests/test_models.py checks that against one step of the scan)."""
