@@ -7,8 +7,7 @@ import torch
 from torch import Tensor
 
 from ._registry import call_step, operator_for
-from .ops._checks import checked_call
-from .ops._checks import check_cache_indices
+from .ops._checks import check_cache_indices, checked_call
 from .ops.causal_conv1d.checks import check_activation, check_conv_inputs, check_update_inputs
 
 

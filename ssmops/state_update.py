@@ -6,8 +6,7 @@ import torch
 from torch import Tensor
 
 from ._registry import call_step
-from .ops._checks import INPUT_DTYPES, checked_call
-from .ops._checks import check_cache_indices
+from .ops._checks import INPUT_DTYPES, check_cache_indices, checked_call
 from .ops.state_update.checks import check_multihead_inputs, check_state_update_inputs
 
 

@@ -112,6 +112,7 @@ class _Launch:
                           HAS_LIMIT=len(dt_limit) == 2, DOT_F32=_dot_f32(x, B, C))
         self.d_flags = dict(HAS_D=D is not None, D_CHANNEL=D is not None and D.dim() == 2)
         self.cfg = _config(chunk_size, self.headdim, self.dstate)
+        self.given_strides = {}  # an input's strides where its tensor is a flat buffer (dt_processed's)
 
     def ptr(self, name: str) -> Tensor:
         """An input, or a stand-in pointer for an absent one (never read)."""
@@ -123,8 +124,6 @@ class _Launch:
         head) of dt; (batch, seqlen) of seq_idx; zeros for an absent one."""
         rank = {"dt": 3, "seq": 2}
         return sum((self.given_strides.get(n) or _strides(self.inputs.get(n), rank.get(n, 4)) for n in names), ())
-
-    given_strides: dict = {}  # an input's strides where its tensor is a flat buffer (dt_processed's)
 
     def dt_processed(self) -> "_Launch":
         """This launch with dt in place of dt + dt_bias through softplus and the clamp, as ssd_dt_kernel writes it

@@ -866,12 +866,19 @@ def ssd_bwd_group_kernel(
     seq_row = seq_ptr + b * s_seqb
     seq_k = _seq(seq_row, t_k, valid_k, s_seqt, HAS_SEQ)
     B_row, C_row = B_ptr + b * s_Bb + g * s_Bg, C_ptr + b * s_Cb + g * s_Cg
+    # the block's pairs in dCB, (p, k) for dB and (k, p) for dC, p in [first_pair, last_pair); the sequence whose
+    # rows the other blocks reach (see the quadratic part below)
     if DB:  # the state after the chunk (v) and the varlen states: the tokens of the sequence at their ends
         seq_out = _seq_at(seq_row, tl.minimum(t0 + Q, seqlen) - 1, s_seqt, HAS_SEQ)
         dl_tile = _tile(B_row, t_k, valid_k, s_Bt, nn, dstate, s_Bn)
+        first_pair, last_pair = k, nblocks
+        seq_one = _seq_at(seq_row, tl.minimum(t0 + tl.minimum(k * BLOCK_T + BLOCK_T, Q), seqlen) - 1, s_seqt,
+                          HAS_SEQ)
     else:  # the state entering the chunk (w): the tokens of the sequence before it
         seq_out = _seq_at(seq_row, t0 - 1, s_seqt, HAS_SEQ)
         dl_tile = _tile(C_row, t_k, valid_k, s_Ct, nn, dstate, s_Cn)
+        first_pair, last_pair = 0, k + 1
+        seq_one = _seq_at(seq_row, tl.minimum(t0 + k * BLOCK_T, seqlen - 1), s_seqt, HAS_SEQ)
     acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
     varlen = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)  # (added after dCB's part: see below)
     for r in range(0, heads_per_group // splits):
@@ -897,8 +904,6 @@ def ssd_bwd_group_kernel(
                                      HAS_SEQ, SOFTPLUS, HAS_LIMIT, DOT_F32, BLOCK_T)
                 varlen += part
                 dl = tl.sum(dl_tile * part, axis=1)
-            for ib in range(k, nblocks):
-                dl += tl.load(dl_part_ptr + (ib * batch * nheads * seqlen + dl_row) + t_k, mask=valid_k, other=0.0)
         else:
             carried = valid_k & (seq_k == seq_out)
             w = tl.where(carried, tl.exp(_log_decay_from(t0, 0, k, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS,
@@ -907,8 +912,8 @@ def ssd_bwd_group_kernel(
             part = tl.where(carried[:, None], _dot(_operand(dy * w[:, None], x_ptr, DOT_F32), state, DOT_F32), 0.0)
             acc += part
             dl = tl.sum(dl_tile * part, axis=1)
-            for jb in range(0, k + 1):
-                dl += tl.load(dl_part_ptr + (jb * batch * nheads * seqlen + dl_row) + t_k, mask=valid_k, other=0.0)
+        for p in range(first_pair, last_pair):
+            dl += tl.load(dl_part_ptr + (p * batch * nheads * seqlen + dl_row) + t_k, mask=valid_k, other=0.0)
         tl.store(dl_ptr + dl_row + t_k, dl, mask=valid_k)
     # The run's quadratic part: dCB's row block k against B (dC), or its column block k against C (dB). With
     # seq_idx the block itself comes last: the other blocks reach its rows (columns) of one sequence only, its
@@ -918,31 +923,25 @@ def ssd_bwd_group_kernel(
     run = tl.program_id(1) % splits
     dcb = dcb_ptr + (((run * batch + b) * nchunks + c) * ngroups + g) * dcb_side * dcb_side
     rows = tl.arange(0, BLOCK_T)
-    if DB:
-        seq_one = _seq_at(seq_row, tl.minimum(t0 + tl.minimum(k * BLOCK_T + BLOCK_T, Q), seqlen) - 1, s_seqt,
-                          HAS_SEQ)
-        trips = nblocks - k
-    else:
-        seq_one = _seq_at(seq_row, tl.minimum(t0 + k * BLOCK_T, seqlen - 1), s_seqt, HAS_SEQ)
-        trips = k + 1
-    for kk in range(0, trips):
+    for kk in range(0, last_pair - first_pair):
         if DB:
             i = k + kk
             if HAS_SEQ:
                 i = tl.where(k + kk + 1 < nblocks, k + kk + 1, k)
             t_i, valid_i = _block(t0, i, Q, seqlen, BLOCK_T)
             tile = tl.trans(tl.load(dcb + (i * BLOCK_T + rows)[:, None] * dcb_side + (k * BLOCK_T + rows)[None, :]))
-            M = _tile(C_row, t_i, valid_i, s_Ct, nn, dstate, s_Cn)
+            other = _tile(C_row, t_i, valid_i, s_Ct, nn, dstate, s_Cn)
         else:
             i = kk
             t_i, valid_i = _block(t0, i, Q, seqlen, BLOCK_T)
             tile = tl.load(dcb + (k * BLOCK_T + rows)[:, None] * dcb_side + (i * BLOCK_T + rows)[None, :])
-            M = _tile(B_row, t_i, valid_i, s_Bt, nn, dstate, s_Bn)
+            other = _tile(B_row, t_i, valid_i, s_Bt, nn, dstate, s_Bn)
         if HAS_SEQ:
             seq_i = _seq(seq_row, t_i, valid_i, s_seqt, HAS_SEQ)
-            M = tl.where(((seq_i == seq_one)[:, None] | (i == k)) & ((M * 0.0 == 0.0) | (i != k)), M, 0.0)
+            other = tl.where(((seq_i == seq_one)[:, None] | (i == k)) & ((other * 0.0 == 0.0) | (i != k)), other,
+                             0.0)
             acc = tl.where((seq_k == seq_one)[:, None] | (i != k), acc, 0.0)
-        acc += _dot(tile, _operand(M, x_ptr, DOT_F32), DOT_F32)
+        acc += _dot(tile, _operand(other, x_ptr, DOT_F32), DOT_F32)
     if HAS_SEQ:  # the block's own NaN and inf of B (C) to its rows after (before) them of their sequence: NaN
         if DB:
             own = _tile(C_row, t_k, valid_k, s_Ct, nn, dstate, s_Cn)
