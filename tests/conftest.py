@@ -327,6 +327,12 @@ def on_device(values: dict, device) -> dict:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in values.items()}
 
 
+# The interpreter walks a Mamba-1 scan a step at a time (~15 ms a step forward and backward at the grid's
+# sizes): a case longer than this is slow there (30 s at CHUNK_LEN - 1 steps), so it runs under the
+# interpreter only with `-m slow` (make test-triton-interpreter) and natively in make gpu-check.
+INTERPRETED_QUICK_SEQLEN = CHUNK_LEN // 2
+
+
 def backend_params(cases=None, names=None, devices=("cpu",)):
     """Every backend (or those `names`), times every case, on each of `devices` (a family's grids pass
     GRID_DEVICES), each a `Backend`, skipped with its reason where it cannot run here. The CPU's
@@ -345,7 +351,7 @@ def backend_params(cases=None, names=None, devices=("cpu",)):
                     marks.append(pytest.mark.skip(reason="triton: CPU tensors need TRITON_INTERPRET=1"))
                 elif device != "cpu" and interpreting():
                     marks.append(pytest.mark.skip(reason=f"{device} tensors do not run under TRITON_INTERPRET=1"))
-                if device == "cpu" and name == "triton" and case is not None and case.seqlen > CHUNK_LEN:
+                if device == "cpu" and name == "triton" and case is not None and case.seqlen > INTERPRETED_QUICK_SEQLEN:
                     marks.append(pytest.mark.slow)
                 backend = Backend(name, device)
                 label = name if device == "cpu" else f"{name}-{device}"
