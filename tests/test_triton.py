@@ -450,10 +450,13 @@ COMPILE_CASES = [
 ]
 
 
+# Every case and both backward modes for sm_90, the target the kernels are tuned for; the other targets
+# compile the atomic launches (the deterministic backward differs in its sum over a block's channels only,
+# proven on sm_90): each compile of a backward takes ptxas ~12 s of make test's CPU with a cold cache, as CI has.
 def _compile_params():
     for target in COMPILE_TARGETS:
         for i, case in enumerate(COMPILE_CASES):
-            for deterministic in (False, True) if case.B != "const" else (False,):
+            for deterministic in (False, True) if case.B != "const" and target == "sm90" else (False,):
                 quick = target == "sm90" and i == 0 and not deterministic
                 marks = () if quick else (pytest.mark.slow,)
                 yield pytest.param(target, case, deterministic, marks=marks,
@@ -519,9 +522,9 @@ def _ssd_compile_args(name: str) -> tuple:
     return args
 
 
-def _ssd_compile_params():
+def _ssd_compile_params():  # the varlen case for sm_90 only (see _compile_params)
     for target in COMPILE_TARGETS:
-        for name in SSD_COMPILE_CASES:
+        for name in SSD_COMPILE_CASES if target == "sm90" else ["mamba2-2.7b"]:
             marks = () if (target, name) == ("sm90", "mamba2-2.7b") else (pytest.mark.slow,)
             yield pytest.param(target, name, marks=marks, id=f"{target}-{name}")
 
@@ -538,7 +541,7 @@ SSD_KERNELS = ["ssd_dt_kernel", "ssd_states_fwd_kernel", "ssd_cb_kernel", "ssd_c
 def test_triton_ssd_kernels_compile_for_gpus_without_spilling(target, name):
     """The SSD scan's forward and backward launches, and the multi-head decoding step's at the same
     sizes, compiled for a GPU: no register spills at the benchmark's shape. (The varlen case's
-    seq_idx, fp16 and per-channel D cost a few: 32 bytes in gfx942's output kernel.) On NVIDIA's, the
+    seq_idx, fp16 and per-channel D may cost a few: 32 bytes in gfx942's output kernel.) On NVIDIA's, the
     output kernel (the forward's and dz's launches) takes at most 128 registers as Mamba2 calls it, so
     that two of its 8-warp programs share an SM (with seq_idx and per-channel D: ~175)."""
     aot = benchmark_module("triton_aot")
@@ -646,8 +649,8 @@ def test_triton_static_estimate_shows_time_inside_the_threads():
     layout: the loops over time of the forward and the backward, a thread's channel with its states in
     registers, need no shuffle (the backward's, mamba_ssm's layout with time across lanes, needed 6.75
     per element, and 43 before that)."""
-    proc = subprocess.run([sys.executable, "benchmarks/triton_static.py", "--no-bounds"], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "benchmarks/triton_static.py", "--no-bounds", "--family", "scan"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.startswith(("forward",
                                                                                                      "backward"))}
