@@ -14,7 +14,7 @@ Goals (issue 42): forward >= 50% of copy bandwidth, forward+backward >= 25%. The
 decoding step (`selective_state_update`, dim 5120, dstate 16, float32 state) at batch 1 and 64,
 eager and replayed from a CUDA graph, against mamba_ssm's Triton step. `--sweep` times the
 scan kernels with other warp counts, tiles, checkpoint segments and dB/dC sums in place of the
-launchers' choice, and the SSD scan's with other warps, tiles and pipelining stages (SSD_SWEEP), to retune
+launchers' choice, and the SSD scan's with other warps, tiles and pipelining stages (ssd_sweep()), to retune
 them (`python benchmarks/gpu.py --sweep --skip-baselines`).
 
 Then Mamba-2's SSD scan at the three shapes of issue 41 (SSD_SHAPES: mamba2-2.7b's layer at batch 8,
@@ -39,7 +39,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -66,6 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--ref-seqlen", type=int, default=256, help="seqlen at which the compiled reference is timed")
     p.add_argument("--skip-baselines", action="store_true", help="time the Triton operators only")
     p.add_argument("--sweep", action="store_true", help="also time the kernels with other warp counts")
+    p.add_argument("--autotune", action="store_true",
+                   help="also time the SSD scan with SSMOPS_AUTOTUNE=1 (choices kept in a temporary file)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 rate (H100 SXM: 989)")
     p.add_argument("--decoding", action="store_true", help="only the decoding rows: both steps and generate")
     p.add_argument("--lm-shapes", default=",".join(LM_SHAPES), help="the LM shapes generate runs (comma-separated)")
@@ -132,6 +136,8 @@ def main(argv=None) -> int:
     if status != "available":
         print(f"the triton backend is not available: {status}", file=sys.stderr)
         return 2
+    if args.autotune:  # (nothing read from, or left in, the user's file of choices)
+        os.environ["SSMOPS_TUNING_CACHE"] = os.path.join(tempfile.mkdtemp(), "tuning.json")
     if args.decoding:
         decode_step(args, copy_bandwidth())
         ssd_decode_step(args)
@@ -349,15 +355,16 @@ def sweep_tiles(fwd, bwd, repeats: int) -> None:
 
 
 # The SSD launchers' knobs (ssmops/ops/ssd/triton.py) and the values --sweep tries for each, one knob at a time
-SSD_SWEEP = {"SCAN_WARPS": (4, 8), "SCAN_BLOCK_P": (32, 64), "SCAN_STAGES": (1, 2, 3), "DZ_STAGES": (1, 2, 3),
-             "BWD_BLOCK_T": (32, 64), "BWD_WARPS": (4, 8), "BWD_STAGES": (1, 2, 3), "STATE_WARPS": (4, 8),
-             "STATE_STAGES": (1, 2, 3),
-             "CB_IN_OPERAND_DTYPE": (False, True), "GROUP_BLOCK_T": (32, 64), "GROUP_HEADS": (4, 8, 16, 32),
-             "GROUP_WARPS": (4, 8), "GROUP_STAGES": (1, 2, 3), "DCB_WARPS": (4, 8)}
+def ssd_sweep() -> dict:
+    """The SSD launcher's knobs and their values to time: what SSMOPS_AUTOTUNE=1 tunes (TUNING_SPACE), and the
+    precision of C.B^T's tiles."""
+    from ssmops.ops.ssd import triton as ops
+
+    return {**ops.TUNING_SPACE, "CB_IN_OPERAND_DTYPE": (False, True)}
 
 
 def sweep_ssd_knobs(args) -> None:
-    """The SSD scan's forward and forward+backward ms at each of SSD_SHAPES with each value of SSD_SWEEP's
+    """The SSD scan's forward and forward+backward ms at each of SSD_SHAPES with each value of ssd_sweep()'s
     knobs in place of the launchers' (the first row), the other knobs as chosen."""
     from ssmops.ops.ssd import triton as ops
 
@@ -371,13 +378,14 @@ def sweep_ssd_knobs(args) -> None:
             return f"{type(err).__name__:>21}"
         return f"{t_fwd * 1e3:>9.3f} {t_both * 1e3:>11.3f}"
 
-    chosen = {knob: getattr(ops, knob) for knob in SSD_SWEEP}
+    sweep = ssd_sweep()
+    chosen = {knob: getattr(ops, knob) for knob in sweep}
     print("\nSSD knobs (ssmops/ops/ssd/triton.py), one at a time; forward and forward+backward ms at each shape")
     names = (f"b{s['batch']} L{s['seqlen']} h{s['nheads']} g{s['ngroups']}" for s in SSD_SHAPES)
     print(f"{'knob':<26}" + "".join(f" {name:>21}" for name in names))
     print(f"{'chosen by the launchers':<26}" + "".join(f" {cell(s)}" for s in SSD_SHAPES))
     try:
-        for knob, values in SSD_SWEEP.items():
+        for knob, values in sweep.items():
             for value in values:
                 if value != chosen[knob]:
                     setattr(ops, knob, value)
@@ -430,14 +438,25 @@ def peer_function(module: str, name: str):
         return None
 
 
-def ssd_contenders(skip_baselines: bool = False) -> dict:
-    """name -> fn(**ssd_inputs) -> out: ssmops on Triton, mamba_ssm's when installed, ssmops' default
-    backend, and torch.compile of the chunked reference."""
+def ssd_contenders(skip_baselines: bool = False, autotune: bool = False) -> dict:
+    """name -> fn(**ssd_inputs) -> out: ssmops on Triton (and with autotune, again with SSMOPS_AUTOTUNE=1: its
+    first call at a shape tunes the knobs, which cuda_time's warm-up leaves out), mamba_ssm's when installed,
+    ssmops' default backend, and torch.compile of the chunked reference."""
     import ssmops
+    from ssmops.ops._tuning import AUTOTUNE_ENV
     from ssmops.ops.ssd.reference import ssd_chunked_ref
 
     chunk = SSD_LAYER["chunk"]
     named = {"ssmops triton": lambda **kw: ssmops.mamba_chunk_scan_combined(**kw, chunk_size=chunk, dt_softplus=True)}
+    if autotune:
+        def tuned(**kw):
+            os.environ[AUTOTUNE_ENV] = "1"
+            try:
+                return ssmops.mamba_chunk_scan_combined(**kw, chunk_size=chunk, dt_softplus=True)
+            finally:
+                del os.environ[AUTOTUNE_ENV]
+
+        named["ssmops tuned"] = tuned
     peer = peer_function("ssd_combined", "mamba_chunk_scan_combined")
     if peer is not None:
         named["mamba_ssm"] = lambda **kw: peer(**kw, chunk_size=chunk, dt_softplus=True)
@@ -484,7 +503,7 @@ def ssd_rows(args) -> None:
     dtype = DTYPES[args.dtype]
     rate = matmul_rate()
     print(f"\nbf16 matmul 8192^3: {rate / 1e12:.0f} TFLOP/s measured")
-    contenders = ssd_contenders(args.skip_baselines)
+    contenders = ssd_contenders(args.skip_baselines, args.autotune)
     for shape in SSD_SHAPES:
         fwd_flops = flops(shape)
         layer = ", ".join(f"{k} {v}" for k, v in shape.items())
@@ -500,13 +519,20 @@ def ssd_rows(args) -> None:
             times[name] = (t_fwd, t_both)
             print(f"{name:<15} {t_fwd * 1e3:8.3f} {fwd_flops / t_fwd / 1e12:8.1f} {fwd_flops / t_fwd / rate:6.1%} "
                   f"{t_both * 1e3:11.3f} {3 * fwd_flops / t_both / 1e12:8.1f}")
-        ours = times.get("ssmops triton")
-        if ours:
+        ours = [name for name in ("ssmops triton", "ssmops tuned") if name in times]
+        for mine in ours:
             for name, (t_fwd, t_both) in times.items():
-                if name != "ssmops triton":
+                if name not in ours:
                     goal = " (goals 1.5x, 1.3x)" if name == "mamba_ssm" else ""
-                    print(f"ssmops triton vs {name}: forward {t_fwd / ours[0]:.2f}x, "
-                          f"forward+backward {t_both / ours[1]:.2f}x{goal}")
+                    print(f"{mine} vs {name}: forward {t_fwd / times[mine][0]:.2f}x, "
+                          f"forward+backward {t_both / times[mine][1]:.2f}x{goal}")
+    if args.autotune:
+        from ssmops.ops.ssd import triton as ops
+
+        print("\nSSD knobs chosen by SSMOPS_AUTOTUNE=1 (the others as the launchers' defaults):")
+        for (device, key), phases in ops.TUNER.choices().items():
+            print(f"  {key} on {device}: " + ", ".join(f"{knob} {value}" for knobs in phases.values()
+                                                      for knob, value in knobs.items() if value != getattr(ops, knob)))
 
 
 def graphed(fn):

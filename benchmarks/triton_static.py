@@ -163,7 +163,8 @@ def _ssd_trips(name: str, meta: dict, shape: dict) -> float:
 
     blocks = -(-shape["chunk"] // meta["BLOCK_T"])
     nchunks = -(-shape["seqlen"] // shape["chunk"])
-    run = shape["nheads"] // shape["ngroups"] // ssd_triton._head_runs(shape["nheads"] // shape["ngroups"])
+    heads_per_group = shape["nheads"] // shape["ngroups"]
+    run = heads_per_group // ssd_triton._head_runs(heads_per_group, ssd_triton.GROUP_HEADS)
     if name in ("ssd_states_fwd_kernel", "ssd_state_grads_kernel"):
         return nchunks * blocks
     if name == "ssd_bwd_dcb_kernel":
@@ -228,14 +229,14 @@ def _ssd_grids(shape: dict) -> list:
 
     b, L, h, p, g, n, Q = (shape[k] for k in ("batch", "seqlen", "nheads", "headdim", "ngroups", "dstate", "chunk"))
     nchunks = -(-L // Q)
-    cfg = ssd_triton._config(Q, p, n)
+    cfg = ssd_triton._config(Q, p, n, ssd_triton.TUNER.defaults())
     tiles = ssd_triton._state_tiles(p, n)
     state_programs = b * h * -(-p // tiles["BLOCK_P"]) * -(-n // tiles["BLOCK_N"])
     scan = nchunks * -(-Q // cfg["BLOCK_T"]) * b * h * -(-p // cfg["BLOCK_P"])
     dx = nchunks * -(-Q // min(cfg["BLOCK_T"], ssd_triton.BWD_BLOCK_T)) * b * h
     cb = nchunks * -(-Q // cfg["BLOCK_T"]) * b * g
     group_blocks = -(-Q // ssd_triton._triton.pow2_tile(Q, 16, ssd_triton.GROUP_BLOCK_T))
-    runs = b * g * ssd_triton._head_runs(h // g)
+    runs = b * g * ssd_triton._head_runs(h // g, ssd_triton.GROUP_HEADS)
     dcb, group = nchunks * group_blocks * (group_blocks + 1) // 2 * runs, nchunks * group_blocks * runs
     dt = -(-L // 256) * b * h
     return [dt, state_programs, cb, scan, dt, state_programs, cb, scan, dx, dcb, group, group, nchunks * b * h, b * h]
@@ -377,7 +378,7 @@ def bounds(args, aot, compiled: dict) -> None:
         rows = launch_rows("ssd", tc.ssd_inputs(**shape, dtype=DTYPES[args.dtype], device="meta"), b * h * L,
                            lambda i, info, meta, programs: ssd_issue(i, info, meta, programs, shape), b * g * L)
         # the backward's float32 dB and dC, one per run of a group's heads, summed (or converted) by torch: read once
-        runs = 2 * ssd_triton._head_runs(h // g) * b * L * g * n * 4
+        runs = 2 * ssd_triton._head_runs(h // g, ssd_triton.GROUP_HEADS) * b * L * g * n * 4
         print(f"{'(torch: dB/dC sums over runs)':<31} {runs / 1e9:>33.2f} GB read: "
               f"{runs / copy_rate * 1e3:.2f} ms at the copy rate, in forward+backward")
         passes(rows, 4, measured if args.dtype == "bfloat16" else ((None, None), (None, None)), runs / copy_rate)

@@ -39,6 +39,9 @@ from ssmops._registry import interpreting
 from ssmops.ops.selective_scan.checks import CHUNK_LEN
 
 REPO = Path(__file__).resolve().parents[1]
+# the launchers' knobs as the code sets them: no autotuning, no choices read from the user's file (ops/_tuning.py)
+os.environ.pop("SSMOPS_AUTOTUNE", None)
+os.environ["SSMOPS_TUNING_CACHE"] = os.devnull
 
 
 def pytest_configure(config):

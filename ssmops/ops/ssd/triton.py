@@ -18,7 +18,7 @@ import triton
 from torch import Tensor
 from torch.library import triton_op
 
-from .. import _triton
+from .. import _triton, _tuning
 from .checks import check_sequence_values, check_ssd_grad_inputs, check_ssd_inputs, num_chunks
 from .triton_kernels import (
     ssd_bwd_dcb_kernel, ssd_bwd_ddt_kernel, ssd_bwd_dx_kernel, ssd_bwd_group_kernel, ssd_cb_kernel,
@@ -57,12 +57,24 @@ STATE_STAGES = 3  # (2: 134 and 136 registers on sm_90, still over 128, and 16 b
 # mamba_ssm keeps its CB in float32: False does too.
 CB_IN_OPERAND_DTYPE = True
 
+# What SSMOPS_AUTOTUNE=1 times per shape (ops/_tuning.py), each phase's knobs in the call that launches with them:
+# the state passes' are the forward's (the backward's state pass reads them too), dz's stages the backward's.
+# (CB_IN_OPERAND_DTYPE is a precision and SCAN_BLOCK_T the layout of C.B^T's tiles: not tuned.)
+TUNING_SPACE = {"SCAN_BLOCK_P": (32, 64), "SCAN_WARPS": (4, 8), "SCAN_STAGES": (1, 2, 3), "STATE_WARPS": (4, 8),
+                "STATE_STAGES": (1, 2, 3), "DZ_STAGES": (1, 2, 3), "BWD_BLOCK_T": (32, 64), "BWD_WARPS": (4, 8),
+                "BWD_STAGES": (1, 2, 3), "GROUP_BLOCK_T": (32, 64), "GROUP_HEADS": (4, 8, 16, 32),
+                "GROUP_WARPS": (4, 8), "GROUP_STAGES": (1, 2, 3), "DCB_WARPS": (4, 8)}
+FORWARD_KNOBS = ("SCAN_BLOCK_P", "SCAN_WARPS", "SCAN_STAGES", "STATE_WARPS", "STATE_STAGES")
+BACKWARD_KNOBS = tuple(name for name in TUNING_SPACE if name not in FORWARD_KNOBS)
+TUNER = _tuning.Tuner("ssd", lambda: {name: globals()[name] for name in (*TUNING_SPACE, "SCAN_BLOCK_T",
+                                                                          "CB_IN_OPERAND_DTYPE")}, TUNING_SPACE)
 
-def _config(chunk_size: int, headdim: int, dstate: int) -> dict:
+
+def _config(chunk_size: int, headdim: int, dstate: int, knobs: dict) -> dict:
     """Token blocks of SCAN_BLOCK_T (16 at least: a GEMM side), dstate whole (the C.B^T contraction) and
     headdim in blocks of SCAN_BLOCK_P in the forward's output kernel; 16-bit GEMM operands need sides of 16."""
-    return dict(BLOCK_T=_triton.pow2_tile(chunk_size, 16, SCAN_BLOCK_T),
-                BLOCK_P=_triton.pow2_tile(headdim, 16, SCAN_BLOCK_P),
+    return dict(BLOCK_T=_triton.pow2_tile(chunk_size, 16, knobs["SCAN_BLOCK_T"]),
+                BLOCK_P=_triton.pow2_tile(headdim, 16, knobs["SCAN_BLOCK_P"]),
                 BLOCK_N=_triton.pow2_tile(dstate, 16, _triton.NO_CAP))
 
 
@@ -97,7 +109,7 @@ class _Launch:
     """What every launch of one call shares: sizes, the per-token inputs' strides, the flags."""
 
     def __init__(self, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size,
-                 dt_softplus, dt_limit):
+                 dt_softplus, dt_limit, knobs: Optional[dict] = None):
         self.batch, self.seqlen, self.nheads, self.headdim, self.ngroups, self.dstate, self.nseq = check_ssd_inputs(
             x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_limit)
         if _is_real(seq_idx) and _is_real(cu_seqlens):
@@ -111,8 +123,21 @@ class _Launch:
         self.flags = dict(HAS_BIAS=dt_bias is not None, HAS_SEQ=seq_idx is not None, SOFTPLUS=bool(dt_softplus),
                           HAS_LIMIT=len(dt_limit) == 2, DOT_F32=_dot_f32(x, B, C))
         self.d_flags = dict(HAS_D=D is not None, D_CHANNEL=D is not None and D.dim() == 2)
-        self.cfg = _config(chunk_size, self.headdim, self.dstate)
+        self.key = self._tuning_key(B, chunk_size, cu_seqlens)
+        self.knobs = knobs if knobs is not None else TUNER.knobs(self.key, x.device)
+        self.cfg = _config(chunk_size, self.headdim, self.dstate, self.knobs)
         self.given_strides = {}  # an input's strides where its tensor is a flat buffer (dt_processed's)
+
+    def _tuning_key(self, B: Tensor, chunk_size: int, cu_seqlens: Optional[Tensor]) -> Optional[str]:
+        """What the knobs are tuned for: the sizes a model layer keeps from call to call, the dtypes and which
+        optionals are given; not batch or seqlen (dynamic in a compiled graph). None where a size is symbolic."""
+        sizes = (self.nheads, self.ngroups, self.headdim, self.dstate, chunk_size)
+        if not all(type(size) is int for size in sizes):
+            return None
+        given = [name for name in ("D", "z", "bias", "seq") if self.inputs[name] is not None]
+        given += ["D per channel"] * self.d_flags["D_CHANNEL"] + ["cu_seqlens"] * (cu_seqlens is not None)
+        return (f"heads {self.nheads} groups {self.ngroups} headdim {self.headdim} dstate {self.dstate} "
+                f"chunk {chunk_size} {self.inputs['x'].dtype}/{B.dtype} {'+'.join(given)}")
 
     def ptr(self, name: str) -> Tensor:
         """An input, or a stand-in pointer for an absent one (never read)."""
@@ -143,6 +168,10 @@ class _Launch:
         processed.flags = dict(self.flags, HAS_BIAS=False, SOFTPLUS=False, HAS_LIMIT=False)
         return processed
 
+    def state_launch(self) -> dict:
+        """The state passes' warps and stages (forward and backward)."""
+        return dict(num_warps=self.knobs["STATE_WARPS"], num_stages=self.knobs["STATE_STAGES"])
+
     def state_grid(self, tiles: dict, rows: int) -> tuple:
         return (triton.cdiv(self.headdim, tiles["BLOCK_P"]) * triton.cdiv(self.dstate, tiles["BLOCK_N"]), rows)
 
@@ -158,8 +187,9 @@ class _Launch:
         cfg, side = self.cfg, self.cb_side()
         blocks = side // cfg["BLOCK_T"]
         x = self.inputs["x"]
-        cb = _triton.output((self.batch, self.nchunks, self.ngroups, side, side),
-                            torch.float32 if self.flags["DOT_F32"] or not CB_IN_OPERAND_DTYPE else x.dtype, x.device)
+        f32 = self.flags["DOT_F32"] or not self.knobs["CB_IN_OPERAND_DTYPE"]
+        cb = _triton.output((self.batch, self.nchunks, self.ngroups, side, side), torch.float32 if f32 else x.dtype,
+                            x.device)
         _triton.launch(ssd_cb_kernel, (self.nchunks * blocks, self.batch * self.ngroups), (
             self.ptr("B"), self.ptr("C"), cb, self.seqlen, self.ngroups, self.chunk_size, self.nchunks, blocks,
             *self.token_strides("B", "C"), self.dstate,
@@ -180,18 +210,24 @@ class _Launch:
             *self.token_strides("x", "dt", "B", "C", "z"), *_strides(dout, 4), *self.token_strides("seq"),
             D.stride(0) if D is not None else 0,
         ), dict(**self.d_flags, HAS_Z=self.inputs["z"] is not None, DZ=dout is not None, **self.flags, **cfg,
-                num_warps=SCAN_WARPS, num_stages=DZ_STAGES if dout is not None else SCAN_STAGES))
+                num_warps=self.knobs["SCAN_WARPS"],
+                num_stages=self.knobs["DZ_STAGES"] if dout is not None else self.knobs["SCAN_STAGES"]))
 
 
 def ssd_fwd(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
     dt_bias: Optional[Tensor], initial_states: Optional[Tensor], seq_idx: Optional[Tensor],
     cu_seqlens: Optional[Tensor], chunk_size: int, dt_softplus: bool, dt_limit: list[float],
+    knobs: Optional[dict] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(knobs: the launch knobs, TUNER's for the call's key when None.)"""
     x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx = _triton.contiguous_when_traced(
         x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx)
-    run = _Launch(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_softplus,
-                  dt_limit).dt_processed()
+    args = (x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_softplus, dt_limit)
+    run = _Launch(*args, knobs)
+    if knobs is None and TUNER.tune(run.key, x.device, "forward", FORWARD_KNOBS, lambda k: ssd_fwd(*args, k)):
+        run = _Launch(*args)
+    run = run.dt_processed()
     f32 = dict(dtype=torch.float32, device=x.device)
     batch, nheads, headdim, dstate = run.batch, run.nheads, run.headdim, run.dstate
     # every buffer a kernel writes is 1-D (contiguous), viewed as its shape after the launch (_triton.output)
@@ -206,7 +242,7 @@ def ssd_fwd(
         initial_states if initial_states is not None else x, run.ptr("seq"), states, states_op, final, *run.sizes,
         *run.token_strides("x", "dt", "B", "seq"), *_strides(initial_states, 4),
     ), dict(HAS_INIT=initial_states is not None, **run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles,
-            num_warps=STATE_WARPS, num_stages=STATE_STAGES))
+            **run.state_launch()))
     out = _triton.output(x.shape, x.dtype, x.device)
     run.chunk_scan(states_op, run.cb_tiles(), out, None)
     varlen = x.new_empty(0, dtype=torch.float32)
@@ -215,8 +251,7 @@ def ssd_fwd(
         _triton.launch(ssd_varlen_states_kernel, run.state_grid(tiles, run.nseq * nheads), (
             *(run.ptr(n) for n in ("x", "dt", "A", "B", "bias", "seq")), cu_seqlens, states, varlen, *run.sizes,
             *x.stride()[1:], *run.token_strides("dt")[1:], *B.stride()[1:], seq_idx.stride(1),
-        ), dict(**run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles, num_warps=STATE_WARPS,
-                num_stages=STATE_STAGES))
+        ), dict(**run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles, **run.state_launch()))
     return out.view(x.shape), final.view(final_shape), states.view(states_shape), \
         varlen.view(run.nseq, nheads, headdim, dstate) if cu_seqlens is not None else varlen
 
@@ -226,11 +261,17 @@ def ssd_bwd(
     dt_bias: Optional[Tensor], initial_states: Optional[Tensor], seq_idx: Optional[Tensor],
     cu_seqlens: Optional[Tensor], chunk_size: int, dt_softplus: bool, dt_limit: list[float], dout: Tensor,
     chunk_states: Tensor, dfinal_states: Optional[Tensor], dvarlen_states: Optional[Tensor],
+    knobs: Optional[dict] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(knobs: the launch knobs, TUNER's for the call's key when None.)"""
     x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, dout = _triton.contiguous_when_traced(
         x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, dout)
-    raw = _Launch(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_softplus,
-                  dt_limit)
+    args = (x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_softplus, dt_limit)
+    grad_args = (dout, chunk_states, dfinal_states, dvarlen_states)
+    raw = _Launch(*args, knobs)
+    if knobs is None and TUNER.tune(raw.key, x.device, "backward", BACKWARD_KNOBS,
+                                    lambda k: ssd_bwd(*args, *grad_args, k)):
+        raw = _Launch(*args)
     run = raw.dt_processed()  # (ssd_bwd_ddt_kernel differentiates through dt_bias, softplus and the clamp: raw)
     dims = (run.batch, run.seqlen, run.nheads, run.headdim, run.ngroups, run.dstate, run.nseq)
     check_ssd_grad_inputs(dims, x, chunk_size, dout, chunk_states, dfinal_states, dvarlen_states)
@@ -260,7 +301,7 @@ def ssd_bwd(
         *run.sizes, *run.token_strides("dt", "C", "z"), *dout.stride(), *run.token_strides("seq"),
     ), dict(HAS_Z=z is not None, HAS_DFINAL=dfinal is not None, HAS_DVARLEN=dvarlen is not None,
             HAS_INIT=initial_states is not None, **run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles,
-            num_warps=STATE_WARPS, num_stages=STATE_STAGES))
+            **run.state_launch()))
 
     cb = run.cb_tiles()  # (for dz's recomputed output and the dX pass)
     dz = x.new_empty(0, dtype=torch.float32)
@@ -274,7 +315,7 @@ def ssd_bwd(
     # every chunk's gradients, by blocks of tokens: dx per head, dB and dC per run of a group's heads
     dx = _triton.output(x.shape, x.dtype, x.device)
     ddt = _triton.output(dt.shape, dt.dtype, x.device)
-    cfg = dict(run.cfg, BLOCK_T=min(run.cfg["BLOCK_T"], BWD_BLOCK_T),
+    cfg = dict(run.cfg, BLOCK_T=min(run.cfg["BLOCK_T"], run.knobs["BWD_BLOCK_T"]),
                BLOCK_P=_triton.pow2_tile(headdim, 16, _triton.NO_CAP))
     blocks = triton.cdiv(chunk_size, cfg["BLOCK_T"])
     parts = batch * nchunks * nheads
@@ -289,7 +330,7 @@ def ssd_bwd(
         *varlen_args, dx, dD_part, R, xdx, *run.sizes, blocks, run.cb_side(), *strides,
         D.stride(0) if D is not None else 0,
     ), dict(**run.d_flags, HAS_Z=z is not None, HAS_DVARLEN=dvarlen is not None, **run.flags, **cfg,
-            num_warps=BWD_WARPS, num_stages=BWD_STAGES))
+            num_warps=run.knobs["BWD_WARPS"], num_stages=run.knobs["BWD_STAGES"]))
     dB, dC = _group_grads(run, states_op, dends_op, varlen_args, dvarlen is not None, gated, cb, dlC, dlB)
     _triton.launch(ssd_bwd_ddt_kernel, (nchunks, batch * nheads), (
         *(raw.ptr(n) for n in ("x", "dt", "A", "B", "bias", "seq")), states, dends, *varlen_args, dlC, dlB, R, xdx,
@@ -309,10 +350,9 @@ def ssd_bwd(
     )
 
 
-def _head_runs(heads_per_group: int) -> int:
-    """Into how many equal runs of at most GROUP_HEADS heads the backward's group kernels split a group."""
-    return next(n for n in range(1, heads_per_group + 1) if heads_per_group % n == 0 and
-                heads_per_group // n <= GROUP_HEADS)
+def _head_runs(heads_per_group: int, most: int) -> int:
+    """Into how many equal runs of at most `most` heads (GROUP_HEADS) the backward's group kernels split a group."""
+    return next(n for n in range(1, heads_per_group + 1) if heads_per_group % n == 0 and heads_per_group // n <= most)
 
 
 def _group_grads(run: _Launch, states_op: Tensor, dends_op: Tensor, varlen_args: tuple, has_dvarlen: bool,
@@ -323,8 +363,9 @@ def _group_grads(run: _Launch, states_op: Tensor, dends_op: Tensor, varlen_args:
     batch, seqlen, nheads, ngroups = run.batch, run.seqlen, run.nheads, run.ngroups
     x = run.inputs["x"]
     f32 = dict(dtype=torch.float32, device=x.device)
-    splits = _head_runs(nheads // ngroups)
-    tile = _triton.pow2_tile(run.chunk_size, 16, GROUP_BLOCK_T)
+    knobs = run.knobs
+    splits = _head_runs(nheads // ngroups, knobs["GROUP_HEADS"])
+    tile = _triton.pow2_tile(run.chunk_size, 16, knobs["GROUP_BLOCK_T"])
     blocks = triton.cdiv(run.chunk_size, tile)
     npairs = blocks * (blocks + 1) // 2
     side = blocks * tile
@@ -338,7 +379,7 @@ def _group_grads(run: _Launch, states_op: Tensor, dends_op: Tensor, varlen_args:
         batch, seqlen, nheads, run.headdim, run.chunk_size, run.nchunks, nheads // ngroups, lo, hi, ngroups, splits,
         npairs, run.cb_side(), side, *run.token_strides("x", "dt"), *gated.stride(), *run.token_strides("seq"),
     ), dict(**{k: run.flags[k] for k in ("HAS_BIAS", "HAS_SEQ", "SOFTPLUS", "HAS_LIMIT", "DOT_F32")}, **tiles,
-            num_warps=DCB_WARPS, num_stages=GROUP_STAGES))
+            num_warps=knobs["DCB_WARPS"], num_stages=knobs["GROUP_STAGES"]))
     grads = []
     for db, states, dl_part, dl in ((True, dends_op, dlB_part, dlB), (False, states_op, dlC_part, dlC)):
         out = _triton.output((splits, batch, seqlen, ngroups, run.dstate), **f32)
@@ -348,7 +389,7 @@ def _group_grads(run: _Launch, states_op: Tensor, dends_op: Tensor, varlen_args:
             nheads // ngroups, lo, hi, ngroups, splits, blocks, side,
             *run.token_strides("x", "dt", "B", "C"), *gated.stride(), *run.token_strides("seq"),
         ), dict(DB=db, **run.flags, HAS_DVARLEN=has_dvarlen, **tiles, BLOCK_N=run.cfg["BLOCK_N"],
-                num_warps=GROUP_WARPS, num_stages=GROUP_STAGES))
+                num_warps=knobs["GROUP_WARPS"], num_stages=knobs["GROUP_STAGES"]))
         shape = (batch, seqlen, ngroups, run.dstate)
         grads.append(out.view(shape) if splits == 1 else out.view(splits, *shape).sum(0))
     return grads[0], grads[1]
