@@ -100,12 +100,17 @@ def test_a_value_that_fails_to_launch_is_passed_over_and_other_errors_raise(tuni
         tuner.tune("other", CPU, "forward", ("TILE",), Launches(fail={"TILE": (16, ValueError("bad"))}))
 
 
-def test_nothing_is_tuned_without_the_variable_under_a_tracer_or_without_a_key(tuning, monkeypatch):
+def test_nothing_is_tuned_without_the_variable_under_a_tracer_deterministic_or_without_a_key(tuning, monkeypatch):
     tuner, launches = _tuner(), Launches()
     monkeypatch.setattr(_tuning, "traced", lambda: True)
     assert not tuner.tune("layer", CPU, "forward", ("TILE",), launches)
     monkeypatch.setattr(_tuning, "traced", lambda: False)
     assert not tuner.tune(None, CPU, "forward", ("TILE",), launches)
+    torch.use_deterministic_algorithms(True)
+    try:  # (the knobs set the order of some sums: chosen by the clock, the bits could change from run to run)
+        assert not tuner.tune("layer", CPU, "forward", ("TILE",), launches)
+    finally:
+        torch.use_deterministic_algorithms(False)
     monkeypatch.setenv(_tuning.AUTOTUNE_ENV, "0")
     assert not tuner.tune("layer", CPU, "forward", ("TILE",), launches)
     assert launches.calls == [] and not tuning.exists() and tuner.knobs("layer", CPU) == DEFAULTS

@@ -10,8 +10,10 @@ of its phase's knobs in turn, from the defaults, keeping a value when it is fast
 knobs mostly set different kernels' launches), on the call's own inputs. The choice is kept for the process
 and written to a JSON file (SSMOPS_TUNING_CACHE, else ~/.cache/ssmops/tuning.json) under the device's name and
 Triton's version; later processes read it whether or not they tune. Traced calls (torch.compile, export,
-AOTInductor) and CUDA-graph captures only read: a graph keeps the knobs chosen when it was traced. Values read
-from the file are used only where they are values the family's space lists.
+AOTInductor) and CUDA-graph captures only read: a graph keeps the knobs chosen when it was traced. So do calls
+under `torch.use_deterministic_algorithms(True)`: the knobs set the order of some sums, and a choice by the clock
+could differ from one run to the next. Values read from the file are used only where the family's space lists
+them.
 """
 
 from __future__ import annotations
@@ -101,8 +103,8 @@ class Tuner:
         """With SSMOPS_AUTOTUNE=1, in an eager call, for a key whose phase is not tuned yet: `run(knobs)` timed
         with each value of each knob of `names` in turn, the faster kept; then kept for the process and the file.
         A value that fails to launch (e.g. Triton's OutOfResources) is passed over. Whether it tuned."""
-        if key is None or not autotuning() or traced() or (device.type == "cuda" and
-                                                            torch.cuda.is_current_stream_capturing()):
+        if (key is None or not autotuning() or traced() or torch.are_deterministic_algorithms_enabled()
+                or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
             return False
         entry = self._entry(key, device)
         if phase in entry:
