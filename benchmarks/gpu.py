@@ -308,23 +308,15 @@ def sweep_decode_step(args) -> None:
         _triton._plans.clear()
 
 
-SWEEP_WARPS = (1, 2, 4, 8, 16)
-SWEEP_FORWARD_TILES = (16, 32, 64)
-SWEEP_BACKWARD_TILES = (16, 64)
-SWEEP_BACKWARD_SEGMENTS = (2, 4)
-SWEEP_BACKWARD_REDUCE = (4, 32, 128)
-
-
 def sweep_tiles(fwd, bwd, repeats: int) -> None:
-    """Forward and backward ms with each warp count of SWEEP_WARPS in place of the launchers' choice
-    (the first row): a program then takes 32 channels a warp (FORWARD_WARPS, BACKWARD_WARPS). Then the
-    forward with each FORWARD_TILE of SWEEP_FORWARD_TILES ((step, state) pairs a thread's tile of steps
-    holds), and the backward with each BACKWARD_TILE, BACKWARD_SEGMENT (tiles between checkpoints) and
-    BACKWARD_REDUCE (channels summed in a program before an atomic add of dB/dC) of the SWEEP_BACKWARD_*."""
+    """Forward and backward ms with each value of each knob of the scan's TUNING_SPACE (what SSMOPS_AUTOTUNE=1
+    times) in place of the launchers' choice (the first row), the others as chosen: warps (a program takes 32
+    channels a warp), FORWARD_TILE and BACKWARD_TILE ((step, state) pairs a thread's tile of steps holds),
+    BACKWARD_SEGMENT (tiles between checkpoints) and BACKWARD_REDUCE (channels summed in a program before an
+    atomic add of dB/dC)."""
     from ssmops.ops.selective_scan import triton as ops
 
-    knobs = ("FORWARD_WARPS", "FORWARD_TILE", "BACKWARD_WARPS", "BACKWARD_TILE", "BACKWARD_SEGMENT", "BACKWARD_REDUCE")
-    chosen = {knob: getattr(ops, knob) for knob in knobs}
+    chosen = {knob: getattr(ops, knob) for knob in ops.TUNING_SPACE}
 
     def cell(fn) -> str:
         try:
@@ -332,29 +324,21 @@ def sweep_tiles(fwd, bwd, repeats: int) -> None:
         except Exception as err:  # e.g. triton's OutOfResources
             return type(err).__name__
 
-    def timed(knob: str, values: tuple, fn, column: int) -> None:
-        for value in values:
-            setattr(ops, knob, value)
-            print(f"{knob + ' ' + str(value):<26} {cell(fn):>{11 if column == 0 else 24}}")
-        setattr(ops, knob, chosen[knob])
-
-    print("warps                      forward ms  backward ms")
+    print("scan knobs (ssmops/ops/selective_scan/triton.py)   forward ms  backward ms")
     print(f"{'chosen by the launchers':<26} {cell(fwd):>11} {cell(bwd):>12}")
     try:
-        for warps in SWEEP_WARPS:
-            ops.FORWARD_WARPS = ops.BACKWARD_WARPS = warps
-            print(f"{warps:<26} {cell(fwd):>11} {cell(bwd):>12}")
-        ops.FORWARD_WARPS, ops.BACKWARD_WARPS = chosen["FORWARD_WARPS"], chosen["BACKWARD_WARPS"]
-        timed("FORWARD_TILE", SWEEP_FORWARD_TILES, fwd, 0)
-        timed("BACKWARD_TILE", SWEEP_BACKWARD_TILES, bwd, 1)
-        timed("BACKWARD_SEGMENT", SWEEP_BACKWARD_SEGMENTS, bwd, 1)
-        timed("BACKWARD_REDUCE", SWEEP_BACKWARD_REDUCE, bwd, 1)
+        for knob, values in ops.TUNING_SPACE.items():
+            forward = knob in ops.FORWARD_KNOBS
+            for value in values:
+                if value != chosen[knob]:
+                    setattr(ops, knob, value)
+                    print(f"{knob + ' ' + str(value):<26} {cell(fwd if forward else bwd):>{11 if forward else 24}}")
+            setattr(ops, knob, chosen[knob])
     finally:
         for knob, value in chosen.items():
             setattr(ops, knob, value)
 
 
-# The SSD launchers' knobs (ssmops/ops/ssd/triton.py) and the values --sweep tries for each, one knob at a time
 def ssd_sweep() -> dict:
     """The SSD launcher's knobs and their values to time: what SSMOPS_AUTOTUNE=1 tunes (TUNING_SPACE), and the
     precision of C.B^T's tiles."""

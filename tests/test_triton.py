@@ -251,8 +251,9 @@ def test_triton_blocks_of_channels(dim, dtype, monkeypatch):
     monkeypatch.setattr(scan_triton, "BACKWARD_WARPS", 2)
     case = Case(batch=2, dim=dim, seqlen=37, dstate=4, dtype=dtype, B="g2", C="g2", initial_state=True)
     kw, args = make_inputs(case), _fwd_args(case)
-    assert scan_triton._forward_config(dim, 4, kw["u"].element_size())["BLOCK_D"] == 64
-    assert scan_triton._backward_config(dim, 4, kw["u"].element_size(), True)["BLOCK_D"] == 64
+    knobs = scan_triton.TUNER.defaults()
+    assert scan_triton._forward_config(dim, 4, kw["u"].element_size(), knobs)["BLOCK_D"] == 64
+    assert scan_triton._backward_config(dim, 4, kw["u"].element_size(), True, knobs)["BLOCK_D"] == 64
     out, x, out_z, last = scan_triton.selective_scan_fwd(*args)
     y_ref, last_ref, g_ref = run_scan_with_grads(ssmops.selective_scan_ref, kw)
     assert_close(out_z, y_ref, TOLERANCES[dtype], "out")
@@ -341,6 +342,46 @@ def test_triton_ssd_backward_is_deterministic():
         torch.use_deterministic_algorithms(False)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+
+
+@needs_interpreter
+def test_triton_scan_tuned_knobs_are_what_the_launches_take(tmp_path, monkeypatch):
+    """SSMOPS_AUTOTUNE=1 on the selective scan (ops/_tuning.py; the SSD's test below says more): each phase tunes
+    its knobs in its own call and launches with the faster, with the defaults' results up to rounding."""
+    from ssmops.ops import _tuning, _triton
+    from ssmops.ops.selective_scan import triton as scan_triton
+
+    fwd_args = _fwd_args(Case(batch=1, dim=8, seqlen=20, dstate=16, B="var", C="var"))
+    fwd, bwd = torch.ops.ssmops.selective_scan_fwd_triton, torch.ops.ssmops.selective_scan_bwd_triton
+
+    def both() -> tuple:
+        out, x, out_z, last = fwd(*fwd_args)
+        return (out, out_z, last, *bwd(*fwd_args[:9], torch.ones_like(out), x, torch.ones_like(last), fwd_args[9]))
+
+    expected = both()
+    defaults = scan_triton.TUNER.defaults()
+    space = {name: (defaults[name],) for name in scan_triton.TUNING_SPACE} | {"FORWARD_TILE": (128, 32),
+                                                                              "BACKWARD_SEGMENT": (1, 2)}
+    monkeypatch.setattr(scan_triton.TUNER, "space", space)
+    monkeypatch.setenv(_tuning.AUTOTUNE_ENV, "1")
+    monkeypatch.setenv(_tuning.CACHE_ENV, str(tmp_path / "tuning.json"))
+    clock = iter(range(100, 0, -1))  # each candidate faster than the last
+    monkeypatch.setattr(_tuning, "measure", lambda run, device: (run(), next(clock))[1])
+    launches, launch = [], _triton.launch
+    monkeypatch.setattr(_triton, "launch", lambda kernel, grid, kernel_args, meta: (
+        launches.append((kernel.fn.__name__, meta)), launch(kernel, grid, kernel_args, meta)))
+    for _ in range(2):  # tuned in the first call, read in the second
+        launches.clear()
+        got = both()
+        metas = dict(launches)  # (each kernel's last launch: the call's own, after the candidates)
+        # 8 steps of 16 states a tile by default, 2 with FORWARD_TILE 32; 2 read tiles between checkpoints
+        assert metas["selective_scan_fwd_kernel"]["BLOCK_T"] == 2
+        assert metas["selective_scan_bwd_kernel"]["SEGMENT"] == 2
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    saved = json.loads((tmp_path / "tuning.json").read_text())[_tuning.device_name(fwd_args[0].device)]
+    assert [entry["forward"]["FORWARD_TILE"] for entry in saved["selective_scan"].values()] == [32]
+    assert [entry["backward"]["BACKWARD_SEGMENT"] for entry in saved["selective_scan"].values()] == [2]
 
 
 @needs_interpreter

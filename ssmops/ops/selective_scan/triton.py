@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import guard_or_true
 from torch.library import triton_op
 
-from .. import _triton
+from .. import _triton, _tuning
 from .checks import CHUNK_LEN, check_scan_grad_inputs, check_scan_inputs, num_chunks
 from .triton_kernels import selective_scan_bwd_kernel, selective_scan_fwd_kernel
 
@@ -56,6 +56,27 @@ BACKWARD_STATES = 16
 BACKWARD_TILE = 32
 BACKWARD_SEGMENT = 1
 BACKWARD_REDUCE = 1
+# What SSMOPS_AUTOTUNE=1 times per shape (ops/_tuning.py), each phase's in its own call; benchmarks/gpu.py --sweep
+# times the same values. (One warp: Triton lays the state tiles out so that ptxas spills in the walk.)
+TUNING_SPACE = {"FORWARD_WARPS": (2, 4, 8), "FORWARD_TILE": (32, 64, 128), "BACKWARD_WARPS": (2, 4, 8),
+                "BACKWARD_TILE": (16, 32, 64), "BACKWARD_SEGMENT": (1, 2, 4), "BACKWARD_REDUCE": (1, 4, 32)}
+FORWARD_KNOBS = ("FORWARD_WARPS", "FORWARD_TILE")
+BACKWARD_KNOBS = ("BACKWARD_WARPS", "BACKWARD_TILE", "BACKWARD_SEGMENT", "BACKWARD_REDUCE")
+TUNER = _tuning.Tuner("selective_scan", lambda: {name: globals()[name] for name in TUNING_SPACE}, TUNING_SPACE)
+
+
+def _tuning_key(u: Tensor, A: Tensor, B: Tensor, C: Tensor, flags: dict) -> Optional[str]:
+    """What the knobs are tuned for: dim, dstate, the dtypes, B's and C's layouts, the optionals given; not
+    batch or seqlen (dynamic in a compiled graph). None where a size is symbolic."""
+    dim, dstate = A.shape
+    if not (type(dim) is int and type(dstate) is int):
+        return None
+
+    def layout(M: Tensor) -> str:
+        return "const" if M.dim() == 2 else "var" if M.dim() == 3 else f"{M.shape[1]} groups"
+
+    given = "+".join(name for name, on in flags.items() if on and not name.endswith("_VAR"))
+    return f"dim {dim} dstate {dstate} {u.dtype}/{B.dtype} B {layout(B)} C {layout(C)} {given}"
 
 
 def _tiles(dim: int, dstate: int, element_size: int, warps: int, max_states: int, tile: int) -> dict:
@@ -72,18 +93,19 @@ def _tiles(dim: int, dstate: int, element_size: int, warps: int, max_states: int
                 PADDED_STATES=tiles * states != dstate, num_warps=block_d // 32)
 
 
-def _forward_config(dim: int, dstate: int, element_size: int) -> dict:
-    return dict(_tiles(dim, dstate, element_size, FORWARD_WARPS, FORWARD_STATES, FORWARD_TILE), CHUNK=CHUNK_LEN)
+def _forward_config(dim: int, dstate: int, element_size: int, knobs: dict) -> dict:
+    return dict(_tiles(dim, dstate, element_size, knobs["FORWARD_WARPS"], FORWARD_STATES, knobs["FORWARD_TILE"]),
+                CHUNK=CHUNK_LEN)
 
 
-def _backward_config(dim: int, dstate: int, element_size: int, aligned: bool) -> dict:
+def _backward_config(dim: int, dstate: int, element_size: int, aligned: bool, knobs: dict) -> dict:
     """The backward runs the adjoint a register tile of SUB_T steps at a time (BACKWARD_TILE (step, state)
     pairs), and reads its inputs a tile of 8-byte rows (BLOCK_T steps) at a time where the rows are aligned
     for vector loads and the states take one tile (else a register tile at a time: the loads element by
     element and the partial sums over state tiles take the registers a read tile would)."""
-    cfg = _tiles(dim, dstate, element_size, BACKWARD_WARPS, BACKWARD_STATES, BACKWARD_TILE)
+    cfg = _tiles(dim, dstate, element_size, knobs["BACKWARD_WARPS"], BACKWARD_STATES, knobs["BACKWARD_TILE"])
     read = max(cfg["BLOCK_T"], 8 // element_size) if aligned and cfg["STATE_TILES"] == 1 else cfg["BLOCK_T"]
-    return dict(cfg, BLOCK_T=read, SUB_T=cfg["BLOCK_T"], SEGMENT=BACKWARD_SEGMENT)
+    return dict(cfg, BLOCK_T=read, SUB_T=cfg["BLOCK_T"], SEGMENT=knobs["BACKWARD_SEGMENT"])
 
 
 def _time_major(M: Tensor, cfg: dict) -> Tensor:
@@ -137,14 +159,21 @@ def _groups(M: Tensor) -> int:
 def selective_scan_fwd(
     u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
     z: Optional[Tensor], delta_bias: Optional[Tensor], initial_state: Optional[Tensor],
-    delta_softplus: bool,
+    delta_softplus: bool, knobs: Optional[dict] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(knobs: the launch knobs, TUNER's for the call's key when None.)"""
     dims = check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
     _check_real_A(A)
     u, delta, A, B, C, D, z, delta_bias, initial_state = _triton.contiguous_when_traced(
         u, delta, A, B, C, D, z, delta_bias, initial_state)
     batch, dim, seqlen, dstate, _ = dims
-    cfg = _forward_config(dim, dstate, u.element_size())
+    flags = _flags(B, C, D, z, delta_bias, initial_state, delta_softplus)
+    if knobs is None:
+        key = _tuning_key(u, A, B, C, flags)
+        args = (u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus)
+        TUNER.tune(key, u.device, "forward", FORWARD_KNOBS, lambda k: selective_scan_fwd(*args, k))
+        knobs = TUNER.knobs(key, u.device)
+    cfg = _forward_config(dim, dstate, u.element_size(), knobs)
     B, C = (_time_major(M, cfg) if M.dim() > 2 else M for M in (B, C))
     n_chunks = num_chunks(seqlen)
     # every buffer a kernel writes is 1-D, viewed as its shape after the launch (_triton.output)
@@ -169,7 +198,7 @@ def selective_scan_fwd(
         *A.stride(),
         *_bc_strides(B), *_bc_strides(C),
         *_strides3(initial_state),
-    ), dict(**_flags(B, C, D, z, delta_bias, initial_state, delta_softplus), **shared, **cfg))
+    ), dict(**flags, **shared, **cfg))
     return out.view(out_shape), x.view(x_shape), out_z.view(out_shape) if z is not None else out_z, \
         last.view(last_shape)
 
@@ -178,7 +207,9 @@ def selective_scan_bwd(
     u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
     z: Optional[Tensor], delta_bias: Optional[Tensor], initial_state: Optional[Tensor],
     dout: Tensor, scan_intermediates: Tensor, dlast_state: Optional[Tensor], delta_softplus: bool,
+    knobs: Optional[dict] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(knobs: the launch knobs, TUNER's for the call's key when None.)"""
     dims = check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
     check_scan_grad_inputs(dims, u, A, dout, scan_intermediates, dlast_state)
     _check_real_A(A)
@@ -186,11 +217,18 @@ def selective_scan_bwd(
     u, delta, A, B, C, D, z, delta_bias, initial_state, dout, dlast_state = _triton.contiguous_when_traced(
         u, delta, A, B, C, D, z, delta_bias, initial_state, dout, dlast_state)
     batch, dim, seqlen, dstate, _ = dims
+    flags = _flags(B, C, D, z, delta_bias, initial_state, delta_softplus)
+    if knobs is None:
+        key = _tuning_key(u, A, B, C, flags)
+        args = (u, delta, A, B, C, D, z, delta_bias, initial_state, dout, scan_intermediates, dlast_state,
+                delta_softplus)
+        TUNER.tune(key, u.device, "backward", BACKWARD_KNOBS, lambda k: selective_scan_bwd(*args, k))
+        knobs = TUNER.knobs(key, u.device)
     # (rows start at multiples of 16 bytes: Triton then reads them in vectors; taken as so while a symbolic
     # seqlen is traced, which a guard on its divisibility would specialise)
     aligned = all(guard_or_true(x.stride(i) * x.element_size() % 16 == 0)
                   for x in (u, delta, dout, z) if x is not None for i in (0, 1))
-    cfg = _backward_config(dim, dstate, u.element_size(), aligned)
+    cfg = _backward_config(dim, dstate, u.element_size(), aligned, knobs)
     B_read, C_read = (_time_major(M, cfg) if M.dim() > 2 else M for M in (B, C))
     # variable dB/dC: summed over BACKWARD_REDUCE channels of a group in a program, then added atomically
     # (fast, order not fixed); or, to be deterministic, summed over all of a program's channels of a group
@@ -198,7 +236,7 @@ def selective_scan_bwd(
     bc_atomic = not torch.are_deterministic_algorithms_enabled()
 
     def reduced(M: Tensor) -> int:  # channels summed in the program: a power of two dividing a group's
-        cap = min(BACKWARD_REDUCE, cfg["BLOCK_D"]) if bc_atomic else cfg["BLOCK_D"]
+        cap = min(knobs["BACKWARD_REDUCE"], cfg["BLOCK_D"]) if bc_atomic else cfg["BLOCK_D"]
         return _pow2_divisor(dim // _groups(M), cap) if M.dim() > 2 else 1
 
     reduce_B, reduce_C = reduced(B), reduced(C)
@@ -243,7 +281,7 @@ def selective_scan_bwd(
         *_bc_strides(B_read), *_bc_strides(C_read),
         *_strides3(initial_state), *_strides3(dlast_state),
     ), dict(HAS_DLAST=dlast_state is not None, BC_ATOMIC=bc_atomic, REDUCE_B=reduce_B, REDUCE_C=reduce_C,
-            **_flags(B, C, D, z, delta_bias, initial_state, delta_softplus), **shared, **cfg))
+            **flags, **shared, **cfg))
 
     def bc_grad(part: Tensor, M: Tensor, rows: int) -> Tensor:
         if M.dim() == 2:
