@@ -344,6 +344,62 @@ def test_triton_ssd_backward_is_deterministic():
         assert torch.equal(a, b)
 
 
+def _tuning_values():
+    from ssmops.ops.selective_scan import triton as scan_triton
+    from ssmops.ops.ssd import triton as ssd_triton
+
+    for family, module in (("scan", scan_triton), ("ssd", ssd_triton)):
+        defaults = module.TUNER.defaults()
+        for knob, values in module.TUNING_SPACE.items():
+            for value in values:
+                # (the interpreter runs a program's block as one: warps and stages change nothing there)
+                if value != defaults[knob] and not (interpreting() and knob.endswith(("WARPS", "STAGES"))):
+                    yield pytest.param(family, knob, value, id=f"{family}-{knob}-{value}")
+
+
+_DEFAULTS_RESULTS = {}  # family -> its run with the default knobs (one per process)
+
+
+@pytest.mark.slow  # ~70 s interpreted (make test-triton-interpreter), natively in make gpu-check
+@pytest.mark.skipif(not TRITON_AVAILABLE or not (interpreting() or HAS_CUDA),
+                    reason="runs on CUDA, or under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("family, knob, value", list(_tuning_values()) if TRITON_INSTALLED else [])
+def test_triton_every_tuning_value_gives_the_defaults_results(family, knob, value):
+    """Whatever SSMOPS_AUTOTUNE=1 may choose computes the same scan: each value of each knob of the scans'
+    TUNING_SPACE, the others at their defaults, forward and backward, at sizes that leave partial tiles (a head
+    size of 40, 70 tokens in chunks of 64 with seq_idx, 8 heads a group; 64 channels in 2 groups of B and C, 37
+    steps)."""
+    from ssmops.ops.selective_scan import triton as scan_triton
+    from ssmops.ops.ssd import triton as ssd_triton
+
+    device = "cuda" if HAS_CUDA and not interpreting() else "cpu"
+    module = scan_triton if family == "scan" else ssd_triton
+    knobs = module.TUNER.defaults()
+    if family == "scan":
+        fwd_args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a
+                         for a in _fwd_args(Case(batch=1, dim=64, seqlen=37, dstate=16, B="g2", C="g2")))
+
+        def run(knobs: dict) -> tuple:
+            out, x, out_z, last = module.selective_scan_fwd(*fwd_args, knobs)
+            grads = module.selective_scan_bwd(*fwd_args[:9], torch.ones_like(out), x, torch.ones_like(last),
+                                              fwd_args[9], knobs)
+            return (out, out_z, last, *grads)
+    else:
+        fwd_args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in _ssd_args(
+            batch=1, seqlen=70, nheads=8, headdim=40, ngroups=1, dstate=16, chunk=64, seq_idx=True))
+        bwd_args = _ssd_bwd_args(fwd_args)[14:]
+
+        def run(knobs: dict) -> tuple:
+            return (*module.ssd_fwd(*fwd_args, knobs), *module.ssd_bwd(*fwd_args, *bwd_args, knobs))
+
+    if family not in _DEFAULTS_RESULTS:
+        _DEFAULTS_RESULTS[family] = run(knobs)
+    expected = _DEFAULTS_RESULTS[family]
+    got = run(dict(knobs, **{knob: value}))
+    for i, (a, b) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"output {i}: {m}")
+
+
 @needs_interpreter
 def test_triton_scan_tuned_knobs_are_what_the_launches_take(tmp_path, monkeypatch):
     """SSMOPS_AUTOTUNE=1 on the selective scan (ops/_tuning.py; the SSD's test below says more): each phase tunes
