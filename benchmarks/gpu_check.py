@@ -8,7 +8,8 @@ On a machine with a CUDA (or ROCm) torch, Triton, pytest, pytest-xdist and hypot
    property tests (drawn problems, non-finite inputs), the GPU tests of tests/test_triton.py, the
    training and export tests of tests/test_gpu_training.py, and transformers' models on ssmops;
 3. runs benchmarks/gpu.py (ssmops against mamba_ssm's Triton kernels, timed as published from the
-   sdist in build/peers, which `make bench-deps` fetches on a machine with the package index);
+   sdist in build/peers, which `make bench-deps` fetches on a machine with the package index; the SSD
+   scan also with SSMOPS_AUTOTUNE=1, and the knobs it chose);
 4. writes report.md (the machine, pass/fail/skip counts, each failure's last lines, the skip reasons,
    the benchmark table) beside the pytest log, results.jsonl (each outcome as it happened:
    gpu_check_results.py) and the benchmark's output.
@@ -119,7 +120,7 @@ def summarize(results: Path) -> tuple[collections.Counter, list[str], collection
 
 
 def run_benchmark(args, log: Path) -> int:
-    cmd = [sys.executable, "benchmarks/gpu.py", "--skip-baselines", "--repeats", "10"]
+    cmd = [sys.executable, "benchmarks/gpu.py", "--skip-baselines", "--autotune", "--repeats", "10"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # so that a timed-out run still leaves its finished tables
     env.pop("TRITON_INTERPRET", None)
     with log.open("w") as out:
