@@ -400,11 +400,29 @@ def test_triton_every_tuning_value_gives_the_defaults_results(family, knob, valu
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"output {i}: {m}")
 
 
+def _tuning_on_a_clock(tuner, values: dict, tmp_path, monkeypatch) -> list:
+    """SSMOPS_AUTOTUNE=1 with choices kept in tmp_path, the tuner's space cut to `values` (a knob of each phase
+    with one other value; the others' defaults alone, passed over), a clock on which each candidate is faster
+    than the last, and every launch recorded as (kernel name, grid, meta) into the list returned."""
+    from ssmops.ops import _tuning, _triton
+
+    defaults = tuner.defaults()
+    monkeypatch.setattr(tuner, "space", {name: (defaults[name],) for name in tuner.space} | values)
+    monkeypatch.setenv(_tuning.AUTOTUNE_ENV, "1")
+    monkeypatch.setenv(_tuning.CACHE_ENV, str(tmp_path / "tuning.json"))
+    clock = iter(range(100, 0, -1))
+    monkeypatch.setattr(_tuning, "measure", lambda run, device: (run(), next(clock))[1])
+    launches, launch = [], _triton.launch
+    monkeypatch.setattr(_triton, "launch", lambda kernel, grid, kernel_args, meta: (
+        launches.append((kernel.fn.__name__, grid, meta)), launch(kernel, grid, kernel_args, meta)))
+    return launches
+
+
 @needs_interpreter
 def test_triton_scan_tuned_knobs_are_what_the_launches_take(tmp_path, monkeypatch):
     """SSMOPS_AUTOTUNE=1 on the selective scan (ops/_tuning.py; the SSD's test below says more): each phase tunes
     its knobs in its own call and launches with the faster, with the defaults' results up to rounding."""
-    from ssmops.ops import _tuning, _triton
+    from ssmops.ops import _tuning
     from ssmops.ops.selective_scan import triton as scan_triton
 
     fwd_args = _fwd_args(Case(batch=1, dim=8, seqlen=20, dstate=16, B="var", C="var"))
@@ -415,21 +433,12 @@ def test_triton_scan_tuned_knobs_are_what_the_launches_take(tmp_path, monkeypatc
         return (out, out_z, last, *bwd(*fwd_args[:9], torch.ones_like(out), x, torch.ones_like(last), fwd_args[9]))
 
     expected = both()
-    defaults = scan_triton.TUNER.defaults()
-    space = {name: (defaults[name],) for name in scan_triton.TUNING_SPACE} | {"FORWARD_TILE": (128, 32),
-                                                                              "BACKWARD_SEGMENT": (1, 2)}
-    monkeypatch.setattr(scan_triton.TUNER, "space", space)
-    monkeypatch.setenv(_tuning.AUTOTUNE_ENV, "1")
-    monkeypatch.setenv(_tuning.CACHE_ENV, str(tmp_path / "tuning.json"))
-    clock = iter(range(100, 0, -1))  # each candidate faster than the last
-    monkeypatch.setattr(_tuning, "measure", lambda run, device: (run(), next(clock))[1])
-    launches, launch = [], _triton.launch
-    monkeypatch.setattr(_triton, "launch", lambda kernel, grid, kernel_args, meta: (
-        launches.append((kernel.fn.__name__, meta)), launch(kernel, grid, kernel_args, meta)))
+    launches = _tuning_on_a_clock(scan_triton.TUNER, {"FORWARD_TILE": (128, 32), "BACKWARD_SEGMENT": (1, 2)},
+                                  tmp_path, monkeypatch)
     for _ in range(2):  # tuned in the first call, read in the second
         launches.clear()
         got = both()
-        metas = dict(launches)  # (each kernel's last launch: the call's own, after the candidates)
+        metas = {name: meta for name, _, meta in launches}  # (each kernel's last: the call's own, after the candidates)
         # 8 steps of 16 states a tile by default, 2 with FORWARD_TILE 32; 2 read tiles between checkpoints
         assert metas["selective_scan_fwd_kernel"]["BLOCK_T"] == 2
         assert metas["selective_scan_bwd_kernel"]["SEGMENT"] == 2
@@ -445,28 +454,19 @@ def test_triton_ssd_tuned_knobs_are_what_the_launches_take(tmp_path, monkeypatch
     """SSMOPS_AUTOTUNE=1 (ops/_tuning.py): the forward and the backward each time their phase's knobs on the
     call's own inputs, then launch with the faster (here a patched clock finds each knob's other value faster),
     in the same call and the next, with the defaults' results up to rounding; the choice is in the file."""
-    from ssmops.ops import _tuning, _triton
+    from ssmops.ops import _tuning
     from ssmops.ops.ssd import triton as ssd_triton
 
     args = _ssd_args(batch=1, seqlen=20)  # 2 heads a group
     bwd = torch.ops.ssmops.ssd_scan_bwd_triton
     expected = bwd(*_ssd_bwd_args(args))
     defaults = ssd_triton.TUNER.defaults()
-    # a knob of each phase with one other value (the others: their defaults alone, passed over)
-    space = {name: (defaults[name],) for name in ssd_triton.TUNING_SPACE} | {"SCAN_WARPS": (8, 4),
-                                                                             "GROUP_HEADS": (16, 1)}
-    monkeypatch.setattr(ssd_triton.TUNER, "space", space)
-    monkeypatch.setenv(_tuning.AUTOTUNE_ENV, "1")
-    monkeypatch.setenv(_tuning.CACHE_ENV, str(tmp_path / "tuning.json"))
-    clock = iter(range(100, 0, -1))  # each candidate faster than the last
-    monkeypatch.setattr(_tuning, "measure", lambda run, device: (run(), next(clock))[1])
-    launches, launch = [], _triton.launch
-    monkeypatch.setattr(_triton, "launch", lambda kernel, grid, kernel_args, meta: (
-        launches.append((kernel.fn.__name__, grid, meta["num_warps"])), launch(kernel, grid, kernel_args, meta)))
+    launches = _tuning_on_a_clock(ssd_triton.TUNER, {"SCAN_WARPS": (8, 4), "GROUP_HEADS": (16, 1)}, tmp_path,
+                                  monkeypatch)
     for _ in range(2):  # tuned in the first call, read in the second
         launches.clear()
         grads = bwd(*_ssd_bwd_args(args))
-        warps = {name: w for name, _, w in launches if name == "ssd_chunk_scan_kernel"}
+        warps = {name: meta["num_warps"] for name, _, meta in launches if name == "ssd_chunk_scan_kernel"}
         assert warps == {"ssd_chunk_scan_kernel": 4}  # (the forward in _ssd_bwd_args, and dz's launch)
         runs = [grid[1] for name, grid, _ in launches if name == "ssd_bwd_dcb_kernel"]
         assert runs[-1] == 1 * 2 * 2  # batch x groups x runs of GROUP_HEADS 1 in a group's 2 heads
