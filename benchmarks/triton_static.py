@@ -229,8 +229,8 @@ def _ssd_grids(shape: dict) -> list:
 
     b, L, h, p, g, n, Q = (shape[k] for k in ("batch", "seqlen", "nheads", "headdim", "ngroups", "dstate", "chunk"))
     nchunks = -(-L // Q)
-    cfg = ssd_triton._config(Q, p, n, ssd_triton.TUNER.defaults())
-    tiles = ssd_triton._state_tiles(p, n)
+    knobs = ssd_triton.TUNER.defaults()
+    cfg, tiles = ssd_triton._config(Q, p, n, knobs), ssd_triton._state_tiles(p, n, knobs)
     state_programs = b * h * -(-p // tiles["BLOCK_P"]) * -(-n // tiles["BLOCK_N"])
     scan = nchunks * -(-Q // cfg["BLOCK_T"]) * b * h * -(-p // cfg["BLOCK_P"])
     dx = nchunks * -(-Q // min(cfg["BLOCK_T"], ssd_triton.BWD_BLOCK_T)) * b * h

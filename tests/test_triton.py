@@ -367,8 +367,8 @@ _DEFAULTS_RESULTS = {}  # family -> its run with the default knobs (one per proc
 def test_triton_every_tuning_value_gives_the_defaults_results(family, knob, value):
     """Whatever SSMOPS_AUTOTUNE=1 may choose computes the same scan: each value of each knob of the scans'
     TUNING_SPACE, the others at their defaults, forward and backward, at sizes that leave partial tiles (a head
-    size of 40, 70 tokens in chunks of 64 with seq_idx, 8 heads a group; 64 channels in 2 groups of B and C, 37
-    steps)."""
+    size of 40, 48 states, 70 tokens in chunks of 64 with seq_idx, 8 heads a group; 64 channels in 2 groups of B
+    and C, 37 steps)."""
     from ssmops.ops.selective_scan import triton as scan_triton
     from ssmops.ops.ssd import triton as ssd_triton
 
@@ -386,7 +386,7 @@ def test_triton_every_tuning_value_gives_the_defaults_results(family, knob, valu
             return (out, out_z, last, *grads)
     else:
         fwd_args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in _ssd_args(
-            batch=1, seqlen=70, nheads=8, headdim=40, ngroups=1, dstate=16, chunk=64, seq_idx=True))
+            batch=1, seqlen=70, nheads=8, headdim=40, ngroups=1, dstate=48, chunk=64, seq_idx=True))
         bwd_args = _ssd_bwd_args(fwd_args)[14:]
 
         def run(knobs: dict) -> tuple:

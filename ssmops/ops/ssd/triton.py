@@ -51,6 +51,9 @@ GROUP_STAGES = 2
 DCB_WARPS = 4
 STATE_WARPS = 8  # the state passes, forward and backward (a (64, 64) state tile and a block's tiles)
 STATE_STAGES = 3  # (2: 134 and 136 registers on sm_90, still over 128, and 16 bytes spilled on sm_80)
+# The state tiles' states (a (64, STATE_BLOCK_N) tile a program): batch x nheads x dstate / STATE_BLOCK_N programs.
+# Whole (128) reads x once, not once per 64 states, but left mamba2-130m's layer 24 programs (docs/limits.md).
+STATE_BLOCK_N = 64
 # C.B^T's tiles in the GEMMs' 16-bit operand dtype (when x, B and C share one): half the output loop's largest
 # read and 128 registers with SCAN_STAGES 2 (float32 tiles: 1 program an SM), for one more rounding of C.B^T
 # before its decay (bf16 errors against the float64 oracle up to ~1.9x, inside the tolerances; docs/limits.md).
@@ -61,10 +64,10 @@ CB_IN_OPERAND_DTYPE = True
 # the state passes' are the forward's (the backward's state pass reads them too), dz's stages the backward's.
 # (CB_IN_OPERAND_DTYPE is a precision and SCAN_BLOCK_T the layout of C.B^T's tiles: not tuned.)
 TUNING_SPACE = {"SCAN_BLOCK_P": (32, 64), "SCAN_WARPS": (4, 8), "SCAN_STAGES": (1, 2, 3), "STATE_WARPS": (4, 8),
-                "STATE_STAGES": (1, 2, 3), "DZ_STAGES": (1, 2, 3), "BWD_BLOCK_T": (32, 64), "BWD_WARPS": (4, 8),
-                "BWD_STAGES": (1, 2, 3), "GROUP_BLOCK_T": (32, 64), "GROUP_HEADS": (4, 8, 16, 32),
-                "GROUP_WARPS": (4, 8), "GROUP_STAGES": (1, 2, 3), "DCB_WARPS": (4, 8)}
-FORWARD_KNOBS = ("SCAN_BLOCK_P", "SCAN_WARPS", "SCAN_STAGES", "STATE_WARPS", "STATE_STAGES")
+                "STATE_STAGES": (1, 2, 3), "STATE_BLOCK_N": (32, 64, 128), "DZ_STAGES": (1, 2, 3),
+                "BWD_BLOCK_T": (32, 64), "BWD_WARPS": (4, 8), "BWD_STAGES": (1, 2, 3), "GROUP_BLOCK_T": (32, 64),
+                "GROUP_HEADS": (4, 8, 16, 32), "GROUP_WARPS": (4, 8), "GROUP_STAGES": (1, 2, 3), "DCB_WARPS": (4, 8)}
+FORWARD_KNOBS = ("SCAN_BLOCK_P", "SCAN_WARPS", "SCAN_STAGES", "STATE_WARPS", "STATE_STAGES", "STATE_BLOCK_N")
 BACKWARD_KNOBS = tuple(name for name in TUNING_SPACE if name not in FORWARD_KNOBS)
 TUNER = _tuning.Tuner("ssd", lambda: {name: globals()[name] for name in (*TUNING_SPACE, "SCAN_BLOCK_T",
                                                                           "CB_IN_OPERAND_DTYPE")}, TUNING_SPACE)
@@ -78,10 +81,11 @@ def _config(chunk_size: int, headdim: int, dstate: int, knobs: dict) -> dict:
                 BLOCK_N=_triton.pow2_tile(dstate, 16, _triton.NO_CAP))
 
 
-def _state_tiles(headdim: int, dstate: int) -> dict:
-    """(headdim, dstate) tiles of the state-passing kernels: 64 x 64, so that batch * nheads * tiles
+def _state_tiles(headdim: int, dstate: int, knobs: dict) -> dict:
+    """(headdim, dstate) tiles of the state-passing kernels: 64 x STATE_BLOCK_N, so that batch * nheads * tiles
     programs fill the GPU while each walks the chunks in order."""
-    return dict(BLOCK_P=_triton.pow2_tile(headdim, 16, 64), BLOCK_N=_triton.pow2_tile(dstate, 16, 64))
+    return dict(BLOCK_P=_triton.pow2_tile(headdim, 16, 64),
+                BLOCK_N=_triton.pow2_tile(dstate, 16, knobs["STATE_BLOCK_N"]))
 
 
 def _dot_f32(x: Tensor, B: Tensor, C: Tensor) -> bool:
@@ -236,7 +240,7 @@ def ssd_fwd(
     # the chunk states as the output kernel's GEMM takes them: in its 16-bit operand dtype where it has one (each
     # of its programs reads a whole state), else the float32 buffer itself
     states_op = states if run.flags["DOT_F32"] else _triton.output(states_shape, x.dtype, x.device)
-    tiles = _state_tiles(headdim, dstate)
+    tiles = _state_tiles(headdim, dstate, run.knobs)
     _triton.launch(ssd_states_fwd_kernel, run.state_grid(tiles, batch * nheads), (
         *(run.ptr(n) for n in ("x", "dt", "A", "B", "bias")),
         initial_states if initial_states is not None else x, run.ptr("seq"), states, states_op, final, *run.sizes,
@@ -293,7 +297,7 @@ def ssd_bwd(
     states_op, dends_op = states, dends
     if not run.flags["DOT_F32"]:
         states_op, dends_op = (_triton.output(states.shape, x.dtype, x.device) for _ in range(2))
-    tiles = _state_tiles(headdim, dstate)
+    tiles = _state_tiles(headdim, dstate, run.knobs)
     _triton.launch(ssd_state_grads_kernel, run.state_grid(tiles, batch * nheads), (
         *(run.ptr(n) for n in ("dt", "A", "C", "bias", "z", "seq")), dout,
         dfinal if dfinal is not None else states, *varlen_args, dends, dinit if initial_states is not None else dends,
