@@ -48,29 +48,38 @@ def device_name(device: torch.device) -> str:
     """The GPU's name (what a choice was measured on) and Triton's version (what compiled the kernels)."""
     import triton
 
-    if device.type == "cuda" and torch.cuda.is_available():
-        name = torch.cuda.get_device_name(device)
+    backend = getattr(torch, device.type, None)  # torch.cuda (ROCm's too), torch.xpu
+    if device.type != "cpu" and backend is not None and backend.is_available():
+        name = backend.get_device_name(device)
     else:  # (CPU tensors under the interpreter; fake CUDA ones on a machine without CUDA)
         name = f"{device.type} (interpreted)" if device.type == "cpu" else f"{device.type} (unavailable)"
     return f"{name}, triton {triton.__version__}"
 
 
 def measure(run: Callable[[], object], device: torch.device) -> float:
-    """Seconds one call of `run` takes: on CUDA the median of TIMED_RUNS timed by events after a first run;
-    elsewhere (the interpreter) one run by the clock."""
-    if device.type != "cuda":
+    """Seconds one call of `run` takes on the device: the median of TIMED_RUNS after a first run, each timed by
+    events on CUDA, by the clock to a synchronize elsewhere; on the CPU (the interpreter) one run by the clock."""
+    if device.type == "cpu":
         start = time.perf_counter()
         run()
         return time.perf_counter() - start
+    backend = getattr(torch, device.type)
     run()
     times = []
     for _ in range(TIMED_RUNS):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end) / 1e3)
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end) / 1e3)
+        else:
+            backend.synchronize(device)
+            start = time.perf_counter()
+            run()
+            backend.synchronize(device)
+            times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
