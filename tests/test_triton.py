@@ -11,6 +11,7 @@ for test-by-test results. The tests marked `gpu` need a CUDA device (on ROCm too
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import subprocess
@@ -410,8 +411,8 @@ def _tuning_on_a_clock(tuner, values: dict, tmp_path, monkeypatch) -> list:
     monkeypatch.setattr(tuner, "space", {name: (defaults[name],) for name in tuner.space} | values)
     monkeypatch.setenv(_tuning.AUTOTUNE_ENV, "1")
     monkeypatch.setenv(_tuning.CACHE_ENV, str(tmp_path / "tuning.json"))
-    clock = iter(range(100, 0, -1))
-    monkeypatch.setattr(_tuning, "measure", lambda run, device: (run(), next(clock))[1])
+    clock = itertools.count()
+    monkeypatch.setattr(_tuning, "measure", lambda run, device: (run(), 0.5 ** next(clock))[1])
     launches, launch = [], _triton.launch
     monkeypatch.setattr(_triton, "launch", lambda kernel, grid, kernel_args, meta: (
         launches.append((kernel.fn.__name__, grid, meta)), launch(kernel, grid, kernel_args, meta)))

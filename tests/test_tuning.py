@@ -91,6 +91,18 @@ def test_choices_outside_the_space_are_not_used(tuning):
     assert json.loads(tuning.read_text()) == {device: {"test": {"d": {"forward": {"TILE": 32}}}}}
 
 
+def test_a_value_within_the_margin_does_not_replace_the_kept_one(tuning, monkeypatch):
+    """The clock's noise must not move a knob: a value is taken only when MARGIN faster than the one kept."""
+    times = {64: 1.0, 16: 1.0 - _tuning.MARGIN / 2, 32: 1.0 - 2 * _tuning.MARGIN}
+    monkeypatch.setattr(_tuning, "measure", lambda run, device: times[run()[0]])
+    tuner = _tuner()
+    tuner.tune("layer", CPU, "forward", ("TILE",), Launches())
+    assert tuner.knobs("layer", CPU)["TILE"] == 32
+    times[32] = 1.0 - _tuning.MARGIN / 2
+    tuner.tune("other", CPU, "forward", ("TILE",), Launches())
+    assert tuner.knobs("other", CPU)["TILE"] == 64
+
+
 def test_a_value_that_fails_to_launch_is_passed_over_and_other_errors_raise(tuning):
     OutOfResources = type("OutOfResources", (Exception,), {})
     tuner = _tuner()

@@ -6,7 +6,7 @@ calls of one model layer (heads, head and state sizes, chunk, dtypes, which opti
 batch or the sequence length, which a compiled graph keeps dynamic and must not guard on.
 
 With SSMOPS_AUTOTUNE=1 the first eager call on a key not yet tuned times the launcher with each value of each
-of its phase's knobs in turn, from the defaults, keeping a value when it is faster (one knob at a time: the
+of its phase's knobs in turn, from the defaults, keeping a value when it is MARGIN faster (one knob at a time: the
 knobs mostly set different kernels' launches), on the call's own inputs. The choice is kept for the process
 and written to a JSON file (SSMOPS_TUNING_CACHE, else ~/.cache/ssmops/tuning.json) under the device's name and
 Triton's version; later processes read it whether or not they tune. Traced calls (torch.compile, export,
@@ -33,6 +33,7 @@ from ._family import traced
 AUTOTUNE_ENV = "SSMOPS_AUTOTUNE"
 CACHE_ENV = "SSMOPS_TUNING_CACHE"
 TIMED_RUNS = 5  # a candidate's time: the median of these, after a first run that compiles it
+MARGIN = 0.03  # a value replaces the one kept only when this much faster: within the clock's noise, the kept stays
 
 
 def autotuning() -> bool:
@@ -110,7 +111,7 @@ class Tuner:
     def tune(self, key: str | None, device: torch.device, phase: str, names: tuple[str, ...],
              run: Callable[[dict], object]) -> bool:
         """With SSMOPS_AUTOTUNE=1, in an eager call, for a key whose phase is not tuned yet: `run(knobs)` timed
-        with each value of each knob of `names` in turn, the faster kept; then kept for the process and the file.
+        with each value of each knob of `names` in turn, one MARGIN faster kept; then kept for the process and the file.
         A value that fails to launch (e.g. Triton's OutOfResources) is passed over. Whether it tuned."""
         if (key is None or not autotuning() or traced() or torch.are_deterministic_algorithms_enabled()
                 or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
@@ -132,7 +133,7 @@ class Tuner:
                     if type(error).__name__ not in ("OutOfResources", "CompilationError", "RuntimeError"):
                         raise
                     continue
-                if seconds < best:
+                if seconds < best * (1 - MARGIN):
                     best, knobs = seconds, candidate
         entry[phase] = {name: knobs[name] for name in names}
         self._save(device)

@@ -273,8 +273,8 @@ def ssd_bwd(
     args = (x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_softplus, dt_limit)
     grad_args = (dout, chunk_states, dfinal_states, dvarlen_states)
     raw = _Launch(*args, knobs)
-    if knobs is None and TUNER.tune(raw.key, x.device, "backward", BACKWARD_KNOBS,
-                                    lambda k: ssd_bwd(*args, *grad_args, k)):
+    names = tuple(name for name in BACKWARD_KNOBS if z is not None or name != "DZ_STAGES")  # (dz's launch: z's)
+    if knobs is None and TUNER.tune(raw.key, x.device, "backward", names, lambda k: ssd_bwd(*args, *grad_args, k)):
         raw = _Launch(*args)
     run = raw.dt_processed()  # (ssd_bwd_ddt_kernel differentiates through dt_bias, softplus and the clamp: raw)
     dims = (run.batch, run.seqlen, run.nheads, run.headdim, run.ngroups, run.dstate, run.nseq)
