@@ -56,12 +56,17 @@ BACKWARD_STATES = 16
 BACKWARD_TILE = 32
 BACKWARD_SEGMENT = 1
 BACKWARD_REDUCE = 1
+# BACKWARD_READ: bytes of each input row a read tile takes (8: 4 steps of a 16-bit input). 16 halves the L2
+# requests of the 8-byte rows (each charged a 32-byte sector) but holds more across the register tiles
+# (1.4 KB spilled on sm_90 at the benchmark's shape, docs/limits.md): for a GPU to weigh.
+BACKWARD_READ = 8
 # What SSMOPS_AUTOTUNE=1 times per shape (ops/_tuning.py), each phase's in its own call; benchmarks/gpu.py --sweep
 # times the same values. (One warp: Triton lays the state tiles out so that ptxas spills in the walk.)
 TUNING_SPACE = {"FORWARD_WARPS": (2, 4, 8), "FORWARD_TILE": (32, 64, 128), "BACKWARD_WARPS": (2, 4, 8),
-                "BACKWARD_TILE": (16, 32, 64), "BACKWARD_SEGMENT": (1, 2, 4), "BACKWARD_REDUCE": (1, 4, 32)}
+                "BACKWARD_TILE": (16, 32, 64), "BACKWARD_SEGMENT": (1, 2, 4), "BACKWARD_REDUCE": (1, 4, 32),
+                "BACKWARD_READ": (8, 16)}
 FORWARD_KNOBS = ("FORWARD_WARPS", "FORWARD_TILE")
-BACKWARD_KNOBS = ("BACKWARD_WARPS", "BACKWARD_TILE", "BACKWARD_SEGMENT", "BACKWARD_REDUCE")
+BACKWARD_KNOBS = ("BACKWARD_WARPS", "BACKWARD_TILE", "BACKWARD_SEGMENT", "BACKWARD_REDUCE", "BACKWARD_READ")
 TUNER = _tuning.Tuner("selective_scan", lambda: {name: globals()[name] for name in TUNING_SPACE}, TUNING_SPACE)
 
 
@@ -100,11 +105,12 @@ def _forward_config(dim: int, dstate: int, element_size: int, knobs: dict) -> di
 
 def _backward_config(dim: int, dstate: int, element_size: int, aligned: bool, knobs: dict) -> dict:
     """The backward runs the adjoint a register tile of SUB_T steps at a time (BACKWARD_TILE (step, state)
-    pairs), and reads its inputs a tile of 8-byte rows (BLOCK_T steps) at a time where the rows are aligned
+    pairs), and reads its inputs a tile of BACKWARD_READ-byte rows (BLOCK_T steps) at a time where the rows are aligned
     for vector loads and the states take one tile (else a register tile at a time: the loads element by
     element and the partial sums over state tiles take the registers a read tile would)."""
     cfg = _tiles(dim, dstate, element_size, knobs["BACKWARD_WARPS"], BACKWARD_STATES, knobs["BACKWARD_TILE"])
-    read = max(cfg["BLOCK_T"], 8 // element_size) if aligned and cfg["STATE_TILES"] == 1 else cfg["BLOCK_T"]
+    read = max(cfg["BLOCK_T"], knobs["BACKWARD_READ"] // element_size) if aligned and cfg["STATE_TILES"] == 1 \
+        else cfg["BLOCK_T"]
     return dict(cfg, BLOCK_T=read, SUB_T=cfg["BLOCK_T"], SEGMENT=knobs["BACKWARD_SEGMENT"])
 
 
