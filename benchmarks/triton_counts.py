@@ -2,6 +2,7 @@
 
     TRITON_INTERPRET=1 python benchmarks/triton_counts.py      # rewrites benchmarks/triton_counts.json (minutes)
     TRITON_INTERPRET=1 python benchmarks/triton_counts.py --family ssd   # recounts one family, keeps the other's
+    TRITON_INTERPRET=1 python benchmarks/triton_counts.py --family ssd --knob STATE_BLOCK_N=128 --out /tmp/c.json
 
 benchmarks/triton_static.py reads the counts; it reruns this (in a child process, since the interpreter
 must be chosen before the kernels are defined) when `--count` is given, and says where a family's kernels
@@ -51,6 +52,30 @@ SOURCES = {"scan": ("ssmops/ops/selective_scan/triton_kernels.py", "ssmops/ops/s
 SCAN_SMALL = dict(batch=1, dim=128, seqlen=4096, dstate=16)
 SSD_SMALL = dict(batch=1, seqlen=512, nheads=16, headdim=64, ngroups=1, dstate=128, chunk=256)
 _SFU = ("exp", "exp2", "log", "log2", "sin", "cos", "sqrt", "precise_sqrt", "rsqrt")
+
+
+KNOB_MODULES = {"scan": "ssmops.ops.selective_scan.triton", "ssd": "ssmops.ops.ssd.triton"}
+
+
+def set_knobs(pairs: list[str]) -> dict:
+    """Sets launch knobs (`NAME=VALUE`, a value of the knob's TUNING_SPACE: what SSMOPS_AUTOTUNE=1 may choose) as the
+    launchers' defaults, for pricing a choice without a GPU; returns {family: {name: value}}."""
+    import importlib
+
+    chosen = collections.defaultdict(dict)
+    for pair in pairs:
+        name, _, text = pair.partition("=")
+        family = next((f for f, m in KNOB_MODULES.items() if name in importlib.import_module(m).TUNING_SPACE), None)
+        if family is None:
+            raise SystemExit(f"--knob {pair}: not a tuned knob of the scans (their TUNING_SPACEs)")
+        module = importlib.import_module(KNOB_MODULES[family])
+        space = module.TUNING_SPACE[name]
+        value = next((v for v in space if str(v) == text), None)
+        if value is None:
+            raise SystemExit(f"--knob {pair}: {name} takes one of {space}")
+        setattr(module, name, value)
+        chosen[family][name] = value
+    return dict(chosen)
 
 
 def source_hash(family: str) -> str:
@@ -256,13 +281,19 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--family", choices=sorted(SOURCES), help="recount this family only (the other's counts are kept)")
+    p.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE",
+                   help="count with this launch knob (a value of its TUNING_SPACE); needs --out")
+    p.add_argument("--out", type=Path, default=COUNTS, help="where to write the counts (default: %(default)s)")
     args = p.parse_args(argv)
     sys.path.insert(0, str(REPO))
-    counts = json.loads(COUNTS.read_text()) if args.family and COUNTS.exists() else {}
+    if args.knob and args.out.resolve() == COUNTS.resolve():
+        p.error("--knob counts go to --out: benchmarks/triton_counts.json holds the defaults' counts")
+    set_knobs(args.knob)
+    counts = json.loads(args.out.read_text()) if args.family and args.out.exists() else {}
     counts.pop("sources", None)  # (older files: one hash of both families' sources)
     counts.update(count((args.family,) if args.family else tuple(SOURCES)))
-    COUNTS.write_text(json.dumps(counts, indent=1) + "\n")
-    print(f"wrote {COUNTS.relative_to(REPO)}", file=sys.stderr)
+    args.out.write_text(json.dumps(counts, indent=1) + "\n")
+    print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
 

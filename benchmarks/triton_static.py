@@ -2,6 +2,7 @@
 
     python benchmarks/triton_static.py                 # batch 8, dim 4096, seqlen 4096, dstate 16, bf16
     python benchmarks/triton_static.py --family ssd    # the SSD scan's launches only
+    python benchmarks/triton_static.py --family ssd --knob STATE_BLOCK_N=128   # a tuning choice, priced
 
 Compiles the forward and backward launches for sm_90 (benchmarks/triton_aot.py) and
 counts the instructions per (step, state) element of the loop over time: the forward's innermost loop,
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import collections
 import sys
+from pathlib import Path
 
 import torch
 from gpu import DTYPES, shape_parser  # (puts the repository on sys.path too)
@@ -62,6 +64,9 @@ def parse_args(argv=None):
     p.add_argument("--no-bounds", action="store_true", help="the compiled kernels' tables only")
     p.add_argument("--family", choices=("scan", "ssd"),
                    help="one family's launches only (and --count recounts it alone)")
+    p.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE",
+                   help="price the kernels with this launch knob (a value of its TUNING_SPACE: what SSMOPS_AUTOTUNE=1 "
+                        "may choose), recounting them with it (minutes)")
     return p.parse_args(argv)
 
 
@@ -87,6 +92,9 @@ def main(argv=None) -> int:
     except ImportError as err:
         print(f"needs triton: {err}", file=sys.stderr)
         return 2
+    import triton_counts
+
+    triton_counts.set_knobs(args.knob)
     dtype = DTYPES[args.dtype]
     compiled = {}
     if "scan" in _families(args):
@@ -271,15 +279,23 @@ def _counts(args) -> dict:
     import json
     import os
     import subprocess
+    import tempfile
 
     import triton_counts
 
-    if args.count or not triton_counts.COUNTS.exists():
+    path = triton_counts.COUNTS
+    if args.knob:  # (the committed counts are the defaults': these go to a file of their own, every family's)
+        path = Path(tempfile.mkdtemp()) / "triton_counts.json"
+        knobs = [f"--knob={pair}" for pair in args.knob] + (["--family", args.family] if args.family else [])
+        print("\ncounting the launches with the knobs under the interpreter (minutes) ...", flush=True)
+        subprocess.run([sys.executable, triton_counts.__file__, *knobs, "--out", str(path)],
+                       env=dict(os.environ, TRITON_INTERPRET="1"), check=True, stderr=subprocess.DEVNULL)
+    elif args.count or not path.exists():
         print("\ncounting the launches under the interpreter (minutes) ...", flush=True)
-        family = ["--family", args.family] if args.family and triton_counts.COUNTS.exists() else []
+        family = ["--family", args.family] if args.family and path.exists() else []
         subprocess.run([sys.executable, triton_counts.__file__, *family], env=dict(os.environ, TRITON_INTERPRET="1"),
                        check=True, stderr=subprocess.DEVNULL)
-    counts = json.loads(triton_counts.COUNTS.read_text())
+    counts = json.loads(path.read_text())
     for family in _families(args):
         if counts[family].get("sources") != triton_counts.source_hash(family):
             print(f"\nNOTE: the {family} kernels changed since benchmarks/triton_counts.json was counted: rerun with "

@@ -802,6 +802,28 @@ def test_triton_static_estimate_shows_time_inside_the_threads():
 
 
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
+def test_triton_static_prices_a_tuning_choice_of_the_space_only(monkeypatch):
+    """`triton_static.py --knob NAME=VALUE` (and triton_counts.py's) price a value SSMOPS_AUTOTUNE=1 may choose:
+    a knob of a family's TUNING_SPACE, set as the launchers' default, with its counts kept out of the committed
+    file (the defaults' counts)."""
+    from ssmops.ops.selective_scan import triton as scan_triton
+    from ssmops.ops.ssd import triton as ssd_triton
+
+    tc = benchmark_module("triton_counts")
+    with pytest.raises(SystemExit, match="not a tuned knob"):
+        tc.set_knobs(["CB_IN_OPERAND_DTYPE=False"])
+    with pytest.raises(SystemExit, match=r"STATE_BLOCK_N takes one of \(32, 64, 128\)"):
+        tc.set_knobs(["STATE_BLOCK_N=96"])
+    monkeypatch.setattr(ssd_triton, "STATE_BLOCK_N", ssd_triton.STATE_BLOCK_N)
+    monkeypatch.setattr(scan_triton, "BACKWARD_READ", scan_triton.BACKWARD_READ)
+    assert tc.set_knobs(["STATE_BLOCK_N=128", "BACKWARD_READ=16"]) == {"ssd": {"STATE_BLOCK_N": 128},
+                                                                        "scan": {"BACKWARD_READ": 16}}
+    assert ssd_triton.TUNER.defaults()["STATE_BLOCK_N"] == 128 and scan_triton.BACKWARD_READ == 16
+    with pytest.raises(SystemExit):
+        tc.main(["--knob", "STATE_BLOCK_N=128"])  # (no --out: the committed file is the defaults')
+
+
+@pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
 def test_triton_counts_match_the_launchers():
     """benchmarks/triton_counts.json (what triton_static.py prices) holds one entry per launch the
     launchers make, in their order, with its traffic; the launchers run on meta tensors at the full
