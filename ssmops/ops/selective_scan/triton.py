@@ -56,9 +56,9 @@ BACKWARD_STATES = 16
 BACKWARD_TILE = 32
 BACKWARD_SEGMENT = 1
 BACKWARD_REDUCE = 1
-# BACKWARD_READ: bytes of each input row a read tile takes (8: 4 steps of a 16-bit input). 16 halves the L2
-# requests of the 8-byte rows (each charged a 32-byte sector) but holds more across the register tiles
-# (1.4 KB spilled on sm_90 at the benchmark's shape, docs/limits.md): for a GPU to weigh.
+# BACKWARD_READ: bytes of each input row a read tile takes (8: 4 steps of a 16-bit input). 16 halves the
+# checkpoints and the sectors of the rows (each 8-byte row is charged a 32-byte one), but holds more across the
+# register tiles (1,768 bytes spilled on sm_90 at the benchmark's shape, docs/limits.md): for a GPU to weigh.
 BACKWARD_READ = 8
 # What SSMOPS_AUTOTUNE=1 times per shape (ops/_tuning.py), each phase's in its own call; benchmarks/gpu.py --sweep
 # times the same values. (One warp: Triton lays the state tiles out so that ptxas spills in the walk.)
