@@ -3,6 +3,7 @@
     python benchmarks/gpu.py                       # batch 8, dim 4096, seqlen 4096, dstate 16, bf16
     python benchmarks/gpu.py --seqlen 2048 --dtype float16
     python benchmarks/gpu.py --sweep --skip-baselines   # also time other tile sizes
+    python benchmarks/gpu.py --autotune                 # also the scans with SSMOPS_AUTOTUNE=1, and their choices
 
 Prints, for forward and backward: the time of the Triton operators, their effective
 bandwidth (the bytes the operator must read and write, divided by its time) as a
@@ -69,7 +70,7 @@ def parse_args(argv=None):
     p.add_argument("--skip-baselines", action="store_true", help="time the Triton operators only")
     p.add_argument("--sweep", action="store_true", help="also time the kernels with other warp counts")
     p.add_argument("--autotune", action="store_true",
-                   help="also time the SSD scan with SSMOPS_AUTOTUNE=1 (choices kept in a temporary file)")
+                   help="also time the scans with SSMOPS_AUTOTUNE=1 (choices kept in a temporary file)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 rate (H100 SXM: 989)")
     p.add_argument("--decoding", action="store_true", help="only the decoding rows: both steps and generate")
     p.add_argument("--lm-shapes", default=",".join(LM_SHAPES), help="the LM shapes generate runs (comma-separated)")
@@ -196,6 +197,8 @@ def main(argv=None) -> int:
         print(line)
     print(f"backward with dB/dC summed over each program's channels (deterministic): {t_bwd_blocks * 1e3:.3f} ms, "
           f"{t_bwd / t_bwd_blocks:.2f}x the atomic one's speed")
+    if args.autotune:
+        scan_tuned_rows(lambda: fwd_op(*fargs), lambda: bwd_op(*bargs), fwd_bytes, bwd_bytes, bw, args.repeats)
     decode_step(args, bw)
     ssd_rows(args)
     ssd_decode_step(args)
@@ -205,6 +208,27 @@ def main(argv=None) -> int:
         sweep_ssd_knobs(args)
         sweep_decode_step(args)
     return 0
+
+
+def scan_tuned_rows(fwd, bwd, fwd_bytes: int, bwd_bytes: int, bw: float, repeats: int) -> None:
+    """The scan's forward and backward again with SSMOPS_AUTOTUNE=1 (their first calls tune: cuda_time's warm-up),
+    as fractions of the copy rate, and the knobs chosen."""
+    from ssmops.ops._tuning import AUTOTUNE_ENV
+    from ssmops.ops.selective_scan import triton as ops
+
+    os.environ[AUTOTUNE_ENV] = "1"
+    try:
+        t_fwd, t_bwd = cuda_time(fwd, repeats), cuda_time(bwd, repeats)
+    except Exception as err:  # (a failure here must not cost the tables after it)
+        print(f"tuned: {type(err).__name__}: {str(err)[:100]}")
+        return
+    finally:
+        del os.environ[AUTOTUNE_ENV]
+    for name, t, moved in (("forward", t_fwd, fwd_bytes), ("fwd+bwd", t_fwd + t_bwd, fwd_bytes + bwd_bytes)):
+        print(f"{name} with SSMOPS_AUTOTUNE=1: {t * 1e3:.3f} ms, {moved / t / bw:.0%} of copy")
+    for (_, key), phases in ops.TUNER.choices().items():
+        print(f"  chosen for {key}: " + ", ".join(f"{knob} {value}" for knobs in phases.values()
+                                                 for knob, value in knobs.items() if value != getattr(ops, knob)))
 
 
 def time_decode_steps(contenders: dict, state, kw: dict, repeats: int) -> tuple[dict, str]:
