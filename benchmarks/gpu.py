@@ -39,6 +39,7 @@ decoding rows (both steps and generate), `--lm-shapes 130m` only the small model
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
@@ -210,25 +211,41 @@ def main(argv=None) -> int:
     return 0
 
 
-def scan_tuned_rows(fwd, bwd, fwd_bytes: int, bwd_bytes: int, bw: float, repeats: int) -> None:
-    """The scan's forward and backward again with SSMOPS_AUTOTUNE=1 (their first calls tune: cuda_time's warm-up),
-    as fractions of the copy rate, and the knobs chosen."""
+@contextlib.contextmanager
+def autotuning():
+    """SSMOPS_AUTOTUNE=1 for the calls inside (a launcher's first call on a layer's sizes then tunes its knobs,
+    which cuda_time's warm-up leaves out)."""
     from ssmops.ops._tuning import AUTOTUNE_ENV
-    from ssmops.ops.selective_scan import triton as ops
 
     os.environ[AUTOTUNE_ENV] = "1"
     try:
-        t_fwd, t_bwd = cuda_time(fwd, repeats), cuda_time(bwd, repeats)
+        yield
+    finally:
+        del os.environ[AUTOTUNE_ENV]
+
+
+def print_choices(ops) -> None:
+    """The knobs a family's launchers (`ops`, its triton module) chose away from their defaults, per layer and GPU."""
+    for (device, key), phases in ops.TUNER.choices().items():
+        print(f"  {key} on {device}: " + ", ".join(f"{knob} {value}" for knobs in phases.values()
+                                                  for knob, value in knobs.items() if value != getattr(ops, knob)))
+
+
+def scan_tuned_rows(fwd, bwd, fwd_bytes: int, bwd_bytes: int, bw: float, repeats: int) -> None:
+    """The scan's forward and backward again with SSMOPS_AUTOTUNE=1, as fractions of the copy rate, and the knobs
+    chosen."""
+    from ssmops.ops.selective_scan import triton as ops
+
+    try:
+        with autotuning():
+            t_fwd, t_bwd = cuda_time(fwd, repeats), cuda_time(bwd, repeats)
     except Exception as err:  # (a failure here must not cost the tables after it)
         print(f"tuned: {type(err).__name__}: {str(err)[:100]}")
         return
-    finally:
-        del os.environ[AUTOTUNE_ENV]
     for name, t, moved in (("forward", t_fwd, fwd_bytes), ("fwd+bwd", t_fwd + t_bwd, fwd_bytes + bwd_bytes)):
         print(f"{name} with SSMOPS_AUTOTUNE=1: {t * 1e3:.3f} ms, {moved / t / bw:.0%} of copy")
-    for (_, key), phases in ops.TUNER.choices().items():
-        print(f"  chosen for {key}: " + ", ".join(f"{knob} {value}" for knobs in phases.values()
-                                                 for knob, value in knobs.items() if value != getattr(ops, knob)))
+    print("scan knobs chosen by SSMOPS_AUTOTUNE=1 (the others as the launchers' defaults):")
+    print_choices(ops)
 
 
 def time_decode_steps(contenders: dict, state, kw: dict, repeats: int) -> tuple[dict, str]:
@@ -447,22 +464,17 @@ def peer_function(module: str, name: str):
 
 
 def ssd_contenders(skip_baselines: bool = False, autotune: bool = False) -> dict:
-    """name -> fn(**ssd_inputs) -> out: ssmops on Triton (and with autotune, again with SSMOPS_AUTOTUNE=1: its
-    first call at a shape tunes the knobs, which cuda_time's warm-up leaves out), mamba_ssm's when installed,
-    ssmops' default backend, and torch.compile of the chunked reference."""
+    """name -> fn(**ssd_inputs) -> out: ssmops on Triton (and with autotune, again with SSMOPS_AUTOTUNE=1),
+    mamba_ssm's when installed, ssmops' default backend, and torch.compile of the chunked reference."""
     import ssmops
-    from ssmops.ops._tuning import AUTOTUNE_ENV
     from ssmops.ops.ssd.reference import ssd_chunked_ref
 
     chunk = SSD_LAYER["chunk"]
     named = {"ssmops triton": lambda **kw: ssmops.mamba_chunk_scan_combined(**kw, chunk_size=chunk, dt_softplus=True)}
     if autotune:
         def tuned(**kw):
-            os.environ[AUTOTUNE_ENV] = "1"
-            try:
-                return ssmops.mamba_chunk_scan_combined(**kw, chunk_size=chunk, dt_softplus=True)
-            finally:
-                del os.environ[AUTOTUNE_ENV]
+            with autotuning():
+                return named["ssmops triton"](**kw)
 
         named["ssmops tuned"] = tuned
     peer = peer_function("ssd_combined", "mamba_chunk_scan_combined")
@@ -538,9 +550,7 @@ def ssd_rows(args) -> None:
         from ssmops.ops.ssd import triton as ops
 
         print("\nSSD knobs chosen by SSMOPS_AUTOTUNE=1 (the others as the launchers' defaults):")
-        for (device, key), phases in ops.TUNER.choices().items():
-            print(f"  {key} on {device}: " + ", ".join(f"{knob} {value}" for knobs in phases.values()
-                                                      for knob, value in knobs.items() if value != getattr(ops, knob)))
+        print_choices(ops)
 
 
 def graphed(fn):

@@ -8,8 +8,8 @@ On a machine with a CUDA (or ROCm) torch, Triton, pytest, pytest-xdist and hypot
    property tests (drawn problems, non-finite inputs), the GPU tests of tests/test_triton.py, the
    training and export tests of tests/test_gpu_training.py, and transformers' models on ssmops;
 3. runs benchmarks/gpu.py (ssmops against mamba_ssm's Triton kernels, timed as published from the
-   sdist in build/peers, which `make bench-deps` fetches on a machine with the package index; the SSD
-   scan also with SSMOPS_AUTOTUNE=1, and the knobs it chose);
+   sdist in build/peers, which `make bench-deps` fetches on a machine with the package index; the scans
+   also with SSMOPS_AUTOTUNE=1, and the knobs they chose);
 4. writes report.md (the machine, pass/fail/skip counts, each failure's last lines, the skip reasons,
    the benchmark table) beside the pytest log, results.jsonl (each outcome as it happened:
    gpu_check_results.py) and the benchmark's output.

@@ -7,6 +7,8 @@ import weakref
 import torch
 from torch import Tensor, nn
 
+from ..ops._checks import capturing
+
 
 def decay_rates(owner: nn.Module, A_log: Tensor) -> Tensor:
     """-exp(A_log) in float32. A mixer computes it every call, which in eager decoding is every layer every token:
@@ -15,7 +17,7 @@ def decay_rates(owner: nn.Module, A_log: Tensor) -> Tensor:
     kernels, not this cache) the result is kept on `owner` and reused while A_log is the same tensor at the same
     version (an optimizer step or load_state_dict changes it in place, which bumps the version)."""
     if (A_log.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling() or \
-            (A_log.is_cuda and torch.cuda.is_current_stream_capturing()) or A_log.is_inference():
+            capturing(A_log.device) or A_log.is_inference():
         # (an inference tensor, made under inference_mode, has no version counter to tell a change by)
         return -torch.exp(A_log.float())
     kept = owner.__dict__.get("_ssmops_decay_rates")

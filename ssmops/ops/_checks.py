@@ -65,9 +65,10 @@ def check_A(A, dim: int, device, like: str = "u", dtypes=(torch.float32,)) -> in
     return dstate
 
 
-def _capturing(t: Tensor) -> bool:
-    """Whether t's device is capturing a CUDA graph (where nothing may be read back from it)."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+def capturing(device: torch.device) -> bool:
+    """Whether the device is capturing a CUDA graph (where nothing may be read back from it, and what runs is
+    recorded to be replayed)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def check_cache_indices(name: str, indices: Tensor | None, cache_size: int, cache: str) -> None:
@@ -75,7 +76,7 @@ def check_cache_indices(name: str, indices: Tensor | None, cache_size: int, cach
     one below cache_size (a negative one is padding). Not while a CUDA graph is being captured, where reading a
     device value is an error (a server capturing its decoding step with indices): the kernels then take an index
     past the cache as padding too, so that nothing is written outside it."""
-    if indices is None or not indices.numel() or _capturing(indices):
+    if indices is None or not indices.numel() or capturing(indices.device):
         return
     if int(indices.max()) >= cache_size:
         raise ValueError(f"{name} must be < the {cache}'s cache size {cache_size}, got {indices.tolist()}")

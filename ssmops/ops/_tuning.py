@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from ._checks import capturing
 from ._family import traced
 
 AUTOTUNE_ENV = "SSMOPS_AUTOTUNE"
@@ -108,13 +109,22 @@ class Tuner:
         self._load()
         return {where: {phase: dict(knobs) for phase, knobs in entry.items()} for where, entry in self._chosen.items()}
 
+    def choose(self, key: str | None, device: torch.device, phase: str, names: tuple[str, ...],
+               run: Callable[[dict], object], knobs: dict | None = None) -> dict:
+        """A launcher's knobs: `knobs` where the caller gives them (a candidate being timed), else the key's, tuned
+        first where asked (`tune`)."""
+        if knobs is not None:
+            return knobs
+        self.tune(key, device, phase, names, run)
+        return self.knobs(key, device)
+
     def tune(self, key: str | None, device: torch.device, phase: str, names: tuple[str, ...],
              run: Callable[[dict], object]) -> bool:
         """With SSMOPS_AUTOTUNE=1, in an eager call, for a key whose phase is not tuned yet: `run(knobs)` timed
         with each value of each knob of `names` in turn, one MARGIN faster kept; then kept for the process and the file.
         A value that fails to launch (e.g. Triton's OutOfResources) is passed over. Whether it tuned."""
         if (key is None or not autotuning() or traced() or torch.are_deterministic_algorithms_enabled()
-                or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
+                or capturing(device)):
             return False
         entry = self._entry(key, device)
         if phase in entry:

@@ -318,13 +318,13 @@ def test_multihead_errors_name_the_argument(change, error, match):
 def test_index_past_the_cache_is_padding_while_a_cuda_graph_is_captured(backend, monkeypatch):
     """While a CUDA graph is captured the indices cannot be read back to check them (a server capturing its
     decoding step): an index past the cache is then padding, nothing written outside it and y = 0, on the
-    backends a GPU runs. The capture is simulated: `_checks._capturing` answers yes for the CPU tensors here."""
+    backends a GPU runs. The capture is simulated: `_checks.capturing` answers yes for the CPU tensors here."""
     from ssmops.ops import _checks
 
     kw = multihead_inputs(cache=5)  # indices [4, -1, 0]
     padded = {**kw, "state": kw["state"].clone(), "state_batch_indices": torch.tensor([4, -1, -1], dtype=torch.int32)}
     past = {**kw, "state": kw["state"].clone(), "state_batch_indices": torch.tensor([4, -1, 5], dtype=torch.int32)}
-    monkeypatch.setattr(_checks, "_capturing", lambda t: True)
+    monkeypatch.setattr(_checks, "capturing", lambda device: True)
     with ssmops.use_backend(backend):
         expected = ssmops.selective_state_update(**padded)
         y = ssmops.selective_state_update(**past)

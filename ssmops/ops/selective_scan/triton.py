@@ -174,11 +174,9 @@ def selective_scan_fwd(
         u, delta, A, B, C, D, z, delta_bias, initial_state)
     batch, dim, seqlen, dstate, _ = dims
     flags = _flags(B, C, D, z, delta_bias, initial_state, delta_softplus)
-    if knobs is None:
-        key = _tuning_key(u, A, B, C, flags)
-        args = (u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus)
-        TUNER.tune(key, u.device, "forward", FORWARD_KNOBS, lambda k: selective_scan_fwd(*args, k))
-        knobs = TUNER.knobs(key, u.device)
+    args = (u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus)
+    knobs = TUNER.choose(_tuning_key(u, A, B, C, flags), u.device, "forward", FORWARD_KNOBS,
+                         lambda k: selective_scan_fwd(*args, k), knobs)
     cfg = _forward_config(dim, dstate, u.element_size(), knobs)
     B, C = (_time_major(M, cfg) if M.dim() > 2 else M for M in (B, C))
     n_chunks = num_chunks(seqlen)
@@ -224,12 +222,9 @@ def selective_scan_bwd(
         u, delta, A, B, C, D, z, delta_bias, initial_state, dout, dlast_state)
     batch, dim, seqlen, dstate, _ = dims
     flags = _flags(B, C, D, z, delta_bias, initial_state, delta_softplus)
-    if knobs is None:
-        key = _tuning_key(u, A, B, C, flags)
-        args = (u, delta, A, B, C, D, z, delta_bias, initial_state, dout, scan_intermediates, dlast_state,
-                delta_softplus)
-        TUNER.tune(key, u.device, "backward", BACKWARD_KNOBS, lambda k: selective_scan_bwd(*args, k))
-        knobs = TUNER.knobs(key, u.device)
+    args = (u, delta, A, B, C, D, z, delta_bias, initial_state, dout, scan_intermediates, dlast_state, delta_softplus)
+    knobs = TUNER.choose(_tuning_key(u, A, B, C, flags), u.device, "backward", BACKWARD_KNOBS,
+                         lambda k: selective_scan_bwd(*args, k), knobs)
     # (rows start at multiples of 16 bytes: Triton then reads them in vectors; taken as so while a symbolic
     # seqlen is traced, which a guard on its divisibility would specialise)
     aligned = all(guard_or_true(x.stride(i) * x.element_size() % 16 == 0)

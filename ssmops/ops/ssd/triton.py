@@ -113,7 +113,7 @@ class _Launch:
     """What every launch of one call shares: sizes, the per-token inputs' strides, the flags."""
 
     def __init__(self, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size,
-                 dt_softplus, dt_limit, knobs: Optional[dict] = None):
+                 dt_softplus, dt_limit):
         self.batch, self.seqlen, self.nheads, self.headdim, self.ngroups, self.dstate, self.nseq = check_ssd_inputs(
             x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_limit)
         if _is_real(seq_idx) and _is_real(cu_seqlens):
@@ -128,9 +128,13 @@ class _Launch:
                           HAS_LIMIT=len(dt_limit) == 2, DOT_F32=_dot_f32(x, B, C))
         self.d_flags = dict(HAS_D=D is not None, D_CHANNEL=D is not None and D.dim() == 2)
         self.key = self._tuning_key(B, chunk_size, cu_seqlens)
-        self.knobs = knobs if knobs is not None else TUNER.knobs(self.key, x.device)
-        self.cfg = _config(chunk_size, self.headdim, self.dstate, self.knobs)
+        self.knobs, self.cfg = {}, {}  # (use_knobs)
         self.given_strides = {}  # an input's strides where its tensor is a flat buffer (dt_processed's)
+
+    def use_knobs(self, knobs: dict) -> "_Launch":
+        """This launch with its knobs (TUNER's choice) and the output kernel's tiles they set."""
+        self.knobs, self.cfg = knobs, _config(self.chunk_size, self.headdim, self.dstate, knobs)
+        return self
 
     def _tuning_key(self, B: Tensor, chunk_size: int, cu_seqlens: Optional[Tensor]) -> Optional[str]:
         """What the knobs are tuned for: the sizes a model layer keeps from call to call, the dtypes and which
@@ -228,10 +232,9 @@ def ssd_fwd(
     x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx = _triton.contiguous_when_traced(
         x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx)
     args = (x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_softplus, dt_limit)
-    run = _Launch(*args, knobs)
-    if knobs is None and TUNER.tune(run.key, x.device, "forward", FORWARD_KNOBS, lambda k: ssd_fwd(*args, k)):
-        run = _Launch(*args)
-    run = run.dt_processed()
+    run = _Launch(*args)
+    run = run.use_knobs(TUNER.choose(run.key, x.device, "forward", FORWARD_KNOBS, lambda k: ssd_fwd(*args, k),
+                                     knobs)).dt_processed()
     f32 = dict(dtype=torch.float32, device=x.device)
     batch, nheads, headdim, dstate = run.batch, run.nheads, run.headdim, run.dstate
     # every buffer a kernel writes is 1-D (contiguous), viewed as its shape after the launch (_triton.output)
@@ -272,10 +275,9 @@ def ssd_bwd(
         x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, dout)
     args = (x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_softplus, dt_limit)
     grad_args = (dout, chunk_states, dfinal_states, dvarlen_states)
-    raw = _Launch(*args, knobs)
+    raw = _Launch(*args)
     names = tuple(name for name in BACKWARD_KNOBS if z is not None or name != "DZ_STAGES")  # (dz's launch: z's)
-    if knobs is None and TUNER.tune(raw.key, x.device, "backward", names, lambda k: ssd_bwd(*args, *grad_args, k)):
-        raw = _Launch(*args)
+    raw.use_knobs(TUNER.choose(raw.key, x.device, "backward", names, lambda k: ssd_bwd(*args, *grad_args, k), knobs))
     run = raw.dt_processed()  # (ssd_bwd_ddt_kernel differentiates through dt_bias, softplus and the clamp: raw)
     dims = (run.batch, run.seqlen, run.nheads, run.headdim, run.ngroups, run.dstate, run.nseq)
     check_ssd_grad_inputs(dims, x, chunk_size, dout, chunk_states, dfinal_states, dvarlen_states)
