@@ -76,7 +76,16 @@ def parse_args(argv=None):
     p.add_argument("--decoding", action="store_true", help="only the decoding rows: both steps and generate")
     p.add_argument("--lm-shapes", default=",".join(LM_SHAPES), help="the LM shapes generate runs (comma-separated)")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generate decodes per timed run")
-    return p.parse_args(argv)
+    p.add_argument("--parts", help=f"what to time, comma-separated, of {', '.join(PARTS)} (default: all but the "
+                   "sweeps; with --sweep, the sweeps too; with --decoding, decode,ssd-decode,generate)")
+    p.add_argument("--ssd-shapes", default=",".join(map(str, range(len(SSD_SHAPES)))),
+                   help="the SSD rows' and sweep's shapes, as indices into SSD_SHAPES (comma-separated)")
+    args = p.parse_args(argv)
+    if args.parts is None:
+        parts = ["decode", "ssd-decode", "generate"] if args.decoding else [p for p in PARTS if p not in SWEEPS]
+        args.parts = ",".join(parts + (SWEEPS if args.sweep else []))
+    args.ssd_shapes = [SSD_SHAPES[int(i)] for i in args.ssd_shapes.split(",")]
+    return args
 
 
 def make_inputs(batch, dim, seqlen, dstate, dtype, device="cuda", seed=0):
@@ -140,26 +149,38 @@ def main(argv=None) -> int:
         return 2
     if args.autotune:  # (nothing read from, or left in, the user's file of choices)
         os.environ["SSMOPS_TUNING_CACHE"] = os.path.join(tempfile.mkdtemp(), "tuning.json")
-    if args.decoding:
-        decode_step(args, copy_bandwidth())
-        ssd_decode_step(args)
-        generate_rows(args)
-        return 0
-    dtype = DTYPES[args.dtype]
-    shape = (args.batch, args.dim, args.seqlen, args.dstate)
-    kw = make_inputs(*shape, dtype)
-    fwd_op = torch.ops.ssmops.selective_scan_fwd_triton.default
-    bwd_op = torch.ops.ssmops.selective_scan_bwd_triton.default
-    fargs = op_args(kw)
-    out, x, out_z, last = fwd_op(*fargs)
-    dout = torch.randn_like(out_z)
-    bargs = fargs[:9] + (dout, x, None, kw["delta_softplus"])
-    grads = bwd_op(*bargs)
+    parts = args.parts.split(",")
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        print(f"--parts: unknown {unknown}; the parts are {', '.join(PARTS)}", file=sys.stderr)
+        return 2
+    bw = copy_bandwidth()
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}\ncopy bandwidth: {bw / 1e9:.0f} GB/s")
+    for part in PARTS:  # in this order, whatever the order asked
+        if part in parts:
+            PARTS[part](args, bw)
+    return 0
 
-    # bytes that must move: every input read once, every output written once
+
+def scan_launches(args) -> tuple:
+    """The Mamba-1 scan's Triton operators at the benchmark's shape: (their arguments, forward and backward,
+    and the bytes each must move: every input read once, every output written once)."""
+    kw = make_inputs(args.batch, args.dim, args.seqlen, args.dstate, DTYPES[args.dtype])
+    fargs = op_args(kw)
+    out, x, out_z, last = torch.ops.ssmops.selective_scan_fwd_triton.default(*fargs)
+    bargs = fargs[:9] + (torch.randn_like(out_z), x, None, kw["delta_softplus"])
+    grads = torch.ops.ssmops.selective_scan_bwd_triton.default(*bargs)
     fwd_bytes = nbytes(*[a for a in fargs if isinstance(a, torch.Tensor)], out, x, out_z, last)
     bwd_bytes = nbytes(*[a for a in bargs if isinstance(a, torch.Tensor)], *grads)
-    bw = copy_bandwidth()
+    return fargs, bargs, fwd_bytes, bwd_bytes
+
+
+def scan_rows(args, bw: float) -> None:
+    """The Mamba-1 scan's table (the module's docstring), and with --autotune its tuned rows."""
+    dtype = DTYPES[args.dtype]
+    fwd_op = torch.ops.ssmops.selective_scan_fwd_triton.default
+    bwd_op = torch.ops.ssmops.selective_scan_bwd_triton.default
+    fargs, bargs, fwd_bytes, bwd_bytes = scan_launches(args)
     t_fwd = cuda_time(lambda: fwd_op(*fargs), args.repeats)
     t_bwd = cuda_time(lambda: bwd_op(*bargs), args.repeats)
     # the deterministic path: variable dB/dC summed over each program's block of channels into rows of its
@@ -174,15 +195,15 @@ def main(argv=None) -> int:
             ("fwd+bwd", t_fwd + t_bwd, fwd_bytes + bwd_bytes, 0.25)]
     base = {}
     if not args.skip_baselines:
+        import ssmops
+
         main_fwd, main_bwd = torch.ops.ssmops.selective_scan_fwd.default, torch.ops.ssmops.selective_scan_bwd.default
         with ssmops.use_backend("default"):
             base["default"] = (cuda_time(lambda: main_fwd(*fargs), 3), cuda_time(lambda: main_bwd(*bargs), 3))
         base["compiled ref"] = _compiled_ref_times(args, dtype)
 
-    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    print(f"shape: batch {args.batch}, dim {args.dim}, seqlen {args.seqlen}, dstate {args.dstate}, {args.dtype}, "
-          "variable B/C, D, z, delta_bias, softplus")
-    print(f"copy bandwidth: {bw / 1e9:.0f} GB/s")
+    print(f"\nMamba-1 scan: batch {args.batch}, dim {args.dim}, seqlen {args.seqlen}, dstate {args.dstate}, "
+          f"{args.dtype}, variable B/C, D, z, delta_bias, softplus")
     header = f"{'pass':<9} {'time ms':>9} {'GB moved':>9} {'GB/s':>7} {'of copy':>8} {'goal':>5}"
     for name in base:
         header += f" {'x ' + name:>17}"
@@ -200,15 +221,13 @@ def main(argv=None) -> int:
           f"{t_bwd / t_bwd_blocks:.2f}x the atomic one's speed")
     if args.autotune:
         scan_tuned_rows(lambda: fwd_op(*fargs), lambda: bwd_op(*bargs), fwd_bytes, bwd_bytes, bw, args.repeats)
-    decode_step(args, bw)
-    ssd_rows(args)
-    ssd_decode_step(args)
-    generate_rows(args)
-    if args.sweep:
-        sweep_tiles(lambda: fwd_op(*fargs), lambda: bwd_op(*bargs), args.repeats)
-        sweep_ssd_knobs(args)
-        sweep_decode_step(args)
-    return 0
+
+
+def sweep_scan(args, bw: float) -> None:
+    """The scan's knobs one at a time at the benchmark's shape (sweep_tiles)."""
+    fargs, bargs = scan_launches(args)[:2]
+    sweep_tiles(lambda: torch.ops.ssmops.selective_scan_fwd_triton.default(*fargs),
+                lambda: torch.ops.ssmops.selective_scan_bwd_triton.default(*bargs), args.repeats)
 
 
 @contextlib.contextmanager
@@ -389,7 +408,7 @@ def ssd_sweep() -> dict:
 
 
 def sweep_ssd_knobs(args) -> None:
-    """The SSD scan's forward and forward+backward ms at each of SSD_SHAPES with each value of ssd_sweep()'s
+    """The SSD scan's forward and forward+backward ms at each of --ssd-shapes with each value of ssd_sweep()'s
     knobs in place of the launchers' (the first row), the other knobs as chosen."""
     from ssmops.ops.ssd import triton as ops
 
@@ -406,15 +425,15 @@ def sweep_ssd_knobs(args) -> None:
     sweep = ssd_sweep()
     chosen = {knob: getattr(ops, knob) for knob in sweep}
     print("\nSSD knobs (ssmops/ops/ssd/triton.py), one at a time; forward and forward+backward ms at each shape")
-    names = (f"b{s['batch']} L{s['seqlen']} h{s['nheads']} g{s['ngroups']}" for s in SSD_SHAPES)
+    names = (f"b{s['batch']} L{s['seqlen']} h{s['nheads']} g{s['ngroups']}" for s in args.ssd_shapes)
     print(f"{'knob':<26}" + "".join(f" {name:>21}" for name in names))
-    print(f"{'chosen by the launchers':<26}" + "".join(f" {cell(s)}" for s in SSD_SHAPES))
+    print(f"{'chosen by the launchers':<26}" + "".join(f" {cell(s)}" for s in args.ssd_shapes))
     try:
         for knob, values in sweep.items():
             for value in values:
                 if value != chosen[knob]:
                     setattr(ops, knob, value)
-                    print(f"{knob + ' ' + str(value):<26}" + "".join(f" {cell(s)}" for s in SSD_SHAPES))
+                    print(f"{knob + ' ' + str(value):<26}" + "".join(f" {cell(s)}" for s in args.ssd_shapes))
             setattr(ops, knob, chosen[knob])
     finally:
         for knob, value in chosen.items():
@@ -517,14 +536,14 @@ def ssd_times(fn, shape: dict, dtype, repeats: int) -> tuple[float, float]:
 
 
 def ssd_rows(args) -> None:
-    """The SSD table (see the module's docstring) at each of SSD_SHAPES."""
+    """The SSD table (see the module's docstring) at each of --ssd-shapes."""
     from ssd import flops
 
     dtype = DTYPES[args.dtype]
     rate = matmul_rate()
     print(f"\nbf16 matmul 8192^3: {rate / 1e12:.0f} TFLOP/s measured")
     contenders = ssd_contenders(args.skip_baselines, args.autotune)
-    for shape in SSD_SHAPES:
+    for shape in args.ssd_shapes:
         fwd_flops = flops(shape)
         layer = ", ".join(f"{k} {v}" for k, v in shape.items())
         print(f"\nSSD scan: {layer}, {args.dtype}; {fwd_flops / 1e12:.3f} TFLOP forward")
@@ -645,6 +664,14 @@ def generate_rows(args) -> None:
                   f"{eager:8.1f} tok/s eager, {graph:8.1f} tok/s cg=True ({graph / eager:.2f}x)", flush=True)
             del model
             torch.cuda.empty_cache()
+
+
+# what the benchmark times, in this order: --parts names some (default: all but the sweeps; --sweep adds these)
+PARTS = {"scan": scan_rows, "decode": lambda args, bw: decode_step(args, bw), "ssd": lambda args, bw: ssd_rows(args),
+         "ssd-decode": lambda args, bw: ssd_decode_step(args), "generate": lambda args, bw: generate_rows(args),
+         "sweep-scan": sweep_scan, "sweep-ssd": lambda args, bw: sweep_ssd_knobs(args),
+         "sweep-decode": lambda args, bw: sweep_decode_step(args)}
+SWEEPS = [part for part in PARTS if part.startswith("sweep-")]
 
 
 def _compiled_ref_times(args, dtype) -> tuple[float, float]:
