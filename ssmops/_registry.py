@@ -261,6 +261,8 @@ def kernels(name: str) -> dict:
 class _BackendMode(TorchDispatchMode):
     """Sends ssmops operators to one backend's kernels; lets everything else through."""
 
+    ROUTES_BACKENDS = True  # (no tracer: ops/_family.traced)
+
     def __init__(self, name: str):
         super().__init__()
         self.kernels = {getattr(torch.ops.ssmops, op).default: fn for op, fn in kernels(name).items()}

@@ -83,6 +83,23 @@ def test_use_backend_routes_forward_and_its_backward(monkeypatch):
     assert calls == ["selective_scan_fwd", "selective_scan_bwd"]
 
 
+def test_use_backend_is_not_a_tracer():
+    """A kernel launched under use_backend (its routing mode on the dispatch stack, as a CUDA backward reached
+    the conv's on torch 2.11) launches directly, not through wrap_triton's higher-order operator, which the
+    routing mode does not handle; a tracer's mode (fake tensors) still counts."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ssmops.ops._family import traced
+
+    assert not traced()
+    with ssmops.use_backend("default"):
+        assert torch._C._len_torch_dispatch_stack() == 1 and not traced()
+        with FakeTensorMode():
+            assert traced()
+    with FakeTensorMode():
+        assert traced()
+
+
 def _package_modules() -> list[str]:
     root = REPO / "ssmops"
     names = []
