@@ -143,6 +143,22 @@ def test_compiled_steps_of_models_and_batch_sizes_taking_turns_keep_their_own_to
                                        atol=1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (make gpu-check)")
+@pytest.mark.parametrize("name", ["mamba1", "hybrid"])
+def test_cuda_graph_step_generates_the_eager_tokens(name):
+    """cg=True on CUDA: the one-token step captured in a CUDA graph (mamba_ssm's cg=True; generation's
+    cuda_graph_step) gives the eager tokens and scores, for a generation after another (the caches the
+    capture's warm-up runs advance are restored), for a Mamba-1 LM and a hybrid, at two batch sizes."""
+    model = (MambaLMHeadModel(tiny_config()).eval() if name == "mamba1" else tiny_mamba2_model("hybrid")).cuda()
+    gen = torch.Generator().manual_seed(1)
+    for batch in (2, 1, 2):
+        prompt = torch.randint(0, 61, (batch, 5), generator=gen).cuda()
+        eager = model.generate(prompt, max_length=12, return_dict_in_generate=True, output_scores=True)
+        graphed = model.generate(prompt, max_length=12, cg=True, return_dict_in_generate=True, output_scores=True)
+        assert torch.equal(graphed.sequences, eager.sequences)
+        torch.testing.assert_close(torch.stack(graphed.scores), torch.stack(eager.scores), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.slow
 def test_compiled_step_under_inductors_python_wrapper(monkeypatch):
     """On CPU, cg=True compiles the step with inductor's cpp_wrapper (the test above);

@@ -296,8 +296,8 @@ class MambaLMHeadModel(nn.Module):
         """mamba_ssm's `generate`: `max_length` tokens in all (prompt included); greedy when
         top_k == 1, else sampling (see `ssmops.models.generation.sample`). Other keyword
         arguments go to `ssmops.models.generation.decode` (eos_token_id, vocab_size,
-        repetition_penalty, streamer, and `cg=True`, mamba_ssm's CUDA-graph flag, which here
-        compiles the one-token step into one graph, on any device); mamba_ssm's
+        repetition_penalty, streamer, and `cg=True`, mamba_ssm's CUDA-graph flag: the one-token step
+        captured in a CUDA graph on CUDA, compiled into one graph elsewhere); mamba_ssm's
         `enable_timing` is accepted and ignored. Returns the sequences, or a GenerationOutput
         when `return_dict_in_generate`."""
         kwargs.pop("enable_timing", None)
