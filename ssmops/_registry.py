@@ -259,9 +259,11 @@ def kernels(name: str) -> dict:
 
 
 class _BackendMode(TorchDispatchMode):
-    """Sends ssmops operators to one backend's kernels; lets everything else through."""
+    """Sends ssmops operators to one backend's kernels; lets everything else through, higher-order operators too
+    (torch.cond; wrap_triton's launch, which a Triton kernel takes under the mode when it is still on the stack:
+    as in a CUDA backward run inside the block, on torch 2.11)."""
 
-    ROUTES_BACKENDS = True  # (no tracer: ops/_family.traced)
+    supports_higher_order_operators = True
 
     def __init__(self, name: str):
         super().__init__()

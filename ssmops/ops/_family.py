@@ -12,22 +12,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 # Devices whose tensors the Triton kernels serve natively ("cuda" is also ROCm's device type).
 GPU_DEVICES = ("cuda", "xpu")
 
 
 def traced() -> bool:
-    """Whether a tracer may be recording this call: Dynamo, or a dispatch mode other than `use_backend`'s
-    (fake, functional and proxy tensors). Eager calls need neither `wrap_triton` nor the dispatcher's route; an
-    eager call under `use_backend` must not take wrap_triton's route, whose launch the routing mode refuses (as
-    a CUDA backward reached it on torch 2.11)."""
-    if torch.compiler.is_compiling():
-        return True
-    if torch._C._len_torch_dispatch_stack() == 0:
-        return False
-    return any(not getattr(mode, "ROUTES_BACKENDS", False) for mode in _get_current_dispatch_mode_stack())
+    """Whether a tracer may be recording this call: Dynamo, or a dispatch mode (fake, functional and proxy
+    tensors; `use_backend`'s). Eager calls need neither `wrap_triton` nor the dispatcher's route."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
 
 
 @dataclass(frozen=True)
