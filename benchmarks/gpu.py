@@ -39,6 +39,7 @@ decoding rows (both steps and generate), `--lm-shapes 130m` only the small model
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import importlib
 import os
@@ -80,6 +81,8 @@ def parse_args(argv=None):
                    "sweeps; with --sweep, the sweeps too; with --decoding, decode,ssd-decode,generate)")
     p.add_argument("--ssd-shapes", default=",".join(map(str, range(len(SSD_SHAPES)))),
                    help="the SSD rows' and sweep's shapes, as indices into SSD_SHAPES (comma-separated)")
+    p.add_argument("--sweep-values", default="",
+                   help="the knob values the scans' sweeps time, as NAME=VALUE,... (default: each knob's every value)")
     args = p.parse_args(argv)
     if args.parts is None:
         parts = ["decode", "ssd-decode", "generate"] if args.decoding else [p for p in PARTS if p not in SWEEPS]
@@ -183,13 +186,15 @@ def scan_rows(args, bw: float) -> None:
     fargs, bargs, fwd_bytes, bwd_bytes = scan_launches(args)
     t_fwd = cuda_time(lambda: fwd_op(*fargs), args.repeats)
     t_bwd = cuda_time(lambda: bwd_op(*bargs), args.repeats)
-    # the deterministic path: variable dB/dC summed over each program's block of channels into rows of its
-    # own (lane shuffles and shared memory), instead of added atomically after a sum over BACKWARD_REDUCE
-    torch.use_deterministic_algorithms(True)
+    # the other way to sum variable dB/dC (BACKWARD_ATOMIC): atomically after a sum over BACKWARD_REDUCE channels,
+    # or over each program's block of channels into rows of its own (as the deterministic path does)
+    from ssmops.ops.selective_scan import triton as scan_triton
+
+    scan_triton.BACKWARD_ATOMIC = not scan_triton.BACKWARD_ATOMIC
     try:
-        t_bwd_blocks = cuda_time(lambda: bwd_op(*bargs), args.repeats)
+        t_bwd_other = cuda_time(lambda: bwd_op(*bargs), args.repeats)
     finally:
-        torch.use_deterministic_algorithms(False)
+        scan_triton.BACKWARD_ATOMIC = not scan_triton.BACKWARD_ATOMIC
 
     rows = [("forward", t_fwd, fwd_bytes, 0.50), ("backward", t_bwd, bwd_bytes, None),
             ("fwd+bwd", t_fwd + t_bwd, fwd_bytes + bwd_bytes, 0.25)]
@@ -217,8 +222,9 @@ def scan_rows(args, bw: float) -> None:
             base_t = times[i] if i < 2 else times[0] + times[1]
             line += f" {approx}{base_t / t:15.1f}x"
         print(line)
-    print(f"backward with dB/dC summed over each program's channels (deterministic): {t_bwd_blocks * 1e3:.3f} ms, "
-          f"{t_bwd / t_bwd_blocks:.2f}x the atomic one's speed")
+    print(f"backward with BACKWARD_ATOMIC={not scan_triton.BACKWARD_ATOMIC} (dB/dC summed "
+          f"{'in rows of their own' if scan_triton.BACKWARD_ATOMIC else 'atomically'}): {t_bwd_other * 1e3:.3f} ms, "
+          f"{t_bwd / t_bwd_other:.2f}x the default's speed")
     if args.autotune:
         scan_tuned_rows(lambda: fwd_op(*fargs), lambda: bwd_op(*bargs), fwd_bytes, bwd_bytes, bw, args.repeats)
 
@@ -227,7 +233,7 @@ def sweep_scan(args, bw: float) -> None:
     """The scan's knobs one at a time at the benchmark's shape (sweep_tiles)."""
     fargs, bargs = scan_launches(args)[:2]
     sweep_tiles(lambda: torch.ops.ssmops.selective_scan_fwd_triton.default(*fargs),
-                lambda: torch.ops.ssmops.selective_scan_bwd_triton.default(*bargs), args.repeats)
+                lambda: torch.ops.ssmops.selective_scan_bwd_triton.default(*bargs), args.repeats, args.sweep_values)
 
 
 @contextlib.contextmanager
@@ -368,7 +374,16 @@ def sweep_decode_step(args) -> None:
         _triton._plans.clear()
 
 
-def sweep_tiles(fwd, bwd, repeats: int) -> None:
+def knob_values(space: dict, chosen: dict, asked: str) -> list[tuple]:
+    """The (knob, value) rows of a sweep over `space`: those of --sweep-values `asked` ("NAME=VALUE,...") whose
+    knob is in it, else every value but the chosen one of each knob."""
+    if not asked:
+        return [(knob, value) for knob, values in space.items() for value in values if value != chosen[knob]]
+    rows = [(knob, ast.literal_eval(value)) for knob, value in (pair.split("=") for pair in asked.split(","))]
+    return [(knob, value) for knob, value in rows if knob in space]
+
+
+def sweep_tiles(fwd, bwd, repeats: int, sweep_values: str = "") -> None:
     """Forward and backward ms with each value of each knob of the scan's TUNING_SPACE (what SSMOPS_AUTOTUNE=1
     times) in place of the launchers' choice (the first row), the others as chosen: warps (a program takes 32
     channels a warp), FORWARD_TILE and BACKWARD_TILE ((step, state) pairs a thread's tile of steps holds),
@@ -387,12 +402,10 @@ def sweep_tiles(fwd, bwd, repeats: int) -> None:
     print("scan knobs (ssmops/ops/selective_scan/triton.py)   forward ms  backward ms")
     print(f"{'chosen by the launchers':<26} {cell(fwd):>11} {cell(bwd):>12}")
     try:
-        for knob, values in ops.TUNING_SPACE.items():
+        for knob, value in knob_values(ops.TUNING_SPACE, chosen, sweep_values):
             forward = knob in ops.FORWARD_KNOBS
-            for value in values:
-                if value != chosen[knob]:
-                    setattr(ops, knob, value)
-                    print(f"{knob + ' ' + str(value):<26} {cell(fwd if forward else bwd):>{11 if forward else 24}}")
+            setattr(ops, knob, value)
+            print(f"{knob + ' ' + str(value):<26} {cell(fwd if forward else bwd):>{11 if forward else 24}}")
             setattr(ops, knob, chosen[knob])
     finally:
         for knob, value in chosen.items():
@@ -429,11 +442,9 @@ def sweep_ssd_knobs(args) -> None:
     print(f"{'knob':<26}" + "".join(f" {name:>21}" for name in names))
     print(f"{'chosen by the launchers':<26}" + "".join(f" {cell(s)}" for s in args.ssd_shapes))
     try:
-        for knob, values in sweep.items():
-            for value in values:
-                if value != chosen[knob]:
-                    setattr(ops, knob, value)
-                    print(f"{knob + ' ' + str(value):<26}" + "".join(f" {cell(s)}" for s in args.ssd_shapes))
+        for knob, value in knob_values(sweep, chosen, args.sweep_values):
+            setattr(ops, knob, value)
+            print(f"{knob + ' ' + str(value):<26}" + "".join(f" {cell(s)}" for s in args.ssd_shapes))
             setattr(ops, knob, chosen[knob])
     finally:
         for knob, value in chosen.items():

@@ -45,17 +45,15 @@ def recorded_launches() -> Iterator[list]:
         _triton.launch = launch
 
 
-def record_scan(fwd_args: tuple, deterministic: bool = False) -> list:
+def record_scan(fwd_args: tuple, atomic: bool | None = None) -> list:
     """The forward and backward launches for the arguments of `ssmops::selective_scan_fwd` (CPU
-    tensors will do), with the backward's dB/dC summed atomically or deterministically."""
-    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    tensors will do), with the backward's dB/dC added atomically or in rows of their own (BACKWARD_ATOMIC;
+    None: the default's)."""
+    knobs = scan_triton.TUNER.defaults() | ({} if atomic is None else {"BACKWARD_ATOMIC": atomic})
     with recorded_launches() as launches:
         out, x, out_z, last = scan_triton.selective_scan_fwd(*fwd_args)
-        torch.use_deterministic_algorithms(deterministic)
-        try:
-            scan_triton.selective_scan_bwd(*fwd_args[:9], torch.ones_like(out), x, torch.ones_like(last), fwd_args[9])
-        finally:
-            torch.use_deterministic_algorithms(was_deterministic)
+        scan_triton.selective_scan_bwd(*fwd_args[:9], torch.ones_like(out), x, torch.ones_like(last), fwd_args[9],
+                                       knobs)
     return launches
 
 

@@ -49,12 +49,15 @@ FORWARD_TILE = 128
 # register tile from the read tile's start by walking the register tiles before it. BACKWARD_SEGMENT: read
 # tiles between two checkpoints of its first walk (a float32 state per channel, state and segment:
 # seqlen / (SEGMENT * tile steps) of them); a read tile is then reached by walking up to SEGMENT - 1 tiles
-# from its segment's checkpoint. BACKWARD_REDUCE: channels of a group whose variable dB/dC a program sums
-# (lane shuffles) before it adds the sum atomically (the deterministic path sums all of its block's).
+# from its segment's checkpoint. BACKWARD_ATOMIC: variable dB/dC added atomically into one (batch, group) row
+# after a sum over BACKWARD_REDUCE channels (lane shuffles), or (False, and always under
+# torch.use_deterministic_algorithms) summed over a program's channels of a group into rows of their own, which
+# torch sums in a fixed order: at the benchmark's shape on an H200 the atomics took 89 ms, the rows 18.7.
 BACKWARD_WARPS = 4
 BACKWARD_STATES = 16
 BACKWARD_TILE = 32
 BACKWARD_SEGMENT = 1
+BACKWARD_ATOMIC = False
 BACKWARD_REDUCE = 1
 # BACKWARD_READ: bytes of each input row a read tile takes (8: 4 steps of a 16-bit input). 16 halves the
 # checkpoints and the sectors of the rows (each 8-byte row is charged a 32-byte one), but holds more across the
@@ -63,10 +66,11 @@ BACKWARD_READ = 8
 # What SSMOPS_AUTOTUNE=1 times per shape (ops/_tuning.py), each phase's in its own call; benchmarks/gpu.py --sweep
 # times the same values. (One warp: Triton lays the state tiles out so that ptxas spills in the walk.)
 TUNING_SPACE = {"FORWARD_WARPS": (2, 4, 8), "FORWARD_TILE": (32, 64, 128), "BACKWARD_WARPS": (2, 4, 8),
-                "BACKWARD_TILE": (16, 32, 64), "BACKWARD_SEGMENT": (1, 2, 4), "BACKWARD_REDUCE": (1, 4, 32),
-                "BACKWARD_READ": (8, 16)}
+                "BACKWARD_TILE": (16, 32, 64), "BACKWARD_SEGMENT": (1, 2, 4), "BACKWARD_ATOMIC": (False, True),
+                "BACKWARD_REDUCE": (1, 4, 32), "BACKWARD_READ": (8, 16)}
 FORWARD_KNOBS = ("FORWARD_WARPS", "FORWARD_TILE")
-BACKWARD_KNOBS = ("BACKWARD_WARPS", "BACKWARD_TILE", "BACKWARD_SEGMENT", "BACKWARD_REDUCE", "BACKWARD_READ")
+BACKWARD_KNOBS = ("BACKWARD_WARPS", "BACKWARD_TILE", "BACKWARD_SEGMENT", "BACKWARD_ATOMIC", "BACKWARD_REDUCE",
+                  "BACKWARD_READ")
 TUNER = _tuning.Tuner("selective_scan", lambda: {name: globals()[name] for name in TUNING_SPACE}, TUNING_SPACE)
 
 
@@ -231,10 +235,10 @@ def selective_scan_bwd(
                   for x in (u, delta, dout, z) if x is not None for i in (0, 1))
     cfg = _backward_config(dim, dstate, u.element_size(), aligned, knobs)
     B_read, C_read = (_time_major(M, cfg) if M.dim() > 2 else M for M in (B, C))
-    # variable dB/dC: summed over BACKWARD_REDUCE channels of a group in a program, then added atomically
-    # (fast, order not fixed); or, to be deterministic, summed over all of a program's channels of a group
-    # into rows of their own, which are summed below in a fixed order
-    bc_atomic = not torch.are_deterministic_algorithms_enabled()
+    # variable dB/dC: summed over BACKWARD_REDUCE channels of a group in a program, then added atomically (order
+    # not fixed); or summed over all of a program's channels of a group into rows of their own, which are summed
+    # below in a fixed order
+    bc_atomic = knobs["BACKWARD_ATOMIC"] and not torch.are_deterministic_algorithms_enabled()
 
     def reduced(M: Tensor) -> int:  # channels summed in the program: a power of two dividing a group's
         cap = min(knobs["BACKWARD_REDUCE"], cfg["BLOCK_D"]) if bc_atomic else cfg["BLOCK_D"]
@@ -292,7 +296,7 @@ def selective_scan_bwd(
             part = part.view(batch, groups, steps, states)
         else:  # a group's rows, summed in order (the rows of channels past dim are left out)
             per_row = reduced(M)
-            part = part.view(batch, rows, steps, states)[:, :dim // per_row]
+            part = part.view(batch, rows, steps, states).narrow(1, 0, dim // per_row)
             part = part.reshape(batch, groups, dim // groups // per_row, steps, states).sum(2)
         # time-major to M's layout, without the padding (narrow and clone, not [...] and contiguous, which
         # refuse fake CUDA tensors in CPU-only torch)

@@ -28,18 +28,18 @@ from .triton_kernels import (
 # Tiles, warps and software-pipelining stages (num_stages: loads in flight in the GEMM loops; Triton's default
 # on NVIDIA is 3) of the launches: module constants, read at each launch, so that `benchmarks/gpu.py --sweep`
 # can retune them on a GPU. Chosen from the sm_90 compile at Mamba-2's sizes (benchmarks/triton_static.py,
-# docs/limits.md; tests/test_triton.py holds them to no spills): at most 128 registers lets two 8-warp
-# programs share an SM.
+# docs/limits.md; tests/test_triton.py holds them to no spills there), then from an H200's sweep at mamba2-2.7b's
+# layer (28 Nov, Triton 3.6): 4 warps beat 8 in the output kernel and the dX pass.
 SCAN_BLOCK_T = 64  # the forward's output kernel: tokens a program (and the side of C.B^T's tiles)
 SCAN_BLOCK_P = 64  # its channels a program (32: 113 registers, but twice the programs and C.B^T reads)
-SCAN_WARPS = 8  # (its 64-token blocks spill on 4)
+SCAN_WARPS = 4  # (8 warps, the sm_90 compile's choice, ran 4.95 ms where 4 ran 3.82 on an H200: docs/limits.md)
 SCAN_STAGES = 2  # 112 registers (3 stages: 146)
 DZ_STAGES = 1  # the same kernel recomputing y for dz holds dout's tile too: 127 registers (2 stages: 135)
-# The backward's dX pass takes token blocks of 64 over 8 warps, headdim and dstate whole: 174 registers on sm_90,
-# one program an SM (blocks of 32: 108 registers and two, but twice the programs each reading dE whole and the
-# gated dout's blocks after its own: 6.1 GB requested from the L2 at mamba2-2.7b's layer, not 4.8).
+# The backward's dX pass takes token blocks of 64, headdim and dstate whole (blocks of 32: twice the programs,
+# each reading dE whole and the gated dout's blocks after its own: 6.1 GB requested from the L2 at mamba2-2.7b's
+# layer, not 4.8), on 4 warps: 222 registers on sm_90, and ~1.6 ms less a forward+backward than 8 on an H200.
 BWD_BLOCK_T = 64
-BWD_WARPS = 8
+BWD_WARPS = 4
 BWD_STAGES = 2
 # dB and dC: a program walks a run of at most GROUP_HEADS heads of a group (the group's heads split into equal
 # runs; torch sums the runs), summing the gradient of C.B^T over them (ssd_bwd_dcb_kernel, a pair of token blocks
@@ -52,8 +52,9 @@ DCB_WARPS = 4
 STATE_WARPS = 8  # the state passes, forward and backward (a (64, 64) state tile and a block's tiles)
 STATE_STAGES = 3  # (2: 134 and 136 registers on sm_90, still over 128, and 16 bytes spilled on sm_80)
 # The state tiles' states (a (64, STATE_BLOCK_N) tile a program): batch x nheads x dstate / STATE_BLOCK_N programs.
-# Whole (128) reads x once, not once per 64 states, but left mamba2-130m's layer 24 programs (docs/limits.md).
-STATE_BLOCK_N = 64
+# Whole (128) reads x once, not once per 64 states (0.5 ms less a forward at mamba2-2.7b's layer on an H200), but
+# leaves mamba2-130m's layer 24 programs (docs/limits.md).
+STATE_BLOCK_N = 128
 # C.B^T's tiles in the GEMMs' 16-bit operand dtype (when x, B and C share one): half the output loop's largest
 # read and 128 registers with SCAN_STAGES 2 (float32 tiles: 1 program an SM), for one more rounding of C.B^T
 # before its decay (bf16 errors against the float64 oracle up to ~1.9x, inside the tolerances; docs/limits.md).
