@@ -114,31 +114,43 @@ def scan_rows(args, aot, dtype) -> list:
     elements = args.batch * args.dim * args.seqlen * args.dstate
     rows = args.batch * args.dim * args.seqlen
     size = torch.finfo(dtype).bits // 8
-    moved = {"forward": rows * size * 5, "backward": rows * size * 7}  # u delta z | out out_z; + dout | du ddelta dz
+    # u delta z | out out_z; + dout | du ddelta dz; a segmented forward's first pass: u delta
+    moved = {"forward": rows * size * 5, "forward pass 1": rows * size * 2, "forward pass 2": rows * size * 5,
+             "backward": rows * size * 7}
     issue_rate = args.sms * 4 * 32 * args.clock_ghz * 1e9  # lane instructions per second
     ex2_rate = args.sms * 16 * args.clock_ghz * 1e9
     copy_rate = args.copy_tbps * 1e12
 
     print(f"shape: batch {args.batch}, dim {args.dim}, seqlen {args.seqlen}, dstate {args.dstate}, {args.dtype}, "
           f"variable B/C, D, z, delta_bias; sm_90, {args.sms} SMs at {args.clock_ghz} GHz, copy {args.copy_tbps} TB/s")
-    print(f"{'pass':<9} {'regs':>4} {'spill':>5} {'warps':>5} {'steps/thr':>9} {'instr/elt':>9} {'shfl/elt':>8} "
+    print(f"{'pass':<14} {'regs':>4} {'spill':>5} {'warps':>5} {'steps/thr':>9} {'instr/elt':>9} {'shfl/elt':>8} "
           f"{'ex2/elt':>7} {'ms issue':>8} {'ms ex2':>7} {'ms copy':>7} {'of copy':>7}")
     scan_compiled = []
-    for name, (kernel, kernel_args, meta) in zip(("forward", "backward"), launches):
+    for kernel, kernel_args, meta in launches:
+        name = "backward" if kernel.__name__ == "selective_scan_bwd_kernel" else \
+            f"forward pass {meta['SEGMENT_PASS']}" if meta["SEGMENT_PASS"] else "forward"
         compiled = aot.compile_launch(kernel, kernel_args, meta, "sm90")
         usage = aot.resource_usage(compiled)
         per_element = _per_element(aot, compiled, meta) if name == "backward" else {
-            op: count / (meta["BLOCK_T"] * meta["STATES"]) for op, count in aot.innermost_loop(compiled).items()}
+            op: count / (meta["BLOCK_T"] * meta["STATES"]) for op, count in _walk_loop(aot, compiled).items()}
         steps = meta["BLOCK_T"]
         instructions = sum(per_element.values())
         t_issue = elements * instructions / issue_rate
         t_ex2 = elements * per_element.get("MUFU", 0.0) / ex2_rate
         t_copy = moved[name] / copy_rate
         scan_compiled.append(dict(compiled=compiled, usage=usage, meta=meta, issue_s=t_issue))
-        print(f"{name:<9} {usage['regs']:>4} {usage['spills']:>5} {meta['num_warps']:>5} {steps:>9} "
+        print(f"{name:<14} {usage['regs']:>4} {usage['spills']:>5} {meta['num_warps']:>5} {steps:>9} "
               f"{instructions:>9.1f} {per_element.get('SHFL', 0.0):>8.2f} {per_element.get('MUFU', 0.0):>7.2f} "
               f"{t_issue * 1e3:>8.2f} {t_ex2 * 1e3:>7.2f} {t_copy * 1e3:>7.2f} {t_copy / max(t_issue, t_ex2):>7.0%}")
     return scan_compiled
+
+
+def _walk_loop(aot, compiled) -> collections.Counter:
+    """The forward's loop over a tile of steps: its largest innermost loop (a segmented forward's second pass
+    also has the short loop over the earlier segments' states)."""
+    loops = aot.loop_nest(compiled)
+    innermost = [loop for i, loop in enumerate(loops) if not any(other["inside"] == i for other in loops)]
+    return max(innermost, key=lambda loop: sum(loop["own"].values()))["own"]
 
 
 def _per_element(aot, compiled, meta: dict) -> dict:
@@ -376,7 +388,8 @@ def bounds(args, aot, compiled: dict) -> None:
         rows = launch_rows("scan", tc.scan_inputs(b, d, L, n, DTYPES[args.dtype], device="meta"), b * d * L,
                            lambda i, info, meta, programs: info["issue_s"])
         measured = SCAN_MEASURED.get((b, d, L, n)) if args.dtype == "bfloat16" else None
-        passes(rows, 1, (measured or (None, None), (None, None)))
+        passes(rows, sum(row["name"] == "selective_scan_fwd_kernel" for row in rows),
+               (measured or (None, None), (None, None)))
     if "ssd" not in compiled:
         return
 

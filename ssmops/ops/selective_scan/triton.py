@@ -44,6 +44,11 @@ def _pow2_divisor(n: int, cap: int) -> int:
 FORWARD_WARPS = 4
 FORWARD_STATES = 16
 FORWARD_TILE = 128
+# FORWARD_SEGMENT: steps a program walks (0: the whole sequence). A thread per channel gives (batch x dim) / 32
+# warps, 1,024 at the benchmark's shape, 8 an SM of an H200, which ran the forward at 8% of its copy rate
+# (docs/limits.md); segments walked side by side multiply the warps, for a second, shorter pass that reads u,
+# delta and B once more to find the states each segment starts from. Off until a GPU has timed it.
+FORWARD_SEGMENT = 0
 # The backward keeps a register tile's states and decays (two registers a pair) while the adjoint runs back
 # over it; it reads its inputs a tile of 16-byte rows at a time (8 steps of a 16-bit input), and reaches each
 # register tile from the read tile's start by walking the register tiles before it. BACKWARD_SEGMENT: read
@@ -65,10 +70,11 @@ BACKWARD_REDUCE = 1
 BACKWARD_READ = 8
 # What SSMOPS_AUTOTUNE=1 times per shape (ops/_tuning.py), each phase's in its own call; benchmarks/gpu.py --sweep
 # times the same values. (One warp: Triton lays the state tiles out so that ptxas spills in the walk.)
-TUNING_SPACE = {"FORWARD_WARPS": (2, 4, 8), "FORWARD_TILE": (32, 64, 128), "BACKWARD_WARPS": (2, 4, 8),
+TUNING_SPACE = {"FORWARD_WARPS": (2, 4, 8), "FORWARD_TILE": (32, 64, 128), "FORWARD_SEGMENT": (0, 256, 512, 1024),
+                "BACKWARD_WARPS": (2, 4, 8),
                 "BACKWARD_TILE": (16, 32, 64), "BACKWARD_SEGMENT": (1, 2, 4), "BACKWARD_ATOMIC": (False, True),
                 "BACKWARD_REDUCE": (1, 4, 32), "BACKWARD_READ": (8, 16)}
-FORWARD_KNOBS = ("FORWARD_WARPS", "FORWARD_TILE")
+FORWARD_KNOBS = ("FORWARD_WARPS", "FORWARD_TILE", "FORWARD_SEGMENT")
 BACKWARD_KNOBS = ("BACKWARD_WARPS", "BACKWARD_TILE", "BACKWARD_SEGMENT", "BACKWARD_ATOMIC", "BACKWARD_REDUCE",
                   "BACKWARD_READ")
 TUNER = _tuning.Tuner("selective_scan", lambda: {name: globals()[name] for name in TUNING_SPACE}, TUNING_SPACE)
@@ -195,18 +201,30 @@ def selective_scan_fwd(
     # a variable B/C is loaded once per step for the whole block where the block lies in one group
     shared = {f"{name}_SHARED": M.dim() == 3 or (M.dim() == 4 and (dim // M.shape[1]) % cfg["BLOCK_D"] == 0)
               for name, M in (("B", B), ("C", C))}
-    grid = (triton.cdiv(dim, cfg["BLOCK_D"]), batch)
-    _triton.launch(selective_scan_fwd_kernel, grid, (
-        u, delta, A, B, C, D if D is not None else A, z if z is not None else u,
-        delta_bias if delta_bias is not None else A,
-        initial_state if initial_state is not None else A,
-        out, out_z if z is not None else out, x, last, y_partial if y_partial is not None else x,
-        dim, seqlen, dstate, n_chunks, dim // _groups(B), dim // _groups(C),
-        *u.stride(), *delta.stride(), *_strides3(z),
-        *A.stride(),
-        *_bc_strides(B), *_bc_strides(C),
-        *_strides3(initial_state),
-    ), dict(**flags, **shared, **cfg))
+    # FORWARD_SEGMENT: steps a program walks, the sequence cut into segments walked side by side (two passes:
+    # the kernel's docstring), or 0: the whole sequence a program (a plain-int seqlen longer than a segment only)
+    seg_len = knobs["FORWARD_SEGMENT"]
+    segments = type(seqlen) is int and 0 < seg_len < seqlen
+    n_segments = triton.cdiv(seqlen, seg_len) if segments else 1
+    seg_h = _triton.output((batch, dim, n_segments, dstate), torch.float32, u.device) if segments else x
+    seg_dt = _triton.output((batch, dim, n_segments), torch.float32, u.device) if segments else x
+
+    def launch(segment_pass: int) -> None:
+        _triton.launch(selective_scan_fwd_kernel, (triton.cdiv(dim, cfg["BLOCK_D"]), batch, n_segments), (
+            u, delta, A, B, C, D if D is not None else A, z if z is not None else u,
+            delta_bias if delta_bias is not None else A,
+            initial_state if initial_state is not None else A,
+            out, out_z if z is not None else out, x, last, y_partial if y_partial is not None else x, seg_h, seg_dt,
+            dim, seqlen, dstate, n_chunks, dim // _groups(B), dim // _groups(C), seg_len if segments else seqlen,
+            n_segments,
+            *u.stride(), *delta.stride(), *_strides3(z),
+            *A.stride(),
+            *_bc_strides(B), *_bc_strides(C),
+            *_strides3(initial_state),
+        ), dict(flags, **shared, **cfg, SEGMENT_PASS=segment_pass, **({"HAS_Z": False} if segment_pass == 1 else {})))
+
+    for segment_pass in (1, 2) if segments else (0,):
+        launch(segment_pass)
     return out.view(out_shape), x.view(x_shape), out_z.view(out_shape) if z is not None else out_z, \
         last.view(last_shape)
 

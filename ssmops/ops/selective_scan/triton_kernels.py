@@ -141,8 +141,8 @@ def _bc_step(rows, n, t, s_n, s_t, SHARED: tl.constexpr):
 @triton.jit
 def selective_scan_fwd_kernel(
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, init_ptr,
-    out_ptr, out_z_ptr, x_ptr, last_ptr, y_ptr,
-    dim, seqlen, dstate, n_chunks, dpg_B, dpg_C,
+    out_ptr, out_z_ptr, x_ptr, last_ptr, y_ptr, seg_h_ptr, seg_dt_ptr,
+    dim, seqlen, dstate, n_chunks, dpg_B, dpg_C, seg_len, n_segments,
     s_ub, s_ud, s_ut, s_db, s_dd, s_dt, s_zb, s_zd, s_zt,
     s_Ad, s_An,
     s_Bb, s_Bg, s_Bn, s_Bt, s_Cb, s_Cg, s_Cn, s_Ct,
@@ -150,15 +150,31 @@ def selective_scan_fwd_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr,
     SOFTPLUS: tl.constexpr, B_VAR: tl.constexpr, C_VAR: tl.constexpr, B_SHARED: tl.constexpr,
     C_SHARED: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, STATES: tl.constexpr,
-    STATE_TILES: tl.constexpr, PADDED_STATES: tl.constexpr, CHUNK: tl.constexpr,
+    STATE_TILES: tl.constexpr, PADDED_STATES: tl.constexpr, CHUNK: tl.constexpr, SEGMENT_PASS: tl.constexpr,
 ):
     """A program takes BLOCK_D channels of one batch row, a thread one channel (see the module's
     docstring). B and C are float32, a variable one laid out (batch, [groups,] seqlen, dstate).
     Outputs, 1-D and contiguous: out and out_z (batch, dim, seqlen); x (batch, dim, n_chunks, dstate,
     2); last (batch, dim, dstate); y (batch, dim, seqlen) float32, the partial sums over the states
-    of the earlier state tiles (only when STATE_TILES > 1)."""
+    of the earlier state tiles (only when STATE_TILES > 1).
+
+    SEGMENT_PASS 0: the program walks the whole sequence. Else the sequence is cut into segments of seg_len
+    steps (a multiple of BLOCK_T dividing CHUNK), a program each (program_id(2)), so that more warps share
+    the latency of the walk: pass 1 walks its segment from zero states and stores only where they end and
+    the segment's sum of dt (seg_h (batch, dim, n_segments, dstate) and seg_dt (batch, dim, n_segments),
+    float32; launched without z); pass 2 starts its segment from the states the earlier segments carry to it
+    (the initial states decayed by their dt sums, plus their own), and writes what pass 0 writes for its steps."""
     pid_b = tl.program_id(1).to(tl.int64)
     d_first = tl.program_id(0).to(tl.int64) * BLOCK_D
+    pid_s = tl.program_id(2)
+    t_begin = pid_s * seg_len
+    t_end = tl.minimum(seqlen, t_begin + seg_len)
+    if SEGMENT_PASS == 0:
+        c_first = 0
+        c_last = n_chunks
+    else:
+        c_first = t_begin // CHUNK
+        c_last = c_first + 1
     dd = d_first + tl.arange(0, BLOCK_D)
     mask_d = dd < dim
     tt = tl.arange(0, BLOCK_T)
@@ -177,16 +193,27 @@ def selective_scan_fwd_kernel(
                                                      s_An, s_ib, s_id, s_in, s_Bn, s_Cn, HAS_INIT, B_VAR, C_VAR,
                                                      BLOCK_D, STATES)
         dt_total = tl.zeros([BLOCK_D], dtype=tl.float32)
+        if SEGMENT_PASS == 1:
+            h = tl.zeros([BLOCK_D, STATES], dtype=tl.float32)
+        if SEGMENT_PASS == 2:  # the states at the segment's start, and the dt summed since t = 0
+            for j in range(0, pid_s):
+                dt_seg = tl.load(seg_dt_ptr + row * n_segments + j, mask=mask_d, other=0.0)
+                h_seg = tl.load(seg_h_ptr + (row[:, None] * n_segments + j) * dstate + n[None, :], mask=mask_dn,
+                                other=0.0)
+                h = tl.exp2(dt_seg[:, None] * A2) * h + h_seg
+                dt_total += dt_seg
+            if PADDED_STATES:
+                h = tl.where(mask_dn, h, 0.0)
         last_tile = s == STATE_TILES - 1
         # u, delta and z of a tile are loaded while the tile before it is computed (bytes in flight)
-        mask = mask_d[:, None] & (tt < seqlen)[None, :]
-        u_next = tl.load(u_rows[:, None] + tt[None, :] * s_ut, mask=mask, other=0.0)
-        delta_next = tl.load(delta_rows[:, None] + tt[None, :] * s_dt, mask=mask, other=0.0)
+        mask = mask_d[:, None] & ((t_begin + tt) < seqlen)[None, :]
+        u_next = tl.load(u_rows[:, None] + (t_begin + tt)[None, :] * s_ut, mask=mask, other=0.0)
+        delta_next = tl.load(delta_rows[:, None] + (t_begin + tt)[None, :] * s_dt, mask=mask, other=0.0)
         z_next = u_next
         if HAS_Z:
-            z_next = tl.load(z_rows[:, None] + tt[None, :] * s_zt, mask=mask & last_tile, other=0.0)
-        for c in range(0, n_chunks):
-            for t0 in range(c * CHUNK, tl.minimum(seqlen, (c + 1) * CHUNK), BLOCK_T):
+            z_next = tl.load(z_rows[:, None] + (t_begin + tt)[None, :] * s_zt, mask=mask & last_tile, other=0.0)
+        for c in range(c_first, c_last):
+            for t0 in range(tl.maximum(c * CHUNK, t_begin), tl.minimum(t_end, (c + 1) * CHUNK), BLOCK_T):
                 t = t0 + tt
                 mask = mask_d[:, None] & (t < seqlen)[None, :]
                 u = u_next.to(tl.float32)
@@ -202,30 +229,40 @@ def selective_scan_fwd_kernel(
                     z_next = tl.load(z_rows[:, None] + t_next[None, :] * s_zt, mask=mask_next & last_tile, other=0.0)
                 dtu = dt * u
                 dt_total += tl.sum(dt, axis=1)
-                y_at = row[:, None] * seqlen + t[None, :]
-                y = tl.zeros([BLOCK_D, BLOCK_T], dtype=tl.float32)
-                if STATE_TILES > 1:
-                    y = tl.load(y_ptr + y_at, mask=mask & (s > 0), other=0.0)
-                # the recurrence, a step at a time, over the tile's states at once (past seqlen decay is 1
-                # and drive 0, and B, C are 0: the last state is the sequence's)
-                for k in tl.static_range(BLOCK_T):
-                    h = _advance(h, A2, dt, dtu, B_rows, B_const, n, t0, mask_dn, s_Bn, s_Bt, B_VAR, B_SHARED, k, 1,
-                                 PADDED_STATES)
-                    C_t = C_const
-                    if C_VAR:
-                        C_t = _bc_step(C_rows, n, t0 + k, s_Cn, s_Ct, C_SHARED)
-                    y = _with_column(y, tt, k, _column(y, tt, k) + tl.sum(h * C_t, axis=1))
-                if STATE_TILES > 1:
-                    tl.store(y_ptr + y_at, y, mask=mask & (s < STATE_TILES - 1))
-                y += Dv[:, None] * u
-                tl.store(out_ptr + y_at, y.to(out_ptr.dtype.element_ty), mask=mask & last_tile)
-                if HAS_Z:
-                    tl.store(out_z_ptr + y_at, (y * gate).to(out_z_ptr.dtype.element_ty), mask=mask & last_tile)
-            # mamba_ssm's x: per state, the decay since t = 0 and the chunk's last state
-            x_at = (row[:, None] * n_chunks + c) * 2 * dstate + 2 * n[None, :]
-            tl.store(x_ptr + x_at, tl.exp2(dt_total[:, None] * A2), mask=mask_dn)
-            tl.store(x_ptr + x_at + 1, h, mask=mask_dn)
-        tl.store(last_ptr + row[:, None] * dstate + n[None, :], h, mask=mask_dn)
+                if SEGMENT_PASS == 1:
+                    h = _advance(h, A2, dt, dtu, B_rows, B_const, n, t0, mask_dn, s_Bn, s_Bt, B_VAR, B_SHARED, 0,
+                                 BLOCK_T, PADDED_STATES)
+                else:
+                    y_at = row[:, None] * seqlen + t[None, :]
+                    y = tl.zeros([BLOCK_D, BLOCK_T], dtype=tl.float32)
+                    if STATE_TILES > 1:
+                        y = tl.load(y_ptr + y_at, mask=mask & (s > 0), other=0.0)
+                    # the recurrence, a step at a time, over the tile's states at once (past seqlen decay is 1
+                    # and drive 0, and B, C are 0: the last state is the sequence's)
+                    for k in tl.static_range(BLOCK_T):
+                        h = _advance(h, A2, dt, dtu, B_rows, B_const, n, t0, mask_dn, s_Bn, s_Bt, B_VAR, B_SHARED,
+                                     k, 1, PADDED_STATES)
+                        C_t = C_const
+                        if C_VAR:
+                            C_t = _bc_step(C_rows, n, t0 + k, s_Cn, s_Ct, C_SHARED)
+                        y = _with_column(y, tt, k, _column(y, tt, k) + tl.sum(h * C_t, axis=1))
+                    if STATE_TILES > 1:
+                        tl.store(y_ptr + y_at, y, mask=mask & (s < STATE_TILES - 1))
+                    y += Dv[:, None] * u
+                    tl.store(out_ptr + y_at, y.to(out_ptr.dtype.element_ty), mask=mask & last_tile)
+                    if HAS_Z:
+                        tl.store(out_z_ptr + y_at, (y * gate).to(out_z_ptr.dtype.element_ty), mask=mask & last_tile)
+            if SEGMENT_PASS != 1:  # mamba_ssm's x: per state, the decay since t = 0 and the chunk's last state
+                x_at = (row[:, None] * n_chunks + c) * 2 * dstate + 2 * n[None, :]
+                # (the chunk ends in this program's steps; a mask of tensors, as the interpreter takes)
+                chunk_ends = mask_dn & ((n * 0 + tl.minimum(seqlen, (c + 1) * CHUNK)) <= t_end)[None, :]
+                tl.store(x_ptr + x_at, tl.exp2(dt_total[:, None] * A2), mask=chunk_ends)
+                tl.store(x_ptr + x_at + 1, h, mask=chunk_ends)
+        if SEGMENT_PASS == 1:
+            tl.store(seg_h_ptr + (row[:, None] * n_segments + pid_s) * dstate + n[None, :], h, mask=mask_dn)
+            tl.store(seg_dt_ptr + row * n_segments + pid_s, dt_total, mask=mask_d)
+        else:
+            tl.store(last_ptr + row[:, None] * dstate + n[None, :], h, mask=mask_dn & ((n * 0 + t_end) == seqlen)[None, :])
 
 
 @triton.jit
