@@ -45,11 +45,11 @@ def recorded_launches() -> Iterator[list]:
         _triton.launch = launch
 
 
-def record_scan(fwd_args: tuple, atomic: bool | None = None) -> list:
+def record_scan(fwd_args: tuple, **knobs) -> list:
     """The forward and backward launches for the arguments of `ssmops::selective_scan_fwd` (CPU
-    tensors will do), with the backward's dB/dC added atomically or in rows of their own (BACKWARD_ATOMIC;
-    None: the default's)."""
-    knobs = scan_triton.TUNER.defaults() | ({} if atomic is None else {"BACKWARD_ATOMIC": atomic})
+    tensors will do), with the launchers' default knobs but those given (e.g. BACKWARD_ATOMIC=True: the
+    backward's dB/dC added atomically)."""
+    knobs = scan_triton.TUNER.defaults() | knobs
     with recorded_launches() as launches:
         out, x, out_z, last = scan_triton.selective_scan_fwd(*fwd_args)
         scan_triton.selective_scan_bwd(*fwd_args[:9], torch.ones_like(out), x, torch.ones_like(last), fwd_args[9],

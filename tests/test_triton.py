@@ -638,7 +638,7 @@ def test_triton_kernels_compile_for_gpus_without_spilling(target, case, atomic):
     aot = benchmark_module("triton_aot")
     from ssmops.ops.state_update import triton as state_update_triton
 
-    launches = aot.record_scan(_fwd_args(case), atomic)
+    launches = aot.record_scan(_fwd_args(case), BACKWARD_ATOMIC=atomic)
     assert [k.__name__ for k, _, _ in launches] == ["selective_scan_fwd_kernel", "selective_scan_bwd_kernel"]
     assert launches[1][2]["BC_ATOMIC"] == (atomic and case.B != "const")
     groups = int(case.B[1:]) if case.B.startswith("g") else None
@@ -745,9 +745,11 @@ def _recorded_launches_of_every_family() -> list:
     from ops.test_state_update import multihead_inputs
 
     recorded = []
-    for args, atomic in [(_fwd_args(Case(B="g2", C="g2", initial_state=True)), False),
-                         (_fwd_args(Case(B="var", C="const", D=False, z=False, delta_bias=False)), True)]:
-        recorded += [(*launch, args) for launch in aot.record_scan(args, atomic)]
+    for args, knobs in [(_fwd_args(Case(B="g2", C="g2", initial_state=True)), {}),
+                        (_fwd_args(Case(B="var", C="const", D=False, z=False, delta_bias=False)),
+                         dict(BACKWARD_ATOMIC=True)),
+                        (_fwd_args(Case(seqlen=300, initial_state=True)), dict(FORWARD_SEGMENT=256))]:
+        recorded += [(*launch, args) for launch in aot.record_scan(args, **knobs)]
     no_optionals = _ssd_args()[:5] + (None,) * 6 + (16, False, [])
     for args in [_ssd_args(seq_idx=True), _ssd_args(batch=1, varlen=True), no_optionals]:
         recorded += [(*launch, args) for launch in aot.record_ssd(args)]
