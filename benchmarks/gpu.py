@@ -29,6 +29,9 @@ rate measured here (8192^3). Goals on an H100 (issue 41): forward >= 1.5x mamba_
 >= 1.3x. Then the multi-head decoding step at mamba2-2.7b's layer in microseconds, batch 1 and 64,
 eager and graphed, against mamba_ssm's.
 
+Then the causal conv (issue 60) over mamba2-2.7b's xBC: forward and forward+backward of its front end on the
+Triton kernels, on the `default` backend (the shift-and-add ssmops ran before the operator) and F.conv1d.
+
 Then whole-model decoding (issue 57): `generate` of a Mamba and a Mamba-2 LM at the shapes of
 mamba-130m / mamba2-130m (d_model 768, 24 layers) and mamba-2.8b / mamba2-2.7b (d_model 2560, 64 layers),
 random weights in the given dtype, batch 1, a 16-token prompt: tokens per second eager and with `cg=True`
@@ -677,9 +680,59 @@ def generate_rows(args) -> None:
             torch.cuda.empty_cache()
 
 
+# mamba2-2.7b's conv over xBC: d_inner 5120 + 2 x (1 group x 128 states), width 4, SiLU, channel-last (a view of
+# in_proj's output, as Mamba2 passes it)
+CONV_SHAPE = dict(batch=8, seqlen=4096, dim=5376, width=4)
+
+
+def conv_rows(args, bw: float) -> None:
+    """The causal conv (issue 60) at CONV_SHAPE: forward and forward+backward ms of ssmops' front end on the
+    Triton kernels, on the `default` backend (the shift-and-add in PyTorch that ssmops ran before the operator)
+    and PyTorch's F.conv1d(groups=dim) cut to seqlen, and the share of the copy rate the Triton forward reaches
+    (x read and out written once)."""
+    import torch.nn.functional as F
+
+    import ssmops
+
+    b, L, d, w = (CONV_SHAPE[k] for k in ("batch", "seqlen", "dim", "width"))
+    dtype = DTYPES[args.dtype]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(b, L, d, generator=g, device="cuda").to(dtype).transpose(1, 2).requires_grad_()
+    weight = (torch.randn(d, w, generator=g, device="cuda") * 0.3).requires_grad_()
+    bias = torch.randn(d, generator=g, device="cuda").requires_grad_()
+    dout = torch.randn(b, d, L, generator=g, device="cuda").to(dtype)
+
+    def conv1d(x, weight, bias, activation):
+        return F.silu(F.conv1d(x, weight[:, None].to(x.dtype), bias.to(x.dtype), padding=w - 1, groups=d)[..., :L])
+
+    contenders = {"ssmops triton": (ssmops.causal_conv1d_fn, "triton"),
+                  "ssmops default": (ssmops.causal_conv1d_fn, "default"), "F.conv1d": (conv1d, None)}
+    print(f"\ncausal conv: batch {b}, seqlen {L}, dim {d}, width {w}, SiLU, {args.dtype}, channel-last")
+    print(f"{'contender':<15} {'fwd ms':>8} {'fwd+bwd ms':>11}")
+    times = {}
+    for name, (fn, backend) in contenders.items():
+        def forward(fn=fn):
+            return fn(x, weight, bias, activation="silu")
+
+        def both(forward=forward):
+            torch.autograd.grad(forward(), (x, weight, bias), dout)
+
+        with ssmops.use_backend(backend), torch.no_grad():
+            t_fwd = cuda_time(forward, args.repeats)
+        with ssmops.use_backend(backend):
+            t_both = cuda_time(both, args.repeats)
+        times[name] = (t_fwd, t_both)
+        print(f"{name:<15} {t_fwd * 1e3:8.3f} {t_both * 1e3:11.3f}")
+    fwd, both = times["ssmops triton"]
+    print(f"ssmops triton: {2 * x.numel() * x.element_size() / fwd / bw:.0%} of copy forward; "
+          + ", ".join(f"{name} {t[0] / fwd:.2f}x / {t[1] / both:.2f}x" for name, t in times.items()
+                      if name != "ssmops triton"))
+
+
 # what the benchmark times, in this order: --parts names some (default: all but the sweeps; --sweep adds these)
 PARTS = {"scan": scan_rows, "decode": lambda args, bw: decode_step(args, bw), "ssd": lambda args, bw: ssd_rows(args),
-         "ssd-decode": lambda args, bw: ssd_decode_step(args), "generate": lambda args, bw: generate_rows(args),
+         "ssd-decode": lambda args, bw: ssd_decode_step(args), "conv": conv_rows,
+         "generate": lambda args, bw: generate_rows(args),
          "sweep-scan": sweep_scan, "sweep-ssd": lambda args, bw: sweep_ssd_knobs(args),
          "sweep-decode": lambda args, bw: sweep_decode_step(args)}
 SWEEPS = [part for part in PARTS if part.startswith("sweep-")]
