@@ -255,14 +255,17 @@ def selective_scan_bwd(
     B_read, C_read = (_time_major(M, cfg) if M.dim() > 2 else M for M in (B, C))
     # variable dB/dC: summed over BACKWARD_REDUCE channels of a group in a program, then added atomically (order
     # not fixed); or summed over all of a program's channels of a group into rows of their own, which are summed
-    # below in a fixed order
-    bc_atomic = knobs["BACKWARD_ATOMIC"] and not torch.are_deterministic_algorithms_enabled()
-
-    def reduced(M: Tensor) -> int:  # channels summed in the program: a power of two dividing a group's
-        cap = min(knobs["BACKWARD_REDUCE"], cfg["BLOCK_D"]) if bc_atomic else cfg["BLOCK_D"]
+    # below in a fixed order: always under torch.use_deterministic_algorithms, else unless BACKWARD_ATOMIC or a
+    # row would sum fewer than 32 channels (a group's channels an odd multiple of 16 or fewer: the float32 rows
+    # would outweigh du)
+    def reduced(M: Tensor, atomic: bool) -> int:  # channels summed in a program: a power of two dividing a group
+        cap = min(knobs["BACKWARD_REDUCE"], cfg["BLOCK_D"]) if atomic else cfg["BLOCK_D"]
         return _pow2_divisor(dim // _groups(M), cap) if M.dim() > 2 else 1
 
-    reduce_B, reduce_C = reduced(B), reduced(C)
+    bc_atomic = not torch.are_deterministic_algorithms_enabled() and (
+        knobs["BACKWARD_ATOMIC"] or any(M.dim() > 2 and reduced(M, False) < 32 for M in (B, C)))
+
+    reduce_B, reduce_C = reduced(B, bc_atomic), reduced(C, bc_atomic)
     padded_dim = triton.cdiv(dim, cfg["BLOCK_D"]) * cfg["BLOCK_D"]  # (the deterministic rows of every channel)
     rows_B, rows_C = ((_groups(M) if bc_atomic else padded_dim // r) for M, r in ((B, reduce_B), (C, reduce_C)))
     steps, states = -(-seqlen // cfg["BLOCK_T"]) * cfg["BLOCK_T"], cfg["STATES"] * cfg["STATE_TILES"]
@@ -313,7 +316,7 @@ def selective_scan_bwd(
         if bc_atomic:
             part = part.view(batch, groups, steps, states)
         else:  # a group's rows, summed in order (the rows of channels past dim are left out)
-            per_row = reduced(M)
+            per_row = reduced(M, False)
             part = part.view(batch, rows, steps, states).narrow(1, 0, dim // per_row)
             part = part.reshape(batch, groups, dim // groups // per_row, steps, states).sum(2)
         # time-major to M's layout, without the padding (narrow and clone, not [...] and contiguous, which

@@ -262,7 +262,8 @@ def selective_scan_fwd_kernel(
             tl.store(seg_h_ptr + (row[:, None] * n_segments + pid_s) * dstate + n[None, :], h, mask=mask_dn)
             tl.store(seg_dt_ptr + row * n_segments + pid_s, dt_total, mask=mask_d)
         else:
-            tl.store(last_ptr + row[:, None] * dstate + n[None, :], h, mask=mask_dn & ((n * 0 + t_end) == seqlen)[None, :])
+            last_segment = ((n * 0 + t_end) == seqlen)[None, :]
+            tl.store(last_ptr + row[:, None] * dstate + n[None, :], h, mask=mask_dn & last_segment)
 
 
 @triton.jit
