@@ -214,7 +214,8 @@ def test_context_parallel_benchmark_counts_constant_state_passing_traffic():
 
 def test_gpu_benchmark_generate_rows_run_on_any_device():
     """benchmarks/gpu.py's whole-model decoding rows at a tiny shape on the CPU: the LMs it builds (both mixers)
-    generate, and decode_rate gives a rate, eager (cg=True compiles the token: its GPU run times that)."""
+    generate, and decode_rate gives a rate, eager (cg=True captures the token in a CUDA graph: its GPU run times
+    that)."""
     import gpu
 
     for layer in ("Mamba1", "Mamba2"):
