@@ -159,6 +159,48 @@ def test_cuda_graph_step_generates_the_eager_tokens(name):
         torch.testing.assert_close(torch.stack(graphed.scores), torch.stack(eager.scores), rtol=1e-5, atol=1e-5)
 
 
+def test_cuda_graph_step_restores_the_caches_and_falls_back_where_capture_fails(monkeypatch):
+    """cg=True on CUDA (generation.cuda_graph_step), its bookkeeping on the CPU with torch.cuda's streams and
+    graphs stood in for: the capture's warm-up runs advance the caches, which are restored when the capture fails
+    (e.g. a step that reads a value on the host); token_step then warns and compiles the step, as on other
+    devices."""
+    import contextlib
+
+    from ssmops.models import generation
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    def failing_capture(graph):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    for name, value in dict(Stream=lambda device: Stream(), current_stream=lambda device: Stream(),
+                            stream=lambda s: contextlib.nullcontext(), CUDAGraph=object, graph=failing_capture).items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    memory = {0: (torch.randn(2, 3), torch.randn(2, 4)), 1: (torch.randn(2, 3), None)}
+    before = {layer: tuple(None if t is None else t.clone() for t in states) for layer, states in memory.items()}
+
+    def step(input_ids, positions):  # advances every cache, as a decoding step does
+        for states in memory.values():
+            for t in states:
+                if t is not None:
+                    t.add_(1.0)
+        return torch.zeros(2, 5)
+
+    with pytest.raises(RuntimeError, match="capturing"):
+        generation.cuda_graph_step(step, memory, 2, torch.device("cpu"))
+    for layer, states in memory.items():
+        for got, want in zip(states, before[layer]):
+            assert (got is None and want is None) or torch.equal(got, want)
+    monkeypatch.setattr(MambaLMHeadModel, "decoding_step", lambda *args: None)
+    monkeypatch.setattr(generation, "cuda_graph_step", lambda *args: failing_capture(None))  # (no CUDA tensors here)
+    monkeypatch.setattr(generation, "compiled_step_logits", lambda device: lambda *args: "compiled")
+    with pytest.warns(UserWarning, match="could not be captured in a CUDA graph"):
+        fallback, compiled = generation.token_step(MambaLMHeadModel(tiny_config()).eval(), memory, 2, "cuda", True)
+    assert compiled and fallback(None, None) == "compiled"
+
+
 @pytest.mark.slow
 def test_compiled_step_under_inductors_python_wrapper(monkeypatch):
     """On CPU, cg=True compiles the step with inductor's cpp_wrapper (the test above);

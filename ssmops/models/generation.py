@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import warnings
 
 import torch
 from torch import Tensor
@@ -131,22 +132,24 @@ def cuda_graph_step(step, memory: dict, batch_size: int, device: torch.device):
     """`step(input_ids, positions) -> logits` captured once in a CUDA graph for these caches (mamba_ssm's
     cg=True): a call copies its inputs into the graph's, replays it (every layer's launches, no Python) and
     returns a copy of its logits. Capture needs warm-up runs first (Triton's compiles, cuBLAS's workspace),
-    which advance the caches: they are restored after the capture."""
+    which advance the caches: they are restored after the capture, or after its failure."""
     caches = [t for states in memory.values() for t in states if isinstance(t, Tensor)]
     saved = [t.clone() for t in caches]
     input_ids = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
     positions = torch.ones(batch_size, dtype=torch.long, device=device)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step(input_ids, positions)
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        logits = step(input_ids, positions)
-    for cache, state in zip(caches, saved):
-        cache.copy_(state)
+    try:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step(input_ids, positions)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = step(input_ids, positions)
+    finally:
+        for cache, state in zip(caches, saved):
+            cache.copy_(state)
 
     def replay(ids: Tensor, at: Tensor) -> Tensor:
         input_ids.copy_(ids)
@@ -171,8 +174,12 @@ def token_step(model, memory: dict, batch_size: int, device: torch.device, cg: b
     if bound is not None:
         return lambda input_ids, positions: bound(input_ids), False
     if cg and torch.device(device).type == "cuda":
-        return cuda_graph_step(lambda input_ids, positions: step_logits(model, memory, input_ids, positions),
-                               memory, batch_size, torch.device(device)), False
+        try:
+            return cuda_graph_step(lambda input_ids, positions: step_logits(model, memory, input_ids, positions),
+                                   memory, batch_size, torch.device(device)), False
+        except RuntimeError as err:  # (a step that cannot be captured, e.g. one that reads a value on the host)
+            warnings.warn(f"generate(cg=True): the one-token step could not be captured in a CUDA graph "
+                          f"({str(err)[:200]}); compiling it instead", stacklevel=3)
     step = compiled_step_logits(device) if cg else step_logits
     return lambda input_ids, positions: step(model, memory, input_ids, positions), cg
 
