@@ -95,6 +95,12 @@ def cached_plan(make, tensors: tuple, *flags):
 NO_CAP = 1 << 30  # pow2_tile's `hi` where a tile takes a whole dimension
 
 
+def cdiv(n, d: int):
+    """ceil(n / d) of an int or a symbolic size. (triton.cdiv is a JIT function: ~3.4 us a call from Python,
+    several a launcher's call.)"""
+    return -(-n // d)
+
+
 def pow2_tile(n, lo: int, hi: int) -> int:
     """The smallest power of two >= n, within [lo, hi]: a tile size. By comparisons, so that a symbolic n
     (torch.compile's dynamic seqlen) gives a plain int under a guard, where triton.next_power_of_2's

@@ -5,7 +5,6 @@ CUDA/ROCm/XPU tensors, and CPU tensors under `TRITON_INTERPRET=1`."""
 from typing import Optional
 
 import torch
-import triton
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 from torch.library import triton_op
@@ -68,7 +67,7 @@ def causal_conv1d_fwd(
     weight, bias, seq_idx, initial_states = _triton.contiguous_when_traced(weight, bias, seq_idx, initial_states)
     final = _triton.output((batch, dim, width - 1), x.dtype, x.device)
     tiles = _tiles(dim, seqlen)
-    grid = (triton.cdiv(dim, tiles["BLOCK_D"]), triton.cdiv(seqlen, tiles["BLOCK_T"]), batch)
+    grid = (_triton.cdiv(dim, tiles["BLOCK_D"]), _triton.cdiv(seqlen, tiles["BLOCK_T"]), batch)
     _triton.launch(causal_conv1d_fwd_kernel, grid, (
         x, weight, bias if bias is not None else weight, initial_states if initial_states is not None else x,
         seq_idx if seq_idx is not None else weight, out_buffer, final, dim, seqlen,
@@ -90,20 +89,20 @@ def causal_conv1d_bwd(
     weight, bias, seq_idx, initial_states, dfinal_states = _triton.contiguous_when_traced(
         weight, bias, seq_idx, initial_states, dfinal_states)
     tiles = _tiles(dim, seqlen)
-    time_blocks = triton.cdiv(seqlen, tiles["BLOCK_T"])
+    time_blocks = _triton.cdiv(seqlen, tiles["BLOCK_T"])
     f32 = dict(dtype=torch.float32, device=x.device)
     dpre, dpre_view = _output_like(x, torch.float32)  # in x's layout: both passes read it along dim when x is
     dw_part = _triton.output((batch * time_blocks, dim, width), **f32)
     db_part = _triton.output((batch * time_blocks, dim), **f32) if bias is not None else dw_part
     flags = _flags(bias, seq_idx, initial_states, silu, width)
-    _triton.launch(causal_conv1d_dpre_kernel, (triton.cdiv(dim, tiles["BLOCK_D"]), time_blocks, batch), (
+    _triton.launch(causal_conv1d_dpre_kernel, (_triton.cdiv(dim, tiles["BLOCK_D"]), time_blocks, batch), (
         x, weight, bias if bias is not None else weight, initial_states if initial_states is not None else x,
         seq_idx if seq_idx is not None else weight, dout, dpre, dw_part, db_part, dim, seqlen,
         *_common_args(x, weight, bias, initial_states, seq_idx), *dout.stride(), *dpre_view.stride(),
     ), dict(**flags, **tiles))
     dinit = _triton.output((batch, dim, width - 1), x.dtype, x.device) if initial_states is not None else None
-    stream_blocks = triton.cdiv(seqlen + width - 1, tiles["BLOCK_T"])
-    _triton.launch(causal_conv1d_dstream_kernel, (triton.cdiv(dim, tiles["BLOCK_D"]), stream_blocks, batch), (
+    stream_blocks = _triton.cdiv(seqlen + width - 1, tiles["BLOCK_T"])
+    _triton.launch(causal_conv1d_dstream_kernel, (_triton.cdiv(dim, tiles["BLOCK_D"]), stream_blocks, batch), (
         weight, seq_idx if seq_idx is not None else weight, dpre,
         dfinal_states if dfinal_states is not None else dpre, dx_buffer, dinit if dinit is not None else dx_buffer,
         dim, seqlen, *weight.stride(), *_strides(seq_idx, 2), *dpre_view.stride(), *_strides(dfinal_states, 3),
@@ -142,7 +141,7 @@ def _update_launch(x, conv_state, weight, bias, cache_seqlens, conv_state_indice
     meta = dict(CIRCULAR=cache_seqlens is not None, HAS_INDEX=conv_state_indices is not None,
                 HAS_BIAS=bias is not None, SILU=bool(silu), WIDTH=width, BLOCK_D=block_d,
                 BLOCK_L=_triton.pow2_tile(state_len, 1, _triton.NO_CAP), num_warps=4)
-    return _triton.LaunchPlan((triton.cdiv(dim, block_d), batch), numbers, meta, (batch, dim, seqlen))
+    return _triton.LaunchPlan((_triton.cdiv(dim, block_d), batch), numbers, meta, (batch, dim, seqlen))
 
 
 @triton_op("ssmops::causal_conv1d_fwd_triton", mutates_args=())

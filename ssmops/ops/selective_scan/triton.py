@@ -17,7 +17,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-import triton
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import guard_or_true
 from torch.library import triton_op
@@ -205,12 +204,12 @@ def selective_scan_fwd(
     # the kernel's docstring), or 0: the whole sequence a program (a plain-int seqlen longer than a segment only)
     seg_len = knobs["FORWARD_SEGMENT"]
     segments = type(seqlen) is int and 0 < seg_len < seqlen
-    n_segments = triton.cdiv(seqlen, seg_len) if segments else 1
+    n_segments = _triton.cdiv(seqlen, seg_len) if segments else 1
     seg_h = _triton.output((batch, dim, n_segments, dstate), torch.float32, u.device) if segments else x
     seg_dt = _triton.output((batch, dim, n_segments), torch.float32, u.device) if segments else x
 
     def launch(segment_pass: int) -> None:
-        _triton.launch(selective_scan_fwd_kernel, (triton.cdiv(dim, cfg["BLOCK_D"]), batch, n_segments), (
+        _triton.launch(selective_scan_fwd_kernel, (_triton.cdiv(dim, cfg["BLOCK_D"]), batch, n_segments), (
             u, delta, A, B, C, D if D is not None else A, z if z is not None else u,
             delta_bias if delta_bias is not None else A,
             initial_state if initial_state is not None else A,
@@ -266,7 +265,7 @@ def selective_scan_bwd(
         knobs["BACKWARD_ATOMIC"] or any(M.dim() > 2 and reduced(M, False) < 32 for M in (B, C)))
 
     reduce_B, reduce_C = reduced(B, bc_atomic), reduced(C, bc_atomic)
-    padded_dim = triton.cdiv(dim, cfg["BLOCK_D"]) * cfg["BLOCK_D"]  # (the deterministic rows of every channel)
+    padded_dim = _triton.cdiv(dim, cfg["BLOCK_D"]) * cfg["BLOCK_D"]  # (the deterministic rows of every channel)
     rows_B, rows_C = ((_groups(M) if bc_atomic else padded_dim // r) for M, r in ((B, reduce_B), (C, reduce_C)))
     steps, states = -(-seqlen // cfg["BLOCK_T"]) * cfg["BLOCK_T"], cfg["STATES"] * cfg["STATE_TILES"]
     n_segments = -(-(-(-seqlen // cfg["BLOCK_T"])) // cfg["SEGMENT"])
@@ -292,7 +291,7 @@ def selective_scan_bwd(
     dB_part, dC_part = bc_part(B, rows_B), bc_part(C, rows_C)
     shared = {f"{name}_SHARED": M.dim() == 3 or (M.dim() == 4 and (dim // M.shape[1]) % cfg["BLOCK_D"] == 0)
               for name, M in (("B", B), ("C", C))}
-    grid = (triton.cdiv(dim, cfg["BLOCK_D"]), batch)
+    grid = (_triton.cdiv(dim, cfg["BLOCK_D"]), batch)
     _triton.launch(selective_scan_bwd_kernel, grid, (
         u, delta, A, B_read, C_read, D if D is not None else A, z if z is not None else u,
         delta_bias if delta_bias is not None else A,

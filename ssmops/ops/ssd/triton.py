@@ -14,7 +14,6 @@ import copy
 from typing import Optional
 
 import torch
-import triton
 from torch import Tensor
 from torch.library import triton_op
 
@@ -166,7 +165,7 @@ class _Launch:
         dt = self.inputs["dt"]
         rows = _triton.output((self.batch * self.nheads * self.seqlen,), torch.float32, dt.device)
         block = 256  # (not chosen from seqlen: that would guard a dynamic one)
-        _triton.launch(ssd_dt_kernel, (triton.cdiv(self.seqlen, block), self.batch * self.nheads), (
+        _triton.launch(ssd_dt_kernel, (_triton.cdiv(self.seqlen, block), self.batch * self.nheads), (
             dt, self.ptr("bias"), rows, self.seqlen, self.nheads, *self.sizes[-2:], *dt.stride(),
         ), dict(**{k: self.flags[k] for k in ("HAS_BIAS", "SOFTPLUS", "HAS_LIMIT")}, BLOCK_T=block, num_warps=4))
         processed = copy.copy(self)
@@ -182,11 +181,11 @@ class _Launch:
         return dict(num_warps=self.knobs["STATE_WARPS"], num_stages=self.knobs["STATE_STAGES"])
 
     def state_grid(self, tiles: dict, rows: int) -> tuple:
-        return (triton.cdiv(self.headdim, tiles["BLOCK_P"]) * triton.cdiv(self.dstate, tiles["BLOCK_N"]), rows)
+        return (_triton.cdiv(self.headdim, tiles["BLOCK_P"]) * _triton.cdiv(self.dstate, tiles["BLOCK_N"]), rows)
 
     def cb_side(self) -> int:
         """The side of each chunk's C . B^T in cb_tiles' buffer: the chunk in whole blocks of the forward's tokens."""
-        return triton.cdiv(self.chunk_size, self.cfg["BLOCK_T"]) * self.cfg["BLOCK_T"]
+        return _triton.cdiv(self.chunk_size, self.cfg["BLOCK_T"]) * self.cfg["BLOCK_T"]
 
     def cb_tiles(self) -> Tensor:
         """C . B^T of each chunk's blocks (the lower block triangle), once per group of heads: (batch, nchunks,
@@ -210,9 +209,9 @@ class _Launch:
         """out = the scan's output, or with dout, the gradient of z and into gated dout * silu(z) (x's layout), by
         blocks of tokens and channels of each head, reading cb (cb_tiles)."""
         cfg = self.cfg
-        blocks = triton.cdiv(self.chunk_size, cfg["BLOCK_T"])
+        blocks = _triton.cdiv(self.chunk_size, cfg["BLOCK_T"])
         D = self.inputs["D"]
-        grid = (self.nchunks * blocks, self.batch * self.nheads, triton.cdiv(self.headdim, cfg["BLOCK_P"]))
+        grid = (self.nchunks * blocks, self.batch * self.nheads, _triton.cdiv(self.headdim, cfg["BLOCK_P"]))
         _triton.launch(ssd_chunk_scan_kernel, grid, (
             *(self.ptr(n) for n in ("x", "dt", "A", "B", "C", "D", "z", "bias", "seq")), states, cb,
             dout if dout is not None else out, out, gated if gated is not None else out, *self.sizes, blocks,
@@ -324,7 +323,7 @@ def ssd_bwd(
     ddt = _triton.output(dt.shape, dt.dtype, x.device)
     cfg = dict(run.cfg, BLOCK_T=min(run.cfg["BLOCK_T"], run.knobs["BWD_BLOCK_T"]),
                BLOCK_P=_triton.pow2_tile(headdim, 16, _triton.NO_CAP))
-    blocks = triton.cdiv(chunk_size, cfg["BLOCK_T"])
+    blocks = _triton.cdiv(chunk_size, cfg["BLOCK_T"])
     parts = batch * nchunks * nheads
     dA_part, dbias_part = _triton.output((parts,), **f32), _triton.output((parts,), **f32)
     dD_part = _triton.output((parts * blocks, headdim), **f32)
@@ -373,7 +372,7 @@ def _group_grads(run: _Launch, states_op: Tensor, dends_op: Tensor, varlen_args:
     knobs = run.knobs
     splits = _head_runs(nheads // ngroups, knobs["GROUP_HEADS"])
     tile = _triton.pow2_tile(run.chunk_size, 16, knobs["GROUP_BLOCK_T"])
-    blocks = triton.cdiv(run.chunk_size, tile)
+    blocks = _triton.cdiv(run.chunk_size, tile)
     npairs = blocks * (blocks + 1) // 2
     side = blocks * tile
     dcb = _triton.output((splits, batch, run.nchunks, ngroups, side, side),

@@ -10,7 +10,6 @@ worked out once per signature of the arguments (`_triton.cached_plan`) and reuse
 
 from typing import Optional
 
-import triton
 from torch import Tensor
 from torch.library import triton_op
 
@@ -44,7 +43,7 @@ def _mamba1_launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus) -> _triton
     )
     meta = dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
                 BLOCK_D=block_d, BLOCK_N=block_n, num_warps=MAMBA1_STEP_WARPS)
-    return _triton.LaunchPlan((triton.cdiv(dim, block_d), batch), numbers, meta, (batch, dim))
+    return _triton.LaunchPlan((_triton.cdiv(dim, block_d), batch), numbers, meta, (batch, dim))
 
 
 def selective_state_update(
@@ -87,7 +86,7 @@ def _multihead_launch(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices,
                 HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None,
                 HAS_INDEX=state_batch_indices is not None, SOFTPLUS=bool(dt_softplus), BLOCK_P=block_p,
                 BLOCK_N=block_n, num_warps=4)
-    return _triton.LaunchPlan((triton.cdiv(headdim, block_p), nheads, batch), numbers, meta, (batch, nheads, headdim))
+    return _triton.LaunchPlan((_triton.cdiv(headdim, block_p), nheads, batch), numbers, meta, (batch, nheads, headdim))
 
 
 def multihead_state_update(
