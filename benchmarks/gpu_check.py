@@ -27,6 +27,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,13 +72,14 @@ def ensure_library() -> str:
 
 def install_wheels(report_dir: Path) -> str | None:
     """The wheels `make gpu-wheels` put in build/gpu-wheels (transformers and what it imports, for this
-    machine's Python), installed into the report folder for the tests (first on their path), so that
-    tests/test_transformers.py runs where this machine's transformers is older; None where there are none
-    or they do not install here (wheels for another Python: the tests then use the machine's own)."""
+    machine's Python), installed into a temporary folder for the tests (first on their path; not the report
+    folder, which a lease brings back whole), so that tests/test_transformers.py runs where this machine's
+    transformers is older; None where there are none or they do not install here (wheels for another Python:
+    the tests then use the machine's own)."""
     wheels = sorted(str(w) for w in (REPO / "build" / "gpu-wheels").glob("*.whl"))
     if not wheels:
         return None
-    target = report_dir / "site-packages"
+    target = Path(tempfile.mkdtemp(prefix="gpu-check-")) / "site-packages"
     with (report_dir / "pip.log").open("w") as log:
         done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--upgrade",
                                "--target", str(target), *wheels], stdout=log, stderr=subprocess.STDOUT)
