@@ -267,6 +267,16 @@ def test_triton_forward_in_time_segments(case, segment):
             assert_close(got.float(), want.float(), tol, name)
 
 
+@pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
+def test_triton_forward_segment_must_divide_a_chunk():
+    """A FORWARD_SEGMENT set outside the tuning space that would cut a 2048-step chunk of mamba_ssm's x across
+    two programs is refused before any launch, naming the knob."""
+    from ssmops.ops.selective_scan import triton as scan_triton
+
+    with pytest.raises(ValueError, match="FORWARD_SEGMENT must divide 2048"):
+        scan_triton.selective_scan_fwd(*_fwd_args(Case()), scan_triton.TUNER.defaults() | {"FORWARD_SEGMENT": 300})
+
+
 @needs_interpreter
 @pytest.mark.parametrize("dim, dtype", [(128, torch.float32), (66, torch.bfloat16)], ids=["shared", "split"])
 def test_triton_blocks_of_channels(dim, dtype, monkeypatch):

@@ -203,6 +203,9 @@ def selective_scan_fwd(
     # FORWARD_SEGMENT: steps a program walks, the sequence cut into segments walked side by side (two passes:
     # the kernel's docstring), or 0: the whole sequence a program (a plain-int seqlen longer than a segment only)
     seg_len = knobs["FORWARD_SEGMENT"]
+    if seg_len and (CHUNK_LEN % seg_len or seg_len % cfg["BLOCK_T"]):
+        raise ValueError(f"FORWARD_SEGMENT must divide {CHUNK_LEN} (a chunk of mamba_ssm's x) in whole tiles of "
+                         f"{cfg['BLOCK_T']} steps, got {seg_len}")
     segments = type(seqlen) is int and 0 < seg_len < seqlen
     n_segments = _triton.cdiv(seqlen, seg_len) if segments else 1
     seg_h = _triton.output((batch, dim, n_segments, dstate), torch.float32, u.device) if segments else x
