@@ -34,8 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 # the tests that run on a GPU: every family's module (tests/ops), then the cross-cutting ones; the selection keeps
 # their CUDA and Triton cases (the CPU ones run in CI)
 GPU_TESTS = [*sorted(str(p.relative_to(REPO)) for p in (REPO / "tests" / "ops").glob("test_*.py")),
-             "tests/test_nonfinite.py", "tests/test_properties.py", "tests/test_triton.py", "tests/test_gpu_training.py",
-             "tests/test_transformers.py", "tests/test_compat.py",
+             "tests/test_nonfinite.py", "tests/test_properties.py", "tests/test_triton.py",
+             "tests/test_gpu_training.py", "tests/test_transformers.py", "tests/test_compat.py",
              "tests/test_decoding.py"]
 SELECTION = "(cuda or triton or gpu) and not interpreter_suite and not without_spilling"
 
