@@ -160,11 +160,12 @@ def main(argv=None) -> int:
     if unknown:
         print(f"--parts: unknown {unknown}; the parts are {', '.join(PARTS)}", file=sys.stderr)
         return 2
-    bw = copy_bandwidth()
-    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}\ncopy bandwidth: {bw / 1e9:.0f} GB/s")
+    args.copy_rate = copy_bandwidth()
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}\n"
+          f"copy bandwidth: {args.copy_rate / 1e9:.0f} GB/s")
     for part in PARTS:  # in this order, whatever the order asked
         if part in parts:
-            PARTS[part](args, bw)
+            PARTS[part](args)
     return 0
 
 
@@ -181,7 +182,7 @@ def scan_launches(args) -> tuple:
     return fargs, bargs, fwd_bytes, bwd_bytes
 
 
-def scan_rows(args, bw: float) -> None:
+def scan_rows(args) -> None:
     """The Mamba-1 scan's table (the module's docstring), and with --autotune its tuned rows."""
     dtype = DTYPES[args.dtype]
     fwd_op = torch.ops.ssmops.selective_scan_fwd_triton.default
@@ -217,7 +218,7 @@ def scan_rows(args, bw: float) -> None:
         header += f" {'x ' + name:>17}"
     print(header)
     for i, (name, t, moved, goal) in enumerate(rows):
-        frac = moved / t / bw
+        frac = moved / t / args.copy_rate
         verdict = "-" if goal is None else "ok" if frac >= goal else "MISS"
         line = f"{name:<9} {t * 1e3:9.3f} {moved / 1e9:9.2f} {moved / t / 1e9:7.0f} {frac:7.0%} {verdict:>5}"
         for bname, times in base.items():
@@ -229,10 +230,10 @@ def scan_rows(args, bw: float) -> None:
           f"{'in rows of their own' if scan_triton.BACKWARD_ATOMIC else 'atomically'}): {t_bwd_other * 1e3:.3f} ms, "
           f"{t_bwd / t_bwd_other:.2f}x the default's speed")
     if args.autotune:
-        scan_tuned_rows(lambda: fwd_op(*fargs), lambda: bwd_op(*bargs), fwd_bytes, bwd_bytes, bw, args.repeats)
+        scan_tuned_rows(lambda: fwd_op(*fargs), lambda: bwd_op(*bargs), fwd_bytes, bwd_bytes, args)
 
 
-def sweep_scan(args, bw: float) -> None:
+def sweep_scan(args) -> None:
     """The scan's knobs one at a time at the benchmark's shape (sweep_tiles)."""
     fargs, bargs = scan_launches(args)[:2]
     sweep_tiles(lambda: torch.ops.ssmops.selective_scan_fwd_triton.default(*fargs),
@@ -259,19 +260,19 @@ def print_choices(ops) -> None:
                                                   for knob, value in knobs.items() if value != getattr(ops, knob)))
 
 
-def scan_tuned_rows(fwd, bwd, fwd_bytes: int, bwd_bytes: int, bw: float, repeats: int) -> None:
+def scan_tuned_rows(fwd, bwd, fwd_bytes: int, bwd_bytes: int, args) -> None:
     """The scan's forward and backward again with SSMOPS_AUTOTUNE=1, as fractions of the copy rate, and the knobs
     chosen."""
     from ssmops.ops.selective_scan import triton as ops
 
     try:
         with autotuning():
-            t_fwd, t_bwd = cuda_time(fwd, repeats), cuda_time(bwd, repeats)
+            t_fwd, t_bwd = cuda_time(fwd, args.repeats), cuda_time(bwd, args.repeats)
     except Exception as err:  # (a failure here must not cost the tables after it)
         print(f"tuned: {type(err).__name__}: {str(err)[:100]}")
         return
     for name, t, moved in (("forward", t_fwd, fwd_bytes), ("fwd+bwd", t_fwd + t_bwd, fwd_bytes + bwd_bytes)):
-        print(f"{name} with SSMOPS_AUTOTUNE=1: {t * 1e3:.3f} ms, {moved / t / bw:.0%} of copy")
+        print(f"{name} with SSMOPS_AUTOTUNE=1: {t * 1e3:.3f} ms, {moved / t / args.copy_rate:.0%} of copy")
     print("scan knobs chosen by SSMOPS_AUTOTUNE=1 (the others as the launchers' defaults):")
     print_choices(ops)
 
@@ -315,7 +316,7 @@ def mamba1_step_inputs(batch: int, dtype) -> tuple:
                        dt_bias=randn(d, dt=torch.float32), dt_softplus=True)
 
 
-def decode_step(args, bw: float) -> None:
+def decode_step(args) -> None:
     """Mamba-1's decoding step as issue 42 times it (dim 5120, dstate 16, float32 state, activations in
     the given dtype; D, z, dt_bias, softplus), batch 1 and 64, microseconds per call, eager and replayed
     from a CUDA graph: ssmops' front end against mamba_ssm's Triton `selective_state_update` as
@@ -332,7 +333,7 @@ def decode_step(args, bw: float) -> None:
         moved = nbytes(state, state, kw["x"], kw["dt"], kw["z"], kw["x"])  # state in and out; y out
         times, cells = time_decode_steps(contenders, state, kw, args.repeats)
         print(f"decode step (batch {b}, dim {d}, dstate {n}): {cells}; ssmops graphed at "
-              f"{moved / times['ssmops'][1] / bw:.0%} of copy bandwidth")
+              f"{moved / times['ssmops'][1] / args.copy_rate:.0%} of copy bandwidth")
         compare_decode_steps(times)
 
 
@@ -685,7 +686,7 @@ def generate_rows(args) -> None:
 CONV_SHAPE = dict(batch=8, seqlen=4096, dim=5376, width=4)
 
 
-def conv_rows(args, bw: float) -> None:
+def conv_rows(args) -> None:
     """The causal conv (issue 60) at CONV_SHAPE: forward and forward+backward ms of ssmops' front end on the
     Triton kernels, on the `default` backend (the shift-and-add in PyTorch that ssmops ran before the operator)
     and PyTorch's F.conv1d(groups=dim) cut to seqlen, and the share of the copy rate the Triton forward reaches
@@ -724,17 +725,15 @@ def conv_rows(args, bw: float) -> None:
         times[name] = (t_fwd, t_both)
         print(f"{name:<15} {t_fwd * 1e3:8.3f} {t_both * 1e3:11.3f}")
     fwd, both = times["ssmops triton"]
-    print(f"ssmops triton: {2 * x.numel() * x.element_size() / fwd / bw:.0%} of copy forward; "
+    print(f"ssmops triton: {2 * x.numel() * x.element_size() / fwd / args.copy_rate:.0%} of copy forward; "
           + ", ".join(f"{name} {t[0] / fwd:.2f}x / {t[1] / both:.2f}x" for name, t in times.items()
                       if name != "ssmops triton"))
 
 
 # what the benchmark times, in this order: --parts names some (default: all but the sweeps; --sweep adds these)
-PARTS = {"scan": scan_rows, "decode": lambda args, bw: decode_step(args, bw), "ssd": lambda args, bw: ssd_rows(args),
-         "ssd-decode": lambda args, bw: ssd_decode_step(args), "conv": conv_rows,
-         "generate": lambda args, bw: generate_rows(args),
-         "sweep-scan": sweep_scan, "sweep-ssd": lambda args, bw: sweep_ssd_knobs(args),
-         "sweep-decode": lambda args, bw: sweep_decode_step(args)}
+PARTS = {"scan": scan_rows, "decode": decode_step, "ssd": ssd_rows, "ssd-decode": ssd_decode_step, "conv": conv_rows,
+         "generate": generate_rows, "sweep-scan": sweep_scan, "sweep-ssd": sweep_ssd_knobs,
+         "sweep-decode": sweep_decode_step}
 SWEEPS = [part for part in PARTS if part.startswith("sweep-")]
 
 

@@ -145,12 +145,16 @@ def scan_rows(args, aot, dtype) -> list:
     return scan_compiled
 
 
+def _innermost(loops: list) -> list:
+    """The indices of the loops (aot.loop_nest's) with no loop inside them."""
+    return [i for i in range(len(loops)) if not any(other["inside"] == i for other in loops)]
+
+
 def _walk_loop(aot, compiled) -> collections.Counter:
     """The forward's loop over a tile of steps: its largest innermost loop (a segmented forward's second pass
     also has the short loop over the earlier segments' states)."""
     loops = aot.loop_nest(compiled)
-    innermost = [loop for i, loop in enumerate(loops) if not any(other["inside"] == i for other in loops)]
-    return max(innermost, key=lambda loop: sum(loop["own"].values()))["own"]
+    return max((loops[i]["own"] for i in _innermost(loops)), key=lambda own: sum(own.values()))
 
 
 def _per_element(aot, compiled, meta: dict) -> dict:
@@ -160,7 +164,7 @@ def _per_element(aot, compiled, meta: dict) -> dict:
     the walk from the tile's checkpoint on average; the first walk's loop over segments once a SEGMENT."""
     loops = aot.loop_nest(compiled)
     back = max(range(len(loops)), key=lambda i: sum(loops[i]["own"].values()))
-    innermost = [i for i in range(len(loops)) if not any(other["inside"] == i for other in loops)]
+    innermost = _innermost(loops)
     first = next(i for i in innermost if i != back and loops[i]["inside"] != back)
     weights = {back: 1.0, first: 1.0}
     for i in innermost:  # (with SEGMENT 1 the compiler drops the walk from the checkpoints: no trips)

@@ -82,6 +82,13 @@ def test_triton_interpreter_suite(files, request):
 # --- under the interpreter -------------------------------------------------------------
 
 
+def _on_kernel_device(args: tuple) -> tuple:
+    """args with their tensors on the device the Triton kernels run on here: CUDA, or the CPU under the
+    interpreter."""
+    device = "cuda" if HAS_CUDA and not interpreting() else "cpu"
+    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+
+
 def _fwd_args(case: Case, device="cpu"):
     kw = make_inputs(case, device=device)
     return (kw["u"], kw["delta"], kw["A"], kw["B"], kw["C"], kw["D"], kw["z"], kw["delta_bias"],
@@ -257,8 +264,7 @@ def test_triton_forward_in_time_segments(case, segment):
     padded), and a last segment shorter than the others."""
     from ssmops.ops.selective_scan import triton as scan_triton
 
-    device = "cuda" if HAS_CUDA and not interpreting() else "cpu"
-    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in _fwd_args(case))
+    args = _on_kernel_device(_fwd_args(case))
     whole = scan_triton.selective_scan_fwd(*args, scan_triton.TUNER.defaults() | {"FORWARD_SEGMENT": 0})
     cut = scan_triton.selective_scan_fwd(*args, scan_triton.TUNER.defaults() | {"FORWARD_SEGMENT": segment})
     tol = TOLERANCES[case.dtype]
@@ -411,12 +417,10 @@ def test_triton_every_tuning_value_gives_the_defaults_results(family, knob, valu
     from ssmops.ops.selective_scan import triton as scan_triton
     from ssmops.ops.ssd import triton as ssd_triton
 
-    device = "cuda" if HAS_CUDA and not interpreting() else "cpu"
     module = scan_triton if family == "scan" else ssd_triton
     knobs = module.TUNER.defaults()
     if family == "scan":
-        fwd_args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a
-                         for a in _fwd_args(Case(batch=1, dim=64, seqlen=44, dstate=16, B="g2", C="g2")))
+        fwd_args = _on_kernel_device(_fwd_args(Case(batch=1, dim=64, seqlen=44, dstate=16, B="g2", C="g2")))
 
         def run(knobs: dict) -> tuple:
             out, x, out_z, last = module.selective_scan_fwd(*fwd_args, knobs)
@@ -424,8 +428,8 @@ def test_triton_every_tuning_value_gives_the_defaults_results(family, knob, valu
                                               fwd_args[9], knobs)
             return (out, out_z, last, *grads)
     else:
-        fwd_args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in _ssd_args(
-            batch=1, seqlen=70, nheads=8, headdim=40, ngroups=1, dstate=48, chunk=64, seq_idx=True))
+        fwd_args = _on_kernel_device(_ssd_args(batch=1, seqlen=70, nheads=8, headdim=40, ngroups=1, dstate=48,
+                                               chunk=64, seq_idx=True))
         bwd_args = _ssd_bwd_args(fwd_args)[14:]
 
         def run(knobs: dict) -> tuple:

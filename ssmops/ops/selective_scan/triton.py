@@ -70,9 +70,8 @@ BACKWARD_READ = 8
 # What SSMOPS_AUTOTUNE=1 times per shape (ops/_tuning.py), each phase's in its own call; benchmarks/gpu.py --sweep
 # times the same values. (One warp: Triton lays the state tiles out so that ptxas spills in the walk.)
 TUNING_SPACE = {"FORWARD_WARPS": (2, 4, 8), "FORWARD_TILE": (32, 64, 128), "FORWARD_SEGMENT": (0, 256, 512, 1024),
-                "BACKWARD_WARPS": (2, 4, 8),
-                "BACKWARD_TILE": (16, 32, 64), "BACKWARD_SEGMENT": (1, 2, 4), "BACKWARD_ATOMIC": (False, True),
-                "BACKWARD_REDUCE": (1, 4, 32), "BACKWARD_READ": (8, 16)}
+                "BACKWARD_WARPS": (2, 4, 8), "BACKWARD_TILE": (16, 32, 64), "BACKWARD_SEGMENT": (1, 2, 4),
+                "BACKWARD_ATOMIC": (False, True), "BACKWARD_REDUCE": (1, 4, 32), "BACKWARD_READ": (8, 16)}
 FORWARD_KNOBS = ("FORWARD_WARPS", "FORWARD_TILE", "FORWARD_SEGMENT")
 BACKWARD_KNOBS = ("BACKWARD_WARPS", "BACKWARD_TILE", "BACKWARD_SEGMENT", "BACKWARD_ATOMIC", "BACKWARD_REDUCE",
                   "BACKWARD_READ")
@@ -100,7 +99,7 @@ def _tiles(dim: int, dstate: int, element_size: int, warps: int, max_states: int
     # (at least 2 warps: with one, Triton lays the state tiles out so that ptxas spills in the walk)
     block_d = _triton.pow2_tile(dim, 64, 32 * warps)
     states = _triton.pow2_tile(dstate, 1, max_states)
-    tiles = -(-dstate // states)
+    tiles = _triton.cdiv(dstate, states)
     # (several state tiles: half the steps, as the partial sums' loads and stores take registers too)
     steps = max(1, min(16 // element_size, tile // states // (2 if tiles > 1 else 1)))
     return dict(BLOCK_D=block_d, BLOCK_T=steps, STATES=states, STATE_TILES=tiles,
@@ -130,7 +129,7 @@ def _time_major(M: Tensor, cfg: dict) -> Tensor:
     it an instruction or two per value, as much as the recurrence's own arithmetic. (A copy about 1/dim
     the size of u.) Returned as a (..., states, steps) view, the layout the kernel's strides describe."""
     *_, dstate, seqlen = M.shape
-    steps = -(-seqlen // cfg["BLOCK_T"]) * cfg["BLOCK_T"]
+    steps = _triton.cdiv(seqlen, cfg["BLOCK_T"]) * cfg["BLOCK_T"]
     # (clone, not contiguous, which refuses fake CUDA tensors in CPU-only torch; pad returns its input
     # where there is nothing to pad)
     time_major = M.transpose(-1, -2).float().clone(memory_format=torch.contiguous_format)
@@ -211,7 +210,7 @@ def selective_scan_fwd(
     seg_h = _triton.output((batch, dim, n_segments, dstate), torch.float32, u.device) if segments else x
     seg_dt = _triton.output((batch, dim, n_segments), torch.float32, u.device) if segments else x
 
-    def launch(segment_pass: int) -> None:
+    for segment_pass in (1, 2) if segments else (0,):  # (the first pass reads no z)
         _triton.launch(selective_scan_fwd_kernel, (_triton.cdiv(dim, cfg["BLOCK_D"]), batch, n_segments), (
             u, delta, A, B, C, D if D is not None else A, z if z is not None else u,
             delta_bias if delta_bias is not None else A,
@@ -223,10 +222,7 @@ def selective_scan_fwd(
             *A.stride(),
             *_bc_strides(B), *_bc_strides(C),
             *_strides3(initial_state),
-        ), dict(flags, **shared, **cfg, SEGMENT_PASS=segment_pass, **({"HAS_Z": False} if segment_pass == 1 else {})))
-
-    for segment_pass in (1, 2) if segments else (0,):
-        launch(segment_pass)
+        ), dict(flags, **shared, **cfg, SEGMENT_PASS=segment_pass, HAS_Z=flags["HAS_Z"] and segment_pass != 1))
     return out.view(out_shape), x.view(x_shape), out_z.view(out_shape) if z is not None else out_z, \
         last.view(last_shape)
 
@@ -270,8 +266,8 @@ def selective_scan_bwd(
     reduce_B, reduce_C = reduced(B, bc_atomic), reduced(C, bc_atomic)
     padded_dim = _triton.cdiv(dim, cfg["BLOCK_D"]) * cfg["BLOCK_D"]  # (the deterministic rows of every channel)
     rows_B, rows_C = ((_groups(M) if bc_atomic else padded_dim // r) for M, r in ((B, reduce_B), (C, reduce_C)))
-    steps, states = -(-seqlen // cfg["BLOCK_T"]) * cfg["BLOCK_T"], cfg["STATES"] * cfg["STATE_TILES"]
-    n_segments = -(-(-(-seqlen // cfg["BLOCK_T"])) // cfg["SEGMENT"])
+    steps, states = _triton.cdiv(seqlen, cfg["BLOCK_T"]) * cfg["BLOCK_T"], cfg["STATES"] * cfg["STATE_TILES"]
+    n_segments = _triton.cdiv(_triton.cdiv(seqlen, cfg["BLOCK_T"]), cfg["SEGMENT"])
     f32 = dict(dtype=torch.float32, device=u.device)
     # every buffer a kernel writes is 1-D, viewed as its shape after the launch (_triton.output)
     grad_shape = (batch, dim, seqlen)
@@ -311,14 +307,13 @@ def selective_scan_bwd(
     ), dict(HAS_DLAST=dlast_state is not None, BC_ATOMIC=bc_atomic, REDUCE_B=reduce_B, REDUCE_C=reduce_C,
             **flags, **shared, **cfg))
 
-    def bc_grad(part: Tensor, M: Tensor, rows: int) -> Tensor:
+    def bc_grad(part: Tensor, M: Tensor, rows: int, per_row: int) -> Tensor:
         if M.dim() == 2:
             return part.view(batch, dim, dstate).sum(0).to(M.dtype)
         groups = _groups(M)
         if bc_atomic:
             part = part.view(batch, groups, steps, states)
         else:  # a group's rows, summed in order (the rows of channels past dim are left out)
-            per_row = reduced(M, False)
             part = part.view(batch, rows, steps, states).narrow(1, 0, dim // per_row)
             part = part.reshape(batch, groups, dim // groups // per_row, steps, states).sum(2)
         # time-major to M's layout, without the padding (narrow and clone, not [...] and contiguous, which
@@ -332,7 +327,7 @@ def selective_scan_bwd(
 
     return (
         du.view(grad_shape), ddelta.view(grad_shape), dA_part.view(batch, dim, dstate).sum(0),
-        bc_grad(dB_part, B, rows_B), bc_grad(dC_part, C, rows_C), summed(dD_part, D is not None),
+        bc_grad(dB_part, B, rows_B, reduce_B), bc_grad(dC_part, C, rows_C, reduce_C), summed(dD_part, D is not None),
         summed(dbias_part, delta_bias is not None), dz.view(grad_shape) if z is not None else dz,
         dinit.view(batch, dim, dstate) if initial_state is not None else dinit,
     )
