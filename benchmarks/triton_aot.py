@@ -51,7 +51,7 @@ def record_scan(fwd_args: tuple, **knobs) -> list:
     backward's dB/dC added atomically)."""
     knobs = scan_triton.TUNER.defaults() | knobs
     with recorded_launches() as launches:
-        out, x, out_z, last = scan_triton.selective_scan_fwd(*fwd_args)
+        out, x, out_z, last = scan_triton.selective_scan_fwd(*fwd_args, knobs)
         scan_triton.selective_scan_bwd(*fwd_args[:9], torch.ones_like(out), x, torch.ones_like(last), fwd_args[9],
                                        knobs)
     return launches
@@ -142,15 +142,43 @@ def resource_usage(compiled) -> dict:
     return dict(regs=int(regs), spills=int(stack) + int(local))
 
 
-def innermost_loop(compiled, containing: Optional[tuple] = None) -> Optional[collections.Counter]:
-    """Opcode counts of the shortest backward-branching span of an NVIDIA kernel's SASS (its
-    innermost loop), or of the shortest holding one of the opcodes `containing` (e.g. the tensor-core
-    loop of a kernel with shorter ones), or None if it has no such loop."""
+def _sass(compiled) -> list:
+    """An NVIDIA kernel's SASS instructions, (address, text) each, predicate included."""
     instructions = []
     for line in _cuobjdump(compiled, "-sass").splitlines():
         m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
         if m:
             instructions.append((int(m.group(1), 16), m.group(2)))
+    return instructions
+
+
+def load_use_distances(compiled, loop: dict) -> list:
+    """For each global load (LDG) in a loop of loop_nest's, the instructions from it to the first one in the
+    loop's span that reads a register it loads (a load used only on a later trip is left out): how much
+    of a load's latency a warp's own work can cover, to be multiplied by the warps that share a scheduler."""
+    span = _sass(compiled)[loop["start"]:loop["end"] + 1]
+    distances = []
+    for i, (_, text) in enumerate(span):
+        load = re.match(r"(?:@!?U?P\w+\s+)?LDG\S*?(?:\.(64|128))?\s+R(\d+),", text)
+        if not load:
+            continue
+        first = int(load.group(2))
+        loaded = {f"R{first + k}" for k in range({"64": 2, "128": 4}.get(load.group(1), 1))}
+        for j in range(i + 1, len(span)):
+            operands = re.sub(r"^(?:@!?U?P\w+\s+)?\S+\s*", "", span[j][1]).split(",")
+            opcode = re.sub(r"^@!?U?P\w+\s+", "", span[j][1]).split()[0]
+            read = operands if opcode.startswith(("ST", "RED", "ATOM")) else operands[1:]
+            if loaded & set(re.findall(r"\bR\d+\b", ",".join(read))):
+                distances.append(j - i)
+                break
+    return distances
+
+
+def innermost_loop(compiled, containing: Optional[tuple] = None) -> Optional[collections.Counter]:
+    """Opcode counts of the shortest backward-branching span of an NVIDIA kernel's SASS (its
+    innermost loop), or of the shortest holding one of the opcodes `containing` (e.g. the tensor-core
+    loop of a kernel with shorter ones), or None if it has no such loop."""
+    instructions = _sass(compiled)
     loops = []
     for i, (address, text) in enumerate(instructions):
         target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
@@ -166,11 +194,7 @@ def loop_nest(compiled) -> list:
     """The loops of an NVIDIA kernel's SASS (backward-branching spans), each a dict: start and end
     (instruction indices), `inside` (the index of the loop it sits in directly, or None) and `own` (the
     opcode counts of its span less the loops inside it: what one trip issues besides their trips)."""
-    instructions = []
-    for line in _cuobjdump(compiled, "-sass").splitlines():
-        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
-        if m:
-            instructions.append((int(m.group(1), 16), m.group(2)))
+    instructions = _sass(compiled)
     index = {address: i for i, (address, _) in enumerate(instructions)}
     spans = set()
     for i, (address, text) in enumerate(instructions):

@@ -124,15 +124,20 @@ def scan_rows(args, aot, dtype) -> list:
     print(f"shape: batch {args.batch}, dim {args.dim}, seqlen {args.seqlen}, dstate {args.dstate}, {args.dtype}, "
           f"variable B/C, D, z, delta_bias; sm_90, {args.sms} SMs at {args.clock_ghz} GHz, copy {args.copy_tbps} TB/s")
     print(f"{'pass':<14} {'regs':>4} {'spill':>5} {'warps':>5} {'steps/thr':>9} {'instr/elt':>9} {'shfl/elt':>8} "
-          f"{'ex2/elt':>7} {'ms issue':>8} {'ms ex2':>7} {'ms copy':>7} {'of copy':>7}")
+          f"{'ex2/elt':>7} {'ld>use':>7} {'ms issue':>8} {'ms ex2':>7} {'ms copy':>7} {'of copy':>7}")
     scan_compiled = []
     for kernel, kernel_args, meta in launches:
         name = "backward" if kernel.__name__ == "selective_scan_bwd_kernel" else \
             f"forward pass {meta['SEGMENT_PASS']}" if meta["SEGMENT_PASS"] else "forward"
         compiled = aot.compile_launch(kernel, kernel_args, meta, "sm90")
         usage = aot.resource_usage(compiled)
-        per_element = _per_element(aot, compiled, meta) if name == "backward" else {
-            op: count / (meta["BLOCK_T"] * meta["STATES"]) for op, count in _walk_loop(aot, compiled).items()}
+        loops = aot.loop_nest(compiled)
+        walk = max(loops, key=lambda loop: sum(loop["own"].values())) if name == "backward" else _walk_loop(loops)
+        per_element = _per_element(loops, meta) if name == "backward" else {
+            op: count / (meta["BLOCK_T"] * meta["STATES"]) for op, count in walk["own"].items()}
+        # (instructions between a global load of the walk's loop and its first use: min / median)
+        distances = sorted(aot.load_use_distances(compiled, walk)) or [0]
+        load_use = f"{distances[0]}/{distances[len(distances) // 2]}"
         steps = meta["BLOCK_T"]
         instructions = sum(per_element.values())
         t_issue = elements * instructions / issue_rate
@@ -141,7 +146,7 @@ def scan_rows(args, aot, dtype) -> list:
         scan_compiled.append(dict(compiled=compiled, usage=usage, meta=meta, issue_s=t_issue))
         print(f"{name:<14} {usage['regs']:>4} {usage['spills']:>5} {meta['num_warps']:>5} {steps:>9} "
               f"{instructions:>9.1f} {per_element.get('SHFL', 0.0):>8.2f} {per_element.get('MUFU', 0.0):>7.2f} "
-              f"{t_issue * 1e3:>8.2f} {t_ex2 * 1e3:>7.2f} {t_copy * 1e3:>7.2f} {t_copy / max(t_issue, t_ex2):>7.0%}")
+              f"{load_use:>7} {t_issue * 1e3:>8.2f} {t_ex2 * 1e3:>7.2f} {t_copy * 1e3:>7.2f} {t_copy / max(t_issue, t_ex2):>7.0%}")
     return scan_compiled
 
 
@@ -150,19 +155,17 @@ def _innermost(loops: list) -> list:
     return [i for i in range(len(loops)) if not any(other["inside"] == i for other in loops)]
 
 
-def _walk_loop(aot, compiled) -> collections.Counter:
-    """The forward's loop over a tile of steps: its largest innermost loop (a segmented forward's second pass
-    also has the short loop over the earlier segments' states)."""
-    loops = aot.loop_nest(compiled)
-    return max((loops[i]["own"] for i in _innermost(loops)), key=lambda own: sum(own.values()))
+def _walk_loop(loops: list) -> dict:
+    """The forward's loop over a tile of steps (of aot.loop_nest's): its largest innermost loop (a segmented
+    forward's second pass also has the short loop over the earlier segments' states)."""
+    return max((loops[i] for i in _innermost(loops)), key=lambda loop: sum(loop["own"].values()))
 
 
-def _per_element(aot, compiled, meta: dict) -> dict:
+def _per_element(loops: list, meta: dict) -> dict:
     """The backward's instructions per (step, state), from its loops: per tile of steps, a trip of the
     first walk (its innermost loop outside the walk back), a trip of the walk back (the largest loop's own
     instructions: the tile recomputed, the adjoint, the outputs) and, inside it, (SEGMENT - 1) / 2 trips of
     the walk from the tile's checkpoint on average; the first walk's loop over segments once a SEGMENT."""
-    loops = aot.loop_nest(compiled)
     back = max(range(len(loops)), key=lambda i: sum(loops[i]["own"].values()))
     innermost = _innermost(loops)
     first = next(i for i in innermost if i != back and loops[i]["inside"] != back)

@@ -48,6 +48,10 @@ FORWARD_TILE = 128
 # (docs/limits.md); segments walked side by side multiply the warps, for a second, shorter pass that reads u,
 # delta and B once more to find the states each segment starts from. Off until a GPU has timed it.
 FORWARD_SEGMENT = 0
+# FORWARD_PREFETCH: steps ahead of its step that a variable B's or C's row is loaded (0-2; 32 registers a step
+# ahead, B's and C's). Each is an L2 hit whose latency, with a load at its step, was paid every step: the sm_90
+# compiles put the loads 2-130 instructions before their use, a step's arithmetic being ~180.
+FORWARD_PREFETCH = 2
 # The backward keeps a register tile's states and decays (two registers a pair) while the adjoint runs back
 # over it; it reads its inputs a tile of 16-byte rows at a time (8 steps of a 16-bit input), and reaches each
 # register tile from the read tile's start by walking the register tiles before it. BACKWARD_SEGMENT: read
@@ -67,14 +71,19 @@ BACKWARD_REDUCE = 1
 # checkpoints and the sectors of the rows (each 8-byte row is charged a 32-byte one), but holds more across the
 # register tiles (1,768 bytes spilled on sm_90 at the benchmark's shape, docs/limits.md): for a GPU to weigh.
 BACKWARD_READ = 8
+# BACKWARD_PREFETCH: FORWARD_PREFETCH for the backward's first walk (the walk back reads its tile's B and C rows
+# more than once, close together).
+BACKWARD_PREFETCH = 2
 # What SSMOPS_AUTOTUNE=1 times per shape (ops/_tuning.py), each phase's in its own call; benchmarks/gpu.py --sweep
 # times the same values. (One warp: Triton lays the state tiles out so that ptxas spills in the walk.)
 TUNING_SPACE = {"FORWARD_WARPS": (2, 4, 8), "FORWARD_TILE": (32, 64, 128), "FORWARD_SEGMENT": (0, 256, 512, 1024),
+                "FORWARD_PREFETCH": (0, 1, 2),
                 "BACKWARD_WARPS": (2, 4, 8), "BACKWARD_TILE": (16, 32, 64), "BACKWARD_SEGMENT": (1, 2, 4),
-                "BACKWARD_ATOMIC": (False, True), "BACKWARD_REDUCE": (1, 4, 32), "BACKWARD_READ": (8, 16)}
-FORWARD_KNOBS = ("FORWARD_WARPS", "FORWARD_TILE", "FORWARD_SEGMENT")
+                "BACKWARD_ATOMIC": (False, True), "BACKWARD_REDUCE": (1, 4, 32), "BACKWARD_READ": (8, 16),
+                "BACKWARD_PREFETCH": (0, 1, 2)}
+FORWARD_KNOBS = ("FORWARD_WARPS", "FORWARD_TILE", "FORWARD_SEGMENT", "FORWARD_PREFETCH")
 BACKWARD_KNOBS = ("BACKWARD_WARPS", "BACKWARD_TILE", "BACKWARD_SEGMENT", "BACKWARD_ATOMIC", "BACKWARD_REDUCE",
-                  "BACKWARD_READ")
+                  "BACKWARD_READ", "BACKWARD_PREFETCH")
 TUNER = _tuning.Tuner("selective_scan", lambda: {name: globals()[name] for name in TUNING_SPACE}, TUNING_SPACE)
 
 
@@ -108,7 +117,7 @@ def _tiles(dim: int, dstate: int, element_size: int, warps: int, max_states: int
 
 def _forward_config(dim: int, dstate: int, element_size: int, knobs: dict) -> dict:
     return dict(_tiles(dim, dstate, element_size, knobs["FORWARD_WARPS"], FORWARD_STATES, knobs["FORWARD_TILE"]),
-                CHUNK=CHUNK_LEN)
+                CHUNK=CHUNK_LEN, PREFETCH=knobs["FORWARD_PREFETCH"])
 
 
 def _backward_config(dim: int, dstate: int, element_size: int, aligned: bool, knobs: dict) -> dict:
@@ -119,17 +128,18 @@ def _backward_config(dim: int, dstate: int, element_size: int, aligned: bool, kn
     cfg = _tiles(dim, dstate, element_size, knobs["BACKWARD_WARPS"], BACKWARD_STATES, knobs["BACKWARD_TILE"])
     read = max(cfg["BLOCK_T"], knobs["BACKWARD_READ"] // element_size) if aligned and cfg["STATE_TILES"] == 1 \
         else cfg["BLOCK_T"]
-    return dict(cfg, BLOCK_T=read, SUB_T=cfg["BLOCK_T"], SEGMENT=knobs["BACKWARD_SEGMENT"])
+    return dict(cfg, BLOCK_T=read, SUB_T=cfg["BLOCK_T"], SEGMENT=knobs["BACKWARD_SEGMENT"],
+                PREFETCH=knobs["BACKWARD_PREFETCH"])
 
 
 def _time_major(M: Tensor, cfg: dict) -> Tensor:
     """A variable B or C as the forward reads it: float32, time-major ((batch, [groups,] steps, states):
     a step's states are one vector load), with zeros past seqlen and dstate to whole tiles, so that its
-    loads need no masks. Every thread of a block reads each value, and widening a 16-bit one would cost
+    loads need no masks (and PREFETCH steps more: the loads ahead). Every thread of a block reads each value, and widening a 16-bit one would cost
     it an instruction or two per value, as much as the recurrence's own arithmetic. (A copy about 1/dim
     the size of u.) Returned as a (..., states, steps) view, the layout the kernel's strides describe."""
     *_, dstate, seqlen = M.shape
-    steps = _triton.cdiv(seqlen, cfg["BLOCK_T"]) * cfg["BLOCK_T"]
+    steps = _triton.cdiv(seqlen, cfg["BLOCK_T"]) * cfg["BLOCK_T"] + cfg["PREFETCH"]
     # (clone, not contiguous, which refuses fake CUDA tensors in CPU-only torch; pad returns its input
     # where there is nothing to pad)
     time_major = M.transpose(-1, -2).float().clone(memory_format=torch.contiguous_format)
