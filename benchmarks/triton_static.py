@@ -146,7 +146,8 @@ def scan_rows(args, aot, dtype) -> list:
         scan_compiled.append(dict(compiled=compiled, usage=usage, meta=meta, issue_s=t_issue))
         print(f"{name:<14} {usage['regs']:>4} {usage['spills']:>5} {meta['num_warps']:>5} {steps:>9} "
               f"{instructions:>9.1f} {per_element.get('SHFL', 0.0):>8.2f} {per_element.get('MUFU', 0.0):>7.2f} "
-              f"{load_use:>7} {t_issue * 1e3:>8.2f} {t_ex2 * 1e3:>7.2f} {t_copy * 1e3:>7.2f} {t_copy / max(t_issue, t_ex2):>7.0%}")
+              f"{load_use:>7} {t_issue * 1e3:>8.2f} {t_ex2 * 1e3:>7.2f} {t_copy * 1e3:>7.2f} "
+              f"{t_copy / max(t_issue, t_ex2):>7.0%}")
     return scan_compiled
 
 

@@ -135,9 +135,9 @@ def _backward_config(dim: int, dstate: int, element_size: int, aligned: bool, kn
 def _time_major(M: Tensor, cfg: dict) -> Tensor:
     """A variable B or C as the forward reads it: float32, time-major ((batch, [groups,] steps, states):
     a step's states are one vector load), with zeros past seqlen and dstate to whole tiles, so that its
-    loads need no masks (and PREFETCH steps more: the loads ahead). Every thread of a block reads each value, and widening a 16-bit one would cost
-    it an instruction or two per value, as much as the recurrence's own arithmetic. (A copy about 1/dim
-    the size of u.) Returned as a (..., states, steps) view, the layout the kernel's strides describe."""
+    loads need no masks (and PREFETCH steps more: the loads ahead). Every thread of a block reads each
+    value, and widening a 16-bit one would cost it an instruction or two per value, as much as the
+    recurrence's own arithmetic. (A copy about 1/dim the size of u.) Returned as a (..., states, steps) view, the layout the kernel's strides describe."""
     *_, dstate, seqlen = M.shape
     steps = _triton.cdiv(seqlen, cfg["BLOCK_T"]) * cfg["BLOCK_T"] + cfg["PREFETCH"]
     # (clone, not contiguous, which refuses fake CUDA tensors in CPU-only torch; pad returns its input
