@@ -229,8 +229,10 @@ def ssd_rows(args, aot, dtype) -> None:
     issue_rate = args.sms * 4 * args.clock_ghz * 1e9  # warp instructions per second
     print(f"\n{ssd_shape(args)}; sm_90; forward {flops(shape) / 1e12:.2f} TFLOP: "
           f"{flops(shape) / (args.peak_tflops * 1e12) * 1e3:.2f} ms at {args.peak_tflops:.0f} TFLOP/s")
+    # (cp.async: the loop's asynchronous copies, the loads Triton's pipeliner issued a trip or more ahead;
+    # ld>use: instructions between each plain global load of the loop and its first use, min / median)
     print(f"{'kernel':<31} {'regs':>4} {'spill':>5} {'warps':>5} {'programs':>8} {'trips':>5} {'instr':>5} "
-          f"{'mma':>4} {'shfl':>4} {'ms issue':>8}")
+          f"{'mma':>4} {'shfl':>4} {'cp.async':>8} {'ld>use':>7} {'ms issue':>8}")
     for (kernel, kernel_args, meta), programs in zip(launches + step, grids):
         compiled = aot.compile_launch(kernel, kernel_args, meta, "sm90")
         usage = aot.resource_usage(compiled)
@@ -246,8 +248,13 @@ def ssd_rows(args, aot, dtype) -> None:
         instructions = sum(loop.values())
         t_issue = programs * trips * instructions * meta["num_warps"] / issue_rate
         mma = loop.get("HMMA", 0) + loop.get("HGMMA", 0)
+        mma_loop = min((nested for nested in aot.loop_nest(compiled) if nested["own"]["HMMA"] + nested["own"]["HGMMA"]),
+                       key=lambda nested: nested["end"] - nested["start"])
+        distances = sorted(aot.load_use_distances(compiled, mma_loop)) or [0]
+        load_use = f"{distances[0]}/{distances[len(distances) // 2]}"
         print(f"{name:<31} {usage['regs']:>4} {usage['spills']:>5} {meta['num_warps']:>5} {programs:>8} {trips:>5.1f} "
-              f"{instructions:>5} {mma:>4} {loop.get('SHFL', 0):>4} {t_issue * 1e3:>8.2f}")
+              f"{instructions:>5} {mma:>4} {loop.get('SHFL', 0):>4} {mma_loop['own']['LDGSTS']:>8} {load_use:>7} "
+              f"{t_issue * 1e3:>8.2f}")
     return compiled_launches[:len(launches)]  # (the decoding step has no counts)
 
 
