@@ -75,10 +75,13 @@ TUNER = _tuning.Tuner("ssd", lambda: {name: globals()[name] for name in (*TUNING
 
 def _config(chunk_size: int, headdim: int, dstate: int, knobs: dict) -> dict:
     """Token blocks of SCAN_BLOCK_T (16 at least: a GEMM side), dstate whole (the C.B^T contraction) and
-    headdim in blocks of SCAN_BLOCK_P in the forward's output kernel; 16-bit GEMM operands need sides of 16."""
+    headdim in blocks of SCAN_BLOCK_P in the forward's output kernel; 16-bit GEMM operands need sides of 16.
+    CHUNK_TOKENS: a chunk's tokens rounded up to a power of two, what a kernel loads at once to sum the log
+    decays of several blocks (`_a_sum`)."""
     return dict(BLOCK_T=_triton.pow2_tile(chunk_size, 16, knobs["SCAN_BLOCK_T"]),
                 BLOCK_P=_triton.pow2_tile(headdim, 16, knobs["SCAN_BLOCK_P"]),
-                BLOCK_N=_triton.pow2_tile(dstate, 16, _triton.NO_CAP))
+                BLOCK_N=_triton.pow2_tile(dstate, 16, _triton.NO_CAP),
+                CHUNK_TOKENS=_triton.pow2_tile(chunk_size, 16, _triton.NO_CAP))
 
 
 def _state_tiles(headdim: int, dstate: int, knobs: dict) -> dict:
@@ -378,7 +381,8 @@ def _group_grads(run: _Launch, states_op: Tensor, dends_op: Tensor, varlen_args:
     dcb = _triton.output((splits, batch, run.nchunks, ngroups, side, side),
                          torch.float32 if run.flags["DOT_F32"] else x.dtype, x.device)
     dlC_part, dlB_part = (_triton.output((blocks * batch * nheads * seqlen,), **f32) for _ in range(2))
-    tiles = dict(BLOCK_T=tile, BLOCK_P=_triton.pow2_tile(run.headdim, 16, _triton.NO_CAP))
+    tiles = dict(BLOCK_T=tile, BLOCK_P=_triton.pow2_tile(run.headdim, 16, _triton.NO_CAP),
+                 CHUNK_TOKENS=_triton.pow2_tile(side, 1, _triton.NO_CAP))
     lo, hi = run.sizes[-2:]
     _triton.launch(ssd_bwd_dcb_kernel, (run.nchunks * npairs, batch * ngroups * splits), (
         *(run.ptr(n) for n in ("x", "dt", "A", "bias", "seq")), cb, gated, dcb, dlC_part, dlB_part,

@@ -216,6 +216,16 @@ def _store_state_tile(ptr, row, pp, nn, headdim, dstate, value):
 
 
 @triton.jit
+def _a_sum(dt_row, t_first, t_end, seqlen, s_dtt, bias, A, lo, hi, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+           SPAN: tl.constexpr):
+    """The sum of a over the tokens t_first .. t_end - 1 (before seqlen; SPAN of them at most), from one load:
+    a loop over their blocks waits for each block's load in turn, and inside a kernel's loop it keeps Triton's
+    pipeliner off that loop (it pipelines innermost loops only)."""
+    t = t_first + tl.arange(0, SPAN)
+    return tl.sum(_dt(dt_row, t, (t < t_end) & (t < seqlen), s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1], axis=0)
+
+
+@triton.jit
 def _log_decay_through(t0, e, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi,
                        SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_T: tl.constexpr):
     """L_e: the sum of a over the chunk's tokens t0 .. e."""
@@ -402,6 +412,7 @@ def ssd_chunk_scan_kernel(
     HAS_D: tl.constexpr, D_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_F32: tl.constexpr,
     DZ: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    CHUNK_TOKENS: tl.constexpr,
 ):
     """Grid (nchunks * blocks_per_chunk, batch * nheads, channel blocks). Writes out (x's layout, contiguous),
     or, with DZ, the gradient of z from dout (the output recomputed) and into gated dout * silu(z), the
@@ -416,10 +427,9 @@ def ssd_chunk_scan_kernel(
     pp = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
     nn = tl.arange(0, BLOCK_N)
     t0 = c * Q
-    run = 0.0
-    for j in range(0, i):  # the log decay from the chunk start to this block
-        t, valid = _block(t0, j, Q, seqlen, BLOCK_T)
-        run += tl.sum(_dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1], axis=0)
+    # the log decay from the chunk start to this block
+    run = _a_sum(dt_row, t0, t0 + tl.minimum(i * BLOCK_T, Q), seqlen, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT,
+                 CHUNK_TOKENS)
     t_l, valid_l = _block(t0, i, Q, seqlen, BLOCK_T)
     dt_l, a_l = _dt(dt_row, t_l, valid_l, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
     seq_l = _seq(seq_row, t_l, valid_l, s_seqt, HAS_SEQ)
@@ -601,12 +611,12 @@ def _chunk_rows(b, h, c, nheads, nchunks, seqlen):
 
 @triton.jit
 def _end_decays(t0, j, nblocks, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, a_s, valid_s, seq_s, seq_end,
-                SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_T: tl.constexpr):
+                SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK_TOKENS: tl.constexpr):
     """(ends, v) of block j's tokens s: which are of the sequence of the chunk's last token, and v_s = exp(L_end -
     L_s) for those (0 else), the exponent summed from s on (a difference of sums from the block start would take
     an earlier sequence's NaN dt in, NaN - NaN)."""
     to_end = _log_decay_from(t0, j + 1, nblocks, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT,
-                             BLOCK_T) + tl.cumsum(a_s, axis=0, reverse=True) - a_s
+                             BLOCK_T, CHUNK_TOKENS) + tl.cumsum(a_s, axis=0, reverse=True) - a_s
     ends = valid_s & (seq_s == seq_end)
     return ends, tl.where(ends, tl.exp(to_end), 0.0)
 
@@ -646,7 +656,7 @@ def ssd_bwd_dx_kernel(
     HAS_D: tl.constexpr, D_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
     HAS_DVARLEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, CHUNK_TOKENS: tl.constexpr,
 ):
     """Grid (nchunks * blocks_per_chunk, batch * nheads): a block of tokens s of one chunk of one head,
     dX_s = sum_{l >= s} M_ls dy_l (M_ls = (C_l . B_s) exp(L_l - L_s)) + the state outputs' parts. Writes
@@ -679,7 +689,7 @@ def ssd_bwd_dx_kernel(
     # varlen states ending in the chunk likewise: dX_s += v_s dE B_s, the other sequences' rows selected out
     # (a NaN of dE or B would reach them).
     ends, v = _end_decays(t0, j, nblocks, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, a_s, valid_s, seq_s, seq_end,
-                          SOFTPLUS, HAS_LIMIT, BLOCK_T)
+                          SOFTPLUS, HAS_LIMIT, BLOCK_T, CHUNK_TOKENS)
     acc = tl.where(ends[:, None], _dot(B_s, tl.trans(_operand(_state_tile(dends_ptr, state_row, pp, nn, headdim,
                                                                            dstate), x_ptr, DOT_F32)), DOT_F32) *
                    v[:, None], 0.0)
@@ -738,13 +748,10 @@ def ssd_bwd_dx_kernel(
 
 @triton.jit
 def _log_decay_from(t0, j, nblocks, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS: tl.constexpr,
-                    HAS_LIMIT: tl.constexpr, BLOCK_T: tl.constexpr):
-    """The sum of a over the chunk's blocks j .. nblocks - 1, first to last (so that it rounds as the sum it is)."""
-    L = 0.0
-    for i in range(j, nblocks):
-        t, valid = _block(t0, i, Q, seqlen, BLOCK_T)
-        L += tl.sum(_dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1], axis=0)
-    return L
+                    HAS_LIMIT: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK_TOKENS: tl.constexpr):
+    """The sum of a over the chunk's blocks j .. nblocks - 1 (a sum of them, not a difference of sums)."""
+    return _a_sum(dt_row, t0 + j * BLOCK_T, t0 + tl.minimum(nblocks * BLOCK_T, Q), seqlen, s_dtt, bias, A, lo, hi,
+                  SOFTPLUS, HAS_LIMIT, CHUNK_TOKENS)
 
 
 @triton.jit
@@ -771,7 +778,7 @@ def ssd_bwd_dcb_kernel(
     batch, seqlen, nheads, headdim, Q, nchunks, heads_per_group, lo, hi, ngroups, splits, npairs, cb_side, dcb_side,
     s_xb, s_xt, s_xh, s_xp, s_dtb, s_dtt, s_dth, s_yb, s_yt, s_yh, s_yp, s_seqb, s_seqt,
     HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
-    DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
+    DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK_TOKENS: tl.constexpr,
 ):
     """Grid (nchunks * npairs, batch * ngroups * splits): a block pair (i, j), j <= i, of one chunk and a run
     of a group's heads. The gradient of C_l . B_s summed over the run's heads,
@@ -808,12 +815,9 @@ def ssd_bwd_dcb_kernel(
         a_l = _dt(dt_row, t_l, valid_l, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1]
         dt_s, a_s = _dt(dt_row, t_s, valid_s, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
         # L_l - L_s over (s, l]: in one block from its start (a sequence's own sums with seq_idx), else the row
-        # block's up to l, the blocks between (walked back from block i, as ssd_chunk_scan_kernel's) and block j's
-        # after s
-        between = 0.0
-        for kk in range(0, i - j - 1):
-            t, valid = _block(t0, i - 1 - kk, Q, seqlen, BLOCK_T)
-            between += tl.sum(_dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1], axis=0)
+        # block's up to l, the blocks between and block j's after s
+        between = _a_sum(dt_row, t0 + (j + 1) * BLOCK_T, t0 + tl.minimum(i * BLOCK_T, Q), seqlen, s_dtt, bias, A,
+                         lo, hi, SOFTPLUS, HAS_LIMIT, CHUNK_TOKENS)
         L_l = _log_decays(a_l, seq_l, HAS_SEQ)
         L_s = tl.where(j < i, -(between + tl.cumsum(a_s, axis=0, reverse=True) - a_s), L_l)
         dy_l = _operand(_tile(gated_ptr + b * s_yb + h * s_yh, t_l, valid_l, s_yt, pp, headdim, s_yp), x_ptr,
@@ -841,7 +845,7 @@ def ssd_bwd_group_kernel(
     s_yp, s_seqb, s_seqt,
     DB: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_DVARLEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_TOKENS: tl.constexpr,
 ):
     """Grid (nchunks * blocks_per_chunk, batch * ngroups * splits): a block k of one chunk and a run of a
     group's heads; its part of dC (as rows l) or, with DB, of dB (as columns s), float32 into out (splits,
@@ -894,7 +898,7 @@ def ssd_bwd_group_kernel(
         # each head's state part, its other sequences' rows selected out (a NaN of the state would reach them)
         if DB:
             ends, v = _end_decays(t0, k, nblocks, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, a_k, valid_k, seq_k,
-                                  seq_out, SOFTPLUS, HAS_LIMIT, BLOCK_T)
+                                  seq_out, SOFTPLUS, HAS_LIMIT, BLOCK_T, CHUNK_TOKENS)
             X_k = _operand(_tile(x_row, t_k, valid_k, s_xt, pp, headdim, s_xp) * dt_k[:, None], x_ptr, DOT_F32)
             acc += tl.where(ends[:, None], _dot(X_k, state, DOT_F32) * v[:, None], 0.0)
             if HAS_DVARLEN:
@@ -907,13 +911,17 @@ def ssd_bwd_group_kernel(
         else:
             carried = valid_k & (seq_k == seq_out)
             w = tl.where(carried, tl.exp(_log_decay_from(t0, 0, k, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS,
-                                                         HAS_LIMIT, BLOCK_T) + tl.cumsum(a_k, axis=0)), 0.0)
+                                                         HAS_LIMIT, BLOCK_T, CHUNK_TOKENS) + tl.cumsum(a_k, axis=0)),
+                         0.0)
             dy = _tile(gated_ptr + b * s_yb + h * s_yh, t_k, valid_k, s_yt, pp, headdim, s_yp)
             part = tl.where(carried[:, None], _dot(_operand(dy * w[:, None], x_ptr, DOT_F32), state, DOT_F32), 0.0)
             acc += part
             dl = tl.sum(dl_tile * part, axis=1)
-        for p in range(first_pair, last_pair):
-            dl += tl.load(dl_part_ptr + (p * batch * nheads * seqlen + dl_row) + t_k, mask=valid_k, other=0.0)
+        # (the partial rows in one load: a loop here would keep the pipeliner off this loop)
+        pairs = tl.arange(0, CHUNK_TOKENS // BLOCK_T)
+        dl += tl.sum(tl.load(dl_part_ptr + (pairs[:, None] * batch * nheads * seqlen + dl_row) + t_k[None, :],
+                             mask=((pairs >= first_pair) & (pairs < last_pair))[:, None] & valid_k[None, :], other=0.0),
+                     axis=0)
         tl.store(dl_ptr + dl_row + t_k, dl, mask=valid_k)
     # The run's quadratic part: dCB's row block k against B (dC), or its column block k against C (dB). With
     # seq_idx the block itself comes last: the other blocks reach its rows (columns) of one sequence only, its
