@@ -37,6 +37,9 @@ mamba-130m / mamba2-130m (d_model 768, 24 layers) and mamba-2.8b / mamba2-2.7b (
 random weights in the given dtype, batch 1, a 16-token prompt: tokens per second eager and with `cg=True`
 (the whole token one compiled graph, compiled before timing), prefill excluded. `--decoding` runs only the
 decoding rows (both steps and generate), `--lm-shapes 130m` only the small models.
+
+Then each Triton pass kernel by kernel (`--parts kernels`, torch.profiler): the Mamba-1 scan's forward and
+backward, and the SSD's forward+backward at each --ssd-shapes, every kernel's time a call.
 """
 
 from __future__ import annotations
@@ -730,9 +733,49 @@ def conv_rows(args) -> None:
                       if name != "ssmops triton"))
 
 
+def kernel_table(title: str, fn, repeats: int = 5, activity: str = "CUDA") -> dict:
+    """fn's kernels, each with its time a call (torch.profiler's events of `activity`, after a warm-up call),
+    printed largest first and returned as {name: seconds}: where a pass's time goes, which its total does not
+    say (a run that timed only totals could not tell which of the SSD's kernels fell short of its estimate)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    synchronize = torch.cuda.synchronize if activity == "CUDA" else (lambda: None)
+    synchronize()
+    with profile(activities=[getattr(ProfilerActivity, activity)]) as prof:
+        for _ in range(repeats):
+            fn()
+        synchronize()
+    seconds: dict = {}
+    for event in prof.events():
+        if event.device_type == getattr(DeviceType, activity):
+            seconds[event.name] = seconds.get(event.name, 0.0) + event.time_range.elapsed_us() * 1e-6 / repeats
+    total = sum(seconds.values())
+    print(f"\n{title}: {total * 1e3:.3f} ms of kernels a call")
+    for name, t in sorted(seconds.items(), key=lambda item: -item[1]):
+        print(f"  {name[:64]:<64} {t * 1e3:8.3f} ms {t / total:6.1%}")
+    return seconds
+
+
+def kernel_rows(args) -> None:
+    """The kernels of the Mamba-1 scan's Triton operators at the benchmark's shape, and of
+    mamba_chunk_scan_combined's forward+backward on Triton at each --ssd-shapes, each with its time."""
+    fwd_op = torch.ops.ssmops.selective_scan_fwd_triton.default
+    bwd_op = torch.ops.ssmops.selective_scan_bwd_triton.default
+    fargs, bargs, _, _ = scan_launches(args)
+    kernel_table("Mamba-1 scan forward", lambda: fwd_op(*fargs))
+    kernel_table("Mamba-1 scan backward", lambda: bwd_op(*bargs))
+    ssd = ssd_contenders(skip_baselines=True)["ssmops triton"]
+    for shape in args.ssd_shapes:
+        kw = ssd_inputs(shape["batch"], shape["seqlen"], DTYPES[args.dtype], requires_grad=True, layer=shape)
+        kernel_table(f"SSD forward+backward at {', '.join(f'{k} {v}' for k, v in shape.items())}",
+                     lambda: ssd(**kw).backward(torch.ones_like(kw["x"])))
+
+
 # what the benchmark times, in this order: --parts names some (default: all but the sweeps; --sweep adds these)
 PARTS = {"scan": scan_rows, "decode": decode_step, "ssd": ssd_rows, "ssd-decode": ssd_decode_step, "conv": conv_rows,
-         "generate": generate_rows, "sweep-scan": sweep_scan, "sweep-ssd": sweep_ssd_knobs,
+         "generate": generate_rows, "kernels": kernel_rows, "sweep-scan": sweep_scan, "sweep-ssd": sweep_ssd_knobs,
          "sweep-decode": sweep_decode_step}
 SWEEPS = [part for part in PARTS if part.startswith("sweep-")]
 

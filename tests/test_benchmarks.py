@@ -226,6 +226,19 @@ def test_gpu_benchmark_generate_rows_run_on_any_device():
         assert 0 < rate < float("inf")
 
 
+def test_gpu_benchmark_kernel_table_sums_each_kernel(capsys):
+    """benchmarks/gpu.py's per-kernel table (`--parts kernels`), on the CPU profiler's events: each kernel's time
+    a call, largest first, the calls of one kernel summed (two matmuls a call here, one row)."""
+    import gpu
+
+    a, b = torch.randn(256, 256), torch.randn(256, 8)
+    seconds = gpu.kernel_table("two products", lambda: (a @ a, (a + 1) @ b), repeats=3, activity="CPU")
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert "aten::mm" in seconds and all(t > 0 for t in seconds.values())
+    assert [row[0] for row in rows] == sorted(seconds, key=lambda name: -seconds[name])
+    assert sum(row[0] == "aten::mm" for row in rows) == 1
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="times the Triton launchers")
 def test_decode_overhead_benchmark_runs():
