@@ -18,30 +18,36 @@ def selective_state_update_kernel(
 ):
     """One decoding step for a block of channels of one batch row: the (BLOCK_D, BLOCK_N) state
     tile is read, advanced by one step and written back; y = <state, C> + D x, gated by silu(z).
-    B and C are (batch, groups, dstate) (groups stride 0 when shared by all channels)."""
+    B and C are (batch, groups, dstate) (groups stride 0 when shared by all channels). Every input is
+    loaded before the state is stored: a load after that store is issued only once it is (the compiler
+    cannot tell the pointers apart), a latency more per step, where the step is latency alone at batch 1."""
     pid_b = tl.program_id(1).to(tl.int64)
     d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = d < dim
     n = tl.arange(0, BLOCK_N)
     mask_dn = mask_d[:, None] & (n < dstate)[None, :]
-    x = tl.load(x_ptr + pid_b * s_xb + d * s_xd, mask=mask_d, other=0.0).to(tl.float32)
-    dt = tl.load(dt_ptr + pid_b * s_tb + d * s_td, mask=mask_d, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        dt += tl.load(bias_ptr + d * s_bias, mask=mask_d, other=0.0).to(tl.float32)
-    if SOFTPLUS:
-        dt = softplus(dt)
+    state_ptrs = state_ptr + pid_b * s_sb + d[:, None] * s_sd + n[None, :] * s_sn
+    state = tl.load(state_ptrs, mask=mask_dn, other=0.0)
     A = tl.load(A_ptr + d[:, None] * s_Ad + n[None, :] * s_An, mask=mask_dn, other=0.0)
     group = (d // dpg)[:, None]
     Bv = tl.load(B_ptr + pid_b * s_Bb + group * s_Bg + n[None, :] * s_Bn, mask=mask_dn, other=0.0).to(tl.float32)
     Cv = tl.load(C_ptr + pid_b * s_Cb + group * s_Cg + n[None, :] * s_Cn, mask=mask_dn, other=0.0).to(tl.float32)
-    state_ptrs = state_ptr + pid_b * s_sb + d[:, None] * s_sd + n[None, :] * s_sn
-    h = tl.exp2(dt[:, None] * A * LOG2E) * tl.load(state_ptrs, mask=mask_dn, other=0.0) + (dt * x)[:, None] * Bv
-    tl.store(state_ptrs, h, mask=mask_dn)
-    y = tl.sum(h * Cv, axis=1)
+    x = tl.load(x_ptr + pid_b * s_xb + d * s_xd, mask=mask_d, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr + pid_b * s_tb + d * s_td, mask=mask_d, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        dt += tl.load(bias_ptr + d * s_bias, mask=mask_d, other=0.0).to(tl.float32)
+    Dx = tl.zeros_like(x)
     if HAS_D:
-        y += tl.load(D_ptr + d * s_D, mask=mask_d, other=0.0).to(tl.float32) * x
+        Dx = tl.load(D_ptr + d * s_D, mask=mask_d, other=0.0).to(tl.float32) * x
+    zv = x
     if HAS_Z:
         zv = tl.load(z_ptr + pid_b * s_zb + d * s_zd, mask=mask_d, other=0.0).to(tl.float32)
+    if SOFTPLUS:
+        dt = softplus(dt)
+    h = tl.exp2(dt[:, None] * A * LOG2E) * state + (dt * x)[:, None] * Bv
+    tl.store(state_ptrs, h, mask=mask_dn)
+    y = tl.sum(h * Cv, axis=1) + Dx
+    if HAS_Z:
         y = y * zv * tl.sigmoid(zv)
     tl.store(out_ptr + pid_b * s_ob + d, y.to(out_ptr.dtype.element_ty), mask=mask_d)
 
@@ -79,7 +85,19 @@ def multihead_state_update_kernel(
         real = mask_p & (pp * 0 + row >= 0) & (pp * 0 + row < cache_size)
         mask = mask & real[:, None]
         row = tl.maximum(row, 0)
+    # every input loaded before the state is stored (selective_state_update_kernel says why)
+    state_ptrs = state_ptr + row * s_sb + h * s_sh + pp[:, None] * s_sp + nn[None, :] * s_sn
+    state = tl.load(state_ptrs, mask=mask, other=0.0).to(tl.float32)
+    g = h // heads_per_group
+    Bv = tl.load(B_ptr + b * s_Bb + g * s_Bg + nn * s_Bn, mask=nn < dstate, other=0.0).to(tl.float32)
+    Cv = tl.load(C_ptr + b * s_Cb + g * s_Cg + nn * s_Cn, mask=nn < dstate, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + b * s_xb + h * s_xh + pp * s_xp, mask=mask_p, other=0.0).to(tl.float32)
+    Dx = tl.zeros_like(x)
+    if HAS_D:
+        Dx = tl.load(D_ptr + h * s_Dh + pp * s_Dp, mask=mask_p, other=0.0).to(tl.float32) * x
+    zv = x
+    if HAS_Z:
+        zv = tl.load(z_ptr + b * s_zb + h * s_zh + pp * s_zp, mask=mask_p, other=0.0).to(tl.float32)
     if DT_CHANNEL:
         dt = tl.load(dt_ptr + b * s_tb + h * s_th + pp * s_tp, mask=mask_p, other=0.0).to(tl.float32)
         if HAS_BIAS:
@@ -100,17 +118,10 @@ def multihead_state_update_kernel(
         decay = tl.exp2(dt * (tl.load(A_ptr + h * s_Ah) * LOG2E))[:, None]
     else:
         decay = tl.exp2(dt * (tl.load(A_ptr + h * s_Ah) * LOG2E))
-    g = h // heads_per_group
-    Bv = tl.load(B_ptr + b * s_Bb + g * s_Bg + nn * s_Bn, mask=nn < dstate, other=0.0).to(tl.float32)
-    Cv = tl.load(C_ptr + b * s_Cb + g * s_Cg + nn * s_Cn, mask=nn < dstate, other=0.0).to(tl.float32)
-    state_ptrs = state_ptr + row * s_sb + h * s_sh + pp[:, None] * s_sp + nn[None, :] * s_sn
-    state = decay * tl.load(state_ptrs, mask=mask, other=0.0).to(tl.float32) + (dt * x)[:, None] * Bv[None, :]
+    state = decay * state + (dt * x)[:, None] * Bv[None, :]
     tl.store(state_ptrs, state.to(state_ptr.dtype.element_ty), mask=mask)
-    y = tl.sum(state * Cv[None, :], axis=1)
-    if HAS_D:
-        y += tl.load(D_ptr + h * s_Dh + pp * s_Dp, mask=mask_p, other=0.0).to(tl.float32) * x
+    y = tl.sum(state * Cv[None, :], axis=1) + Dx
     if HAS_Z:
-        zv = tl.load(z_ptr + b * s_zb + h * s_zh + pp * s_zp, mask=mask_p, other=0.0).to(tl.float32)
         y = y * zv * tl.sigmoid(zv)
     y = tl.where(real, y, 0.0)
     tl.store(out_ptr + (b * tl.num_programs(1) + h) * headdim + pp, y.to(out_ptr.dtype.element_ty), mask=mask_p)
