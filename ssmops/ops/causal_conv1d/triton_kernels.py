@@ -201,38 +201,38 @@ def causal_conv1d_update_kernel(
     bias = tl.zeros((BLOCK_D,), dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + d * s_bias, mask=mask_d, other=0.0).to(tl.float32)
-    for t in range(seqlen):
-        acc = bias
-        for k in tl.static_range(WIDTH):
-            tau = t + k - (WIDTH - 1)
-            if tau >= 0:
-                v = tl.load(x_ptr + b * s_xb + d * s_xd + tau * s_xt, mask=mask_d, other=0.0).to(tl.float32)
-            else:
-                slot = start + tau
-                if CIRCULAR:
-                    slot = ((slot % state_len) + state_len) % state_len
-                v = tl.load(state + slot * s_cl, mask=mask_state, other=0.0).to(tl.float32)
-            acc += tl.load(w_ptr + d * s_wd + k * s_wk, mask=mask_d, other=0.0).to(tl.float32) * v
-        if SILU:
-            acc = acc * tl.sigmoid(acc)
-        acc = tl.where(mask_state, acc, 0.0)
-        tl.store(out_ptr + (b * dim + d) * seqlen + t, acc.to(out_ptr.dtype.element_ty), mask=mask_d)
-    # the update: every read above precedes every write below (a barrier between them: other threads of
-    # the program may read the slots this thread writes)
-    tl.debug_barrier()
+    # the update's values, read before anything is written (the compiler issues no load after a store, which
+    # it cannot tell apart from the state, until that store is done)
     slots = tl.arange(0, BLOCK_L)
     mask = mask_state[:, None] & (slots < state_len)[None, :]
     if CIRCULAR:  # token t into slot (start + t) % state_len, the last state_len tokens
-        t = (slots[None, :] - start % state_len + state_len) % state_len  # the offset of each slot after start ...
-        t = t + (seqlen - 1 - t) // state_len * state_len  # ... moved to the last token landing there
-        keep = mask & (t < seqlen) & (t >= 0)
-        v = tl.load(x_ptr + b * s_xb + d[:, None] * s_xd + t * s_xt, mask=keep, other=0.0)
-        tl.store(state[:, None] + slots[None, :] * s_cl, v.to(state_ptr.dtype.element_ty), mask=keep)
+        token = (slots[None, :] - start % state_len + state_len) % state_len  # each slot's offset after start ...
+        token = token + (seqlen - 1 - token) // state_len * state_len  # ... moved to the last token landing there
+        mask = mask & (token < seqlen) & (token >= 0)
+        v = tl.load(x_ptr + b * s_xb + d[:, None] * s_xd + token * s_xt, mask=mask, other=0.0)
     else:  # shifted left by seqlen, the tokens appended
         src = slots[None, :] + seqlen  # position in cat(state, x)
         from_state = tl.load(state[:, None] + src * s_cl, mask=mask & (src < state_len), other=0.0)
         from_x = tl.load(x_ptr + b * s_xb + d[:, None] * s_xd + (src - state_len) * s_xt,
                          mask=mask & (src >= state_len), other=0.0)
         v = tl.where(src < state_len, from_state.to(tl.float32), from_x.to(tl.float32))
-        tl.debug_barrier()
-        tl.store(state[:, None] + slots[None, :] * s_cl, v.to(state_ptr.dtype.element_ty), mask=mask)
+    for t in range(seqlen):
+        acc = bias
+        for k in tl.static_range(WIDTH):
+            tau = t + k - (WIDTH - 1)
+            if tau >= 0:
+                v_k = tl.load(x_ptr + b * s_xb + d * s_xd + tau * s_xt, mask=mask_d, other=0.0).to(tl.float32)
+            else:
+                slot = start + tau
+                if CIRCULAR:
+                    slot = ((slot % state_len) + state_len) % state_len
+                v_k = tl.load(state + slot * s_cl, mask=mask_state, other=0.0).to(tl.float32)
+            acc += tl.load(w_ptr + d * s_wd + k * s_wk, mask=mask_d, other=0.0).to(tl.float32) * v_k
+        if SILU:
+            acc = acc * tl.sigmoid(acc)
+        acc = tl.where(mask_state, acc, 0.0)
+        tl.store(out_ptr + (b * dim + d) * seqlen + t, acc.to(out_ptr.dtype.element_ty), mask=mask_d)
+    # every read above precedes the state's update (other threads of the program may read the slots this
+    # thread writes)
+    tl.debug_barrier()
+    tl.store(state[:, None] + slots[None, :] * s_cl, v.to(state_ptr.dtype.element_ty), mask=mask)
