@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
+import re
 import os
 import subprocess
 import sys
@@ -805,6 +806,25 @@ def _kernels_of_every_family() -> set[str]:
                   if isinstance(value, triton.runtime.jit.JITFunction) and not name.startswith("_")
                   and value.fn.__module__ == module.__name__}  # (not the shared helpers it imports)
     return names
+
+
+@pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
+@pytest.mark.skipif(interpreting(), reason="compiles the JIT kernels, which the interpreter replaces")
+def test_triton_decoding_steps_load_everything_before_they_store():
+    """The decoding steps (Mamba-1's, the multi-head one, the conv's) are one memory latency when nothing else
+    runs (batch 1): on sm_90 every global load of theirs comes before their first store, since a load after a
+    store the compiler cannot tell apart from it is issued only once the store is done (D and z were loaded
+    after the state's store, the conv's update read its slots after the outputs' stores: two latencies)."""
+    aot = benchmark_module("triton_aot")
+    steps = [launch for launch in _recorded_launches_of_every_family() if "update" in launch[0].__name__]
+    assert {kernel.__name__ for kernel, *_ in steps} == {
+        "selective_state_update_kernel", "multihead_state_update_kernel", "causal_conv1d_update_kernel"}
+    for kernel, args, meta, _ in steps:
+        opcodes = [re.sub(r"^@!?U?P\w+\s+", "", text).split()[0] for _, text in aot._sass(
+            aot.compile_launch(kernel, args, meta, "sm90"))]
+        loads = [i for i, op in enumerate(opcodes) if op.startswith("LDG")]
+        stores = [i for i, op in enumerate(opcodes) if op.startswith("STG")]
+        assert loads and stores and max(loads) < min(stores), (kernel.__name__, meta)
 
 
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
