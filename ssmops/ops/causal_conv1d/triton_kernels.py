@@ -201,8 +201,8 @@ def causal_conv1d_update_kernel(
     bias = tl.zeros((BLOCK_D,), dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + d * s_bias, mask=mask_d, other=0.0).to(tl.float32)
-    # the update's values, read before anything is written (the compiler issues no load after a store, which
-    # it cannot tell apart from the state, until that store is done)
+    # the update's values, read before anything is written (a load the compiler keeps after a store, which it
+    # cannot tell apart from the state, is issued after the arithmetic the store waits for)
     slots = tl.arange(0, BLOCK_L)
     mask = mask_state[:, None] & (slots < state_len)[None, :]
     if CIRCULAR:  # token t into slot (start + t) % state_len, the last state_len tokens

@@ -451,15 +451,24 @@ def selective_scan_bwd_kernel(
                                                      BLOCK_D, STATES)
         last_tile = s == STATE_TILES - 1
 
-        # forwards: the state at the start of every segment (a variable B's rows loaded PREFETCH steps ahead)
+        # forwards: the state at the start of every segment. A tile's u and delta are loaded while the tile before
+        # it is computed, and so before the checkpoint between them is stored (the compiler keeps a load after a
+        # store, which waits for the walk); a variable B's rows PREFETCH steps ahead
+        u_next = tl.load(u_rows[:, None] + tt[None, :] * s_ut, mask=mask_d[:, None] & (tt < seqlen)[None, :],
+                         other=0.0)
+        delta_next = tl.load(delta_rows[:, None] + tt[None, :] * s_dt, mask=mask_d[:, None] & (tt < seqlen)[None, :],
+                             other=0.0)
         B_1 = _bc_ahead(B_rows, n, 0, s_Bn, s_Bt, B_VAR, B_SHARED, PREFETCH > 0, BLOCK_D, STATES)
         B_2 = _bc_ahead(B_rows, n, 1, s_Bn, s_Bt, B_VAR, B_SHARED, PREFETCH > 1, BLOCK_D, STATES)
         for j in range(0, n_segments):
             _store_states(ckpt_rows + j * STATES * dim, h, dim, mask_d, STATES)
             for t0 in range(j * segment_len, tl.minimum(seqlen, (j + 1) * segment_len), BLOCK_T):
                 t = t0 + tt
-                dt, dtu = _drive(u_rows, delta_rows, bias, t, mask_d[:, None] & (t < seqlen)[None, :], s_ut, s_dt,
-                                 HAS_BIAS, SOFTPLUS)
+                dt = _dt(delta_next, bias[:, None], mask_d[:, None] & (t < seqlen)[None, :], HAS_BIAS, SOFTPLUS)[1]
+                dtu = dt * u_next.to(tl.float32)
+                mask_next = mask_d[:, None] & (t + BLOCK_T < seqlen)[None, :]
+                u_next = tl.load(u_rows[:, None] + (t + BLOCK_T)[None, :] * s_ut, mask=mask_next, other=0.0)
+                delta_next = tl.load(delta_rows[:, None] + (t + BLOCK_T)[None, :] * s_dt, mask=mask_next, other=0.0)
                 for k in tl.static_range(BLOCK_T):
                     B_t, B_1, B_2 = _bc_next(B_1, B_2, B_const, B_rows, n, t0 + k, s_Bn, s_Bt, B_VAR, B_SHARED,
                                              PREFETCH)

@@ -19,8 +19,9 @@ def selective_state_update_kernel(
     """One decoding step for a block of channels of one batch row: the (BLOCK_D, BLOCK_N) state
     tile is read, advanced by one step and written back; y = <state, C> + D x, gated by silu(z).
     B and C are (batch, groups, dstate) (groups stride 0 when shared by all channels). Every input is
-    loaded before the state is stored: a load after that store is issued only once it is (the compiler
-    cannot tell the pointers apart), a latency more per step, where the step is latency alone at batch 1."""
+    loaded before the state is stored: the compiler keeps a load after a store it cannot tell apart from it,
+    and the store waits for the arithmetic on the earlier loads, so such a load's latency adds to theirs: a
+    latency more per step, where the step is latency alone at batch 1."""
     pid_b = tl.program_id(1).to(tl.int64)
     d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = d < dim
