@@ -175,8 +175,14 @@ def _minimum(a, b):
 @triton.jit
 def _tile(row, t, valid, s_t, cols, ncols, s_c):
     """(tokens, cols) float32 tile of a (seqlen, ncols) matrix."""
+    return _raw_tile(row, t, valid, s_t, cols, ncols, s_c).to(tl.float32)
+
+
+@triton.jit
+def _raw_tile(row, t, valid, s_t, cols, ncols, s_c):
+    """_tile in the matrix's own dtype (half the registers of a 16-bit one held across a loop)."""
     return tl.load(row + t[:, None] * s_t + cols[None, :] * s_c, mask=valid[:, None] & (cols < ncols)[None, :],
-                   other=0.0).to(tl.float32)
+                   other=0.0)
 
 
 @triton.jit
@@ -451,6 +457,14 @@ def ssd_chunk_scan_kernel(
     Qp = blocks_per_chunk * BLOCK_T
     cb_tile = ((b * nchunks + c) * (nheads // heads_per_group) + h // heads_per_group) * Qp * Qp
     cb_rows = cb_ptr + cb_tile + (i * BLOCK_T + tl.arange(0, BLOCK_T))[:, None] * Qp
+    # the row block's x, z and dout, which the end reads: loaded now, in flight while the loop runs
+    x_raw = _raw_tile(x_row, t_l, valid_l, s_xt, pp, headdim, s_xp)
+    z_raw = x_raw
+    if HAS_Z:
+        z_raw = _raw_tile(z_ptr + b * s_zb + h * s_zh, t_l, valid_l, s_zt, pp, headdim, s_zp)
+    dout_raw = x_raw
+    if DZ:
+        dout_raw = _raw_tile(dout_ptr + b * s_gb + h * s_gh, t_l, valid_l, s_gt, pp, headdim, s_gp)
     between = 0.0  # the sum of a over the blocks between the column block and the row block
     for k in range(0, i + 1):
         if HAS_SEQ:
@@ -479,7 +493,7 @@ def ssd_chunk_scan_kernel(
             y = tl.where((seq_l == seq_first)[:, None] | (jj > 0), y, 0.0)
         M = _decayed(CB, L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l, seq_s, False)
         y += _dot(_operand(M, x_ptr, DOT_F32), _operand(X_s, x_ptr, DOT_F32), DOT_F32)
-    x_l = _tile(x_row, t_l, valid_l, s_xt, pp, headdim, s_xp)
+    x_l = x_raw.to(tl.float32)
     if HAS_SEQ:  # the row block's NaN and inf, to the rows whose sequence is the last with one up to them: NaN
         last_bad = tl.associative_scan(tl.where(x_l * dt_l[:, None] * 0.0 == 0.0, -1, seq_l[:, None]), 0, _maximum)
         y = tl.where(last_bad == seq_l[:, None], float("nan"), y)
@@ -494,10 +508,10 @@ def ssd_chunk_scan_kernel(
     # out (or dz) is contiguous like x: (batch, seqlen, nheads, headdim)
     out_ptrs = out_ptr + ((b * seqlen + t_l[:, None]) * nheads + h) * headdim + pp[None, :]
     if HAS_Z:
-        zv = _tile(z_ptr + b * s_zb + h * s_zh, t_l, valid_l, s_zt, pp, headdim, s_zp)
+        zv = z_raw.to(tl.float32)
         sig = tl.sigmoid(zv)
         if DZ:
-            dout = _tile(dout_ptr + b * s_gb + h * s_gh, t_l, valid_l, s_gt, pp, headdim, s_gp)
+            dout = dout_raw.to(tl.float32)
             gated_ptrs = gated_ptr + ((b * seqlen + t_l[:, None]) * nheads + h) * headdim + pp[None, :]
             tl.store(gated_ptrs, (dout * zv * sig).to(gated_ptr.dtype.element_ty), mask=mask)  # (as _dy rounds it)
             y = dout * y * sig * (1.0 + zv * (1.0 - sig))
