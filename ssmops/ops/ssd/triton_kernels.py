@@ -708,8 +708,8 @@ def ssd_bwd_dx_kernel(
                                                                            dstate), x_ptr, DOT_F32)), DOT_F32) *
                    v[:, None], 0.0)
     R = tl.where(ends, tl.sum(_tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp) * acc, axis=1) * dt_s, 0.0)
-    tl.store(R_ptr + scratch_row + t_s, R, mask=valid_s)
-    # (tiles used once are read again rather than kept: registers are this kernel's limit)
+    # (tiles used once are read again rather than kept: registers are this kernel's limit; R is stored after the
+    # loop, whose loads the compiler would keep behind a store here, and so behind the GEMM that R waits for)
     cb_rows = cb_ptr + ((b * nchunks + c) * (nheads // heads_per_group) + h // heads_per_group) * cb_side * cb_side
     # With seq_idx the block itself comes last: only the sequence of its last token reaches the later blocks,
     # whose rows of it are taken alone, and whose NaN the product spreads to every column: the columns of
@@ -746,8 +746,8 @@ def ssd_bwd_dx_kernel(
         acc = _varlen_parts(acc, B_s, j, c, t0, h, nheads, Q, seqlen, headdim, dstate, t_s, valid_s, seq_s, a_s,
                             dt_row, seq_row, cu_ptr, first_ptr, dvarlen_ptr, x_ptr, bias, A, lo, hi, pp, nn, s_dtt,
                             s_seqt, True, HAS_SEQ, SOFTPLUS, HAS_LIMIT, DOT_F32, BLOCK_T)
+    # (the loads before the stores)
     x_s = _tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp)
-    tl.store(xdx_ptr + scratch_row + t_s, tl.sum(x_s * acc, axis=1), mask=valid_s)
     dy_s = _dy(dout_row, z_row, t_s, valid_s, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z)
     dx = acc * dt_s[:, None]
     if HAS_D:
@@ -755,6 +755,9 @@ def ssd_bwd_dx_kernel(
             dx += tl.load(D_ptr + h * s_Dh + pp, mask=pp < headdim, other=0.0).to(tl.float32)[None, :] * dy_s
         else:
             dx += tl.load(D_ptr + h).to(tl.float32) * dy_s
+    tl.store(R_ptr + scratch_row + t_s, R, mask=valid_s)
+    tl.store(xdx_ptr + scratch_row + t_s, tl.sum(x_s * acc, axis=1), mask=valid_s)
+    if HAS_D:
         part = ((b * nchunks + c) * blocks_per_chunk + j) * nheads + h
         tl.store(dD_ptr + part * headdim + pp, tl.sum(dy_s * x_s, axis=0), mask=pp < headdim)
     _store_rows(dx_ptr, out_row, t_s * nheads, valid_s, pp, headdim, dx)
