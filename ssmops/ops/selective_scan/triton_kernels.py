@@ -233,10 +233,17 @@ def selective_scan_fwd_kernel(
         if SEGMENT_PASS == 1:
             h = tl.zeros([BLOCK_D, STATES], dtype=tl.float32)
         if SEGMENT_PASS == 2:  # the states at the segment's start, and the dt summed since t = 0
+            # (each earlier segment's end loaded while the one before it is added: one latency, not one a segment)
+            seg_rows = row * n_segments
+            dt_next = tl.load(seg_dt_ptr + seg_rows, mask=mask_d & (dd * 0 < pid_s), other=0.0)
+            h_next = tl.load(seg_h_ptr + seg_rows[:, None] * dstate + n[None, :],
+                             mask=mask_dn & (dd * 0 < pid_s)[:, None], other=0.0)
             for j in range(0, pid_s):
-                dt_seg = tl.load(seg_dt_ptr + row * n_segments + j, mask=mask_d, other=0.0)
-                h_seg = tl.load(seg_h_ptr + (row[:, None] * n_segments + j) * dstate + n[None, :], mask=mask_dn,
-                                other=0.0)
+                dt_seg, h_seg = dt_next, h_next
+                more = (dd * 0 + j + 1) < pid_s
+                dt_next = tl.load(seg_dt_ptr + seg_rows + j + 1, mask=mask_d & more, other=0.0)
+                h_next = tl.load(seg_h_ptr + (seg_rows[:, None] + j + 1) * dstate + n[None, :],
+                                 mask=mask_dn & more[:, None], other=0.0)
                 h = tl.exp2(dt_seg[:, None] * A2) * h + h_seg
                 dt_total += dt_seg
             if PADDED_STATES:
