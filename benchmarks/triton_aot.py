@@ -17,7 +17,7 @@ import os
 import re
 import subprocess
 import tempfile
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 import triton
@@ -172,22 +172,6 @@ def load_use_distances(compiled, loop: dict) -> list:
                 distances.append(j - i)
                 break
     return distances
-
-
-def innermost_loop(compiled, containing: Optional[tuple] = None) -> Optional[collections.Counter]:
-    """Opcode counts of the shortest backward-branching span of an NVIDIA kernel's SASS (its
-    innermost loop), or of the shortest holding one of the opcodes `containing` (e.g. the tensor-core
-    loop of a kernel with shorter ones), or None if it has no such loop."""
-    instructions = _sass(compiled)
-    loops = []
-    for i, (address, text) in enumerate(instructions):
-        target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
-        if target and int(target.group(1), 16) < address:
-            start = next(j for j, (a, _) in enumerate(instructions) if a == int(target.group(1), 16))
-            loops.append(instructions[start:i + 1])
-    counts = [collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0] for _, text in body)
-              for body in sorted(loops, key=len)]
-    return next((c for c in counts if containing is None or any(c[op] for op in containing)), None)
 
 
 def loop_nest(compiled) -> list:

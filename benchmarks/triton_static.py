@@ -236,7 +236,10 @@ def ssd_rows(args, aot, dtype) -> None:
     for (kernel, kernel_args, meta), programs in zip(launches + step, grids):
         compiled = aot.compile_launch(kernel, kernel_args, meta, "sm90")
         usage = aot.resource_usage(compiled)
-        loop = aot.innermost_loop(compiled, containing=("HMMA", "HGMMA"))
+        # the tensor-core loop: the shortest with a GEMM of its own
+        mma_loop = min((nested for nested in aot.loop_nest(compiled) if nested["own"]["HMMA"] + nested["own"]["HGMMA"]),
+                       key=lambda nested: nested["end"] - nested["start"], default=None)
+        loop = mma_loop["own"] if mma_loop else None
         compiled_launches.append(dict(compiled=compiled, usage=usage, meta=meta, kernel=kernel.__name__,
                                       loop_instructions=sum(loop.values()) if loop else None))
         name = kernel.__name__ + (" (dz)" if kernel.__name__ == "ssd_chunk_scan_kernel" and meta["DZ"] else "")
@@ -247,13 +250,11 @@ def ssd_rows(args, aot, dtype) -> None:
         trips = _ssd_trips(kernel.__name__, meta, shape)
         instructions = sum(loop.values())
         t_issue = programs * trips * instructions * meta["num_warps"] / issue_rate
-        mma = loop.get("HMMA", 0) + loop.get("HGMMA", 0)
-        mma_loop = min((nested for nested in aot.loop_nest(compiled) if nested["own"]["HMMA"] + nested["own"]["HGMMA"]),
-                       key=lambda nested: nested["end"] - nested["start"])
+        mma = loop["HMMA"] + loop["HGMMA"]
         distances = sorted(aot.load_use_distances(compiled, mma_loop)) or [0]
         load_use = f"{distances[0]}/{distances[len(distances) // 2]}"
         print(f"{name:<31} {usage['regs']:>4} {usage['spills']:>5} {meta['num_warps']:>5} {programs:>8} {trips:>5.1f} "
-              f"{instructions:>5} {mma:>4} {loop.get('SHFL', 0):>4} {mma_loop['own']['LDGSTS']:>8} {load_use:>7} "
+              f"{instructions:>5} {mma:>4} {loop['SHFL']:>4} {loop['LDGSTS']:>8} {load_use:>7} "
               f"{t_issue * 1e3:>8.2f}")
     return compiled_launches[:len(launches)]  # (the decoding step has no counts)
 

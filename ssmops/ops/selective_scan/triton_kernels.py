@@ -251,11 +251,11 @@ def selective_scan_fwd_kernel(
         last_tile = s == STATE_TILES - 1
         # u, delta and z of a tile are loaded while the tile before it is computed (bytes in flight)
         mask = mask_d[:, None] & ((t_begin + tt) < seqlen)[None, :]
-        u_next = tl.load(u_rows[:, None] + (t_begin + tt)[None, :] * s_ut, mask=mask, other=0.0)
-        delta_next = tl.load(delta_rows[:, None] + (t_begin + tt)[None, :] * s_dt, mask=mask, other=0.0)
+        u_next = _row_tile(u_rows, t_begin + tt, mask, s_ut)
+        delta_next = _row_tile(delta_rows, t_begin + tt, mask, s_dt)
         z_next = u_next
         if HAS_Z:
-            z_next = tl.load(z_rows[:, None] + (t_begin + tt)[None, :] * s_zt, mask=mask & last_tile, other=0.0)
+            z_next = _row_tile(z_rows, t_begin + tt, mask & last_tile, s_zt)
         # and a variable B's and C's rows PREFETCH steps before theirs (pass 1 reads no C)
         B_1 = _bc_ahead(B_rows, n, t_begin, s_Bn, s_Bt, B_VAR, B_SHARED, PREFETCH > 0, BLOCK_D, STATES)
         B_2 = _bc_ahead(B_rows, n, t_begin + 1, s_Bn, s_Bt, B_VAR, B_SHARED, PREFETCH > 1, BLOCK_D, STATES)
@@ -274,10 +274,10 @@ def selective_scan_fwd_kernel(
                     gate = gate * tl.sigmoid(gate)
                 t_next = t + BLOCK_T
                 mask_next = mask_d[:, None] & (t_next < seqlen)[None, :]
-                u_next = tl.load(u_rows[:, None] + t_next[None, :] * s_ut, mask=mask_next, other=0.0)
-                delta_next = tl.load(delta_rows[:, None] + t_next[None, :] * s_dt, mask=mask_next, other=0.0)
+                u_next = _row_tile(u_rows, t_next, mask_next, s_ut)
+                delta_next = _row_tile(delta_rows, t_next, mask_next, s_dt)
                 if HAS_Z:
-                    z_next = tl.load(z_rows[:, None] + t_next[None, :] * s_zt, mask=mask_next & last_tile, other=0.0)
+                    z_next = _row_tile(z_rows, t_next, mask_next & last_tile, s_zt)
                 dtu = dt * u
                 dt_total += tl.sum(dt, axis=1)
                 y_at = row[:, None] * seqlen + t[None, :]
@@ -316,9 +316,15 @@ def selective_scan_fwd_kernel(
 
 
 @triton.jit
+def _row_tile(rows, t, mask, s_t):
+    """A (BLOCK_D, BLOCK_T) tile of a (batch, dim, seqlen) input in its own dtype, 0 where masked."""
+    return tl.load(rows[:, None] + t[None, :] * s_t, mask=mask, other=0.0)
+
+
+@triton.jit
 def _load_tile(rows, t, mask, s_t):
-    """A (BLOCK_D, BLOCK_T) tile of a (batch, dim, seqlen) input, float32, 0 where masked."""
-    return tl.load(rows[:, None] + t[None, :] * s_t, mask=mask, other=0.0).to(tl.float32)
+    """_row_tile as float32."""
+    return _row_tile(rows, t, mask, s_t).to(tl.float32)
 
 
 @triton.jit
@@ -461,10 +467,8 @@ def selective_scan_bwd_kernel(
         # forwards: the state at the start of every segment. A tile's u and delta are loaded while the tile before
         # it is computed, and so before the checkpoint between them is stored (the compiler keeps a load after a
         # store, which waits for the walk); a variable B's rows PREFETCH steps ahead
-        u_next = tl.load(u_rows[:, None] + tt[None, :] * s_ut, mask=mask_d[:, None] & (tt < seqlen)[None, :],
-                         other=0.0)
-        delta_next = tl.load(delta_rows[:, None] + tt[None, :] * s_dt, mask=mask_d[:, None] & (tt < seqlen)[None, :],
-                             other=0.0)
+        u_next = _row_tile(u_rows, tt, mask_d[:, None] & (tt < seqlen)[None, :], s_ut)
+        delta_next = _row_tile(delta_rows, tt, mask_d[:, None] & (tt < seqlen)[None, :], s_dt)
         B_1 = _bc_ahead(B_rows, n, 0, s_Bn, s_Bt, B_VAR, B_SHARED, PREFETCH > 0, BLOCK_D, STATES)
         B_2 = _bc_ahead(B_rows, n, 1, s_Bn, s_Bt, B_VAR, B_SHARED, PREFETCH > 1, BLOCK_D, STATES)
         for j in range(0, n_segments):
@@ -474,8 +478,8 @@ def selective_scan_bwd_kernel(
                 dt = _dt(delta_next, bias[:, None], mask_d[:, None] & (t < seqlen)[None, :], HAS_BIAS, SOFTPLUS)[1]
                 dtu = dt * u_next.to(tl.float32)
                 mask_next = mask_d[:, None] & (t + BLOCK_T < seqlen)[None, :]
-                u_next = tl.load(u_rows[:, None] + (t + BLOCK_T)[None, :] * s_ut, mask=mask_next, other=0.0)
-                delta_next = tl.load(delta_rows[:, None] + (t + BLOCK_T)[None, :] * s_dt, mask=mask_next, other=0.0)
+                u_next = _row_tile(u_rows, t + BLOCK_T, mask_next, s_ut)
+                delta_next = _row_tile(delta_rows, t + BLOCK_T, mask_next, s_dt)
                 for k in tl.static_range(BLOCK_T):
                     B_t, B_1, B_2 = _bc_next(B_1, B_2, B_const, B_rows, n, t0 + k, s_Bn, s_Bt, B_VAR, B_SHARED,
                                              PREFETCH)

@@ -309,7 +309,8 @@ def ssd_bwd(
         states, states_op, dends_op,
         *run.sizes, *run.token_strides("dt", "C", "z"), *dout.stride(), *run.token_strides("seq"),
     ), dict(HAS_Z=z is not None, HAS_DFINAL=dfinal is not None, HAS_DVARLEN=dvarlen is not None,
-            HAS_INIT=initial_states is not None, **run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles,
+            HAS_INIT=initial_states is not None, **run.flags, BLOCK_T=run.cfg["BLOCK_T"],
+            CHUNK_TOKENS=run.cfg["CHUNK_TOKENS"], **tiles,
             **run.state_launch()))
 
     cb = run.cb_tiles()  # (for dz's recomputed output and the dX pass)
@@ -345,7 +346,7 @@ def ssd_bwd(
         *(raw.ptr(n) for n in ("x", "dt", "A", "B", "bias", "seq")), states, dends, *varlen_args, dlC, dlB, R, xdx,
         ddt, dA_part, dbias_part, *raw.sizes, *raw.token_strides("x", "dt", "B", "seq"),
     ), dict(HAS_DVARLEN=dvarlen is not None, **raw.flags, BLOCK_T=cfg["BLOCK_T"],
-            BLOCK_P=cfg["BLOCK_P"], BLOCK_N=cfg["BLOCK_N"], num_warps=4))
+            BLOCK_P=cfg["BLOCK_P"], BLOCK_N=cfg["BLOCK_N"], CHUNK_TOKENS=cfg["CHUNK_TOKENS"], num_warps=4))
 
     def optional(grad: Tensor, like: Optional[Tensor]) -> Tensor:
         return grad.to(like.dtype) if like is not None else x.new_empty(0, dtype=torch.float32)
@@ -382,7 +383,7 @@ def _group_grads(run: _Launch, states_op: Tensor, dends_op: Tensor, varlen_args:
                          torch.float32 if run.flags["DOT_F32"] else x.dtype, x.device)
     dlC_part, dlB_part = (_triton.output((blocks * batch * nheads * seqlen,), **f32) for _ in range(2))
     tiles = dict(BLOCK_T=tile, BLOCK_P=_triton.pow2_tile(run.headdim, 16, _triton.NO_CAP),
-                 CHUNK_TOKENS=_triton.pow2_tile(side, 1, _triton.NO_CAP))
+                 CHUNK_TOKENS=run.cfg["CHUNK_TOKENS"])
     lo, hi = run.sizes[-2:]
     _triton.launch(ssd_bwd_dcb_kernel, (run.nchunks * npairs, batch * ngroups * splits), (
         *(run.ptr(n) for n in ("x", "dt", "A", "bias", "seq")), cb, gated, dcb, dlC_part, dlB_part,

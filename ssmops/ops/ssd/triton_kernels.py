@@ -233,14 +233,10 @@ def _a_sum(dt_row, t_first, t_end, seqlen, s_dtt, bias, A, lo, hi, SOFTPLUS: tl.
 
 @triton.jit
 def _log_decay_through(t0, e, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi,
-                       SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_T: tl.constexpr):
-    """L_e: the sum of a over the chunk's tokens t0 .. e."""
-    L = 0.0
-    for j in range(0, tl.cdiv(e - t0 + 1, BLOCK_T)):
-        t, valid = _block(t0, j, Q, seqlen, BLOCK_T)
-        a = _dt(dt_row, t, valid & (t <= e), s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1]
-        L += tl.sum(a, axis=0)
-    return L
+                       SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, CHUNK_TOKENS: tl.constexpr):
+    """L_e: the sum of a over the tokens t0 .. e of the Q from t0."""
+    return _a_sum(dt_row, t0, tl.minimum(e + 1, t0 + Q), seqlen, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT,
+                  CHUNK_TOKENS)
 
 
 @triton.jit
@@ -529,6 +525,7 @@ def ssd_state_grads_kernel(
     HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_DFINAL: tl.constexpr, HAS_DVARLEN: tl.constexpr, HAS_INIT: tl.constexpr,
     DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    CHUNK_TOKENS: tl.constexpr,
 ):
     """Grid (state tiles, batch * nheads). Writes dends (batch, nchunks * nheads, headdim, dstate): the
     gradient of the state after each chunk, and dinit, the gradient of the state entering chunk 0
@@ -579,7 +576,7 @@ def ssd_state_grads_kernel(
             for i in range(tl.load(first_ptr + c), tl.load(first_ptr + c + 1)):
                 e = tl.load(cu_ptr + i + 1).to(tl.int32) - 1
                 L_e = _log_decay_through(t0, e, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT,
-                                         BLOCK_T)
+                                         CHUNK_TOKENS)
                 acc += tl.where(_seq_at(seq_row, e, s_seqt, HAS_SEQ) == seq_before,
                                 tl.exp(L_e) * _state_tile(dvarlen_ptr, i * nheads + h, pp, nn, headdim, dstate), 0.0)
         seq_end = _seq_at(seq_row, tl.minimum(t0 + Q, seqlen) - 1, s_seqt, HAS_SEQ)
@@ -639,7 +636,7 @@ def _end_decays(t0, j, nblocks, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, a_s, 
 def _varlen_parts(acc, op, j, c, t0, h, nheads, Q, seqlen, headdim, dstate, t_s, valid_s, seq_s, a_s, dt_row,
                   seq_row, cu_ptr, first_ptr, dvarlen_ptr, x_ptr, bias, A, lo, hi, pp, nn, s_dtt, s_seqt,
                   DX: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                  DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr):
+                  DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK_TOKENS: tl.constexpr):
     """acc plus the parts of the varlen states that end in chunk c, for block j's tokens s: v_e op dV_e (op: B_s
     for dX, X_s for dB), v_e = exp(L_e - L_s) for s <= e of e's sequence, the exponent summed from s on; the
     other tokens' products selected out (dV may hold a NaN)."""
@@ -650,7 +647,7 @@ def _varlen_parts(acc, op, j, c, t0, h, nheads, Q, seqlen, headdim, dstate, t_s,
         # over (s, e]: the block's tokens after s, then those after the block
         a_e = tl.where(t_s <= e, a_s, 0.0)
         to_e = tl.cumsum(a_e, axis=0, reverse=True) - a_e + _log_decay_through(
-            t0 + start, e, Q - start, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT, BLOCK_T)
+            t0 + start, e, Q - start, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT, CHUNK_TOKENS)
         dV = _operand(_state_tile(dvarlen_ptr, k * nheads + h, pp, nn, headdim, dstate), x_ptr, DOT_F32)
         if DX:
             part = _dot(op, tl.trans(dV), DOT_F32)
@@ -745,7 +742,7 @@ def ssd_bwd_dx_kernel(
     if HAS_DVARLEN:
         acc = _varlen_parts(acc, B_s, j, c, t0, h, nheads, Q, seqlen, headdim, dstate, t_s, valid_s, seq_s, a_s,
                             dt_row, seq_row, cu_ptr, first_ptr, dvarlen_ptr, x_ptr, bias, A, lo, hi, pp, nn, s_dtt,
-                            s_seqt, True, HAS_SEQ, SOFTPLUS, HAS_LIMIT, DOT_F32, BLOCK_T)
+                            s_seqt, True, HAS_SEQ, SOFTPLUS, HAS_LIMIT, DOT_F32, BLOCK_T, CHUNK_TOKENS)
     # (the loads before the stores)
     x_s = _tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp)
     dy_s = _dy(dout_row, z_row, t_s, valid_s, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z)
@@ -922,7 +919,7 @@ def ssd_bwd_group_kernel(
                 part = _varlen_parts(tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32), X_k, k, c, t0, h, nheads, Q,
                                      seqlen, headdim, dstate, t_k, valid_k, seq_k, a_k, dt_row, seq_row, cu_ptr,
                                      first_ptr, dvarlen_ptr, x_ptr, bias, A, lo, hi, pp, nn, s_dtt, s_seqt, False,
-                                     HAS_SEQ, SOFTPLUS, HAS_LIMIT, DOT_F32, BLOCK_T)
+                                     HAS_SEQ, SOFTPLUS, HAS_LIMIT, DOT_F32, BLOCK_T, CHUNK_TOKENS)
                 varlen += part
                 dl = tl.sum(dl_tile * part, axis=1)
         else:
@@ -991,7 +988,7 @@ def ssd_bwd_ddt_kernel(
     s_xb, s_xt, s_xh, s_xp, s_dtb, s_dtt, s_dth, s_Bb, s_Bt, s_Bg, s_Bn, s_seqb, s_seqt,
     HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
     HAS_DVARLEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, CHUNK_TOKENS: tl.constexpr,
 ):
     """Grid (nchunks, batch * nheads). ddt (dt's layout, contiguous) and the float32 partials of dA and
     dt_bias (batch * nchunks * nheads,), from the scratch rows of the two kernels above.
@@ -1022,7 +1019,7 @@ def ssd_bwd_ddt_kernel(
             tl.debug_barrier()
     # the end state's part of da, first to last (R is turned into it in place)
     L_end = _log_decay_through(t0, tl.minimum(t0 + Q, seqlen) - 1, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi,
-                               SOFTPLUS, HAS_LIMIT, BLOCK_T)
+                               SOFTPLUS, HAS_LIMIT, CHUNK_TOKENS)
     da_end = tl.where(seq_end == seq_before, tl.exp(L_end) * tl.sum(tl.sum(
         _state_tile(dends_ptr, state_row, pp, nn, headdim, dstate) * state, axis=1), axis=0), 0.0)
     for j in range(0, nblocks):
