@@ -319,6 +319,15 @@ def mamba1_step_inputs(batch: int, dtype) -> tuple:
                        dt_bias=randn(d, dt=torch.float32), dt_softplus=True)
 
 
+def bare_launch_time(repeats: int) -> float:
+    """Seconds of the batch-1 Mamba-1 step's kernel launched with its arguments worked out beforehand
+    (decode_overhead.py's `launch` stage, `kernel[grid](...)`): what an eager step cannot go under."""
+    from decode_overhead import layouts, stages
+
+    mamba1 = next(iter(layouts(1, "cuda").values()))
+    return cuda_time(stages(*mamba1)["launch"], repeats)
+
+
 def decode_step(args) -> None:
     """Mamba-1's decoding step as issue 42 times it (dim 5120, dstate 16, float32 state, activations in
     the given dtype; D, z, dt_bias, softplus), batch 1 and 64, microseconds per call, eager and replayed
@@ -338,6 +347,11 @@ def decode_step(args) -> None:
         print(f"decode step (batch {b}, dim {d}, dstate {n}): {cells}; ssmops graphed at "
               f"{moved / times['ssmops'][1] / args.copy_rate:.0%} of copy bandwidth")
         compare_decode_steps(times)
+        if b == 1:
+            eager, graph = times["ssmops"]
+            launch = bare_launch_time(args.repeats)
+            print(f"  the step's kernel launched bare: {launch * 1e6:.1f} us; ssmops eager over graphed + that launch: "
+                  f"{eager / (graph + launch):.2f} (goal <= 1.3)")
 
 
 SWEEP_STEP_TILES = (256, 512, 1024, 2048, 4096)

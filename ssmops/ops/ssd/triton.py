@@ -42,10 +42,12 @@ BWD_WARPS = 4
 BWD_STAGES = 2
 # dB and dC: a program walks a run of at most GROUP_HEADS heads of a group (the group's heads split into equal
 # runs; torch sums the runs), summing the gradient of C.B^T over them (ssd_bwd_dcb_kernel, a pair of token blocks
-# a program), then multiplying it by B and C once a run (ssd_bwd_group_kernel, a token block a program).
+# a program), then multiplying it by B and C once a run (ssd_bwd_group_kernel, a token block a program). 4 warps
+# ran mamba2-2.7b's forward+backward in 11.6-11.7 ms where 8 ran 12.3-12.4 (two sweeps on an H200, 28 Nov),
+# although the dC launch then spills 112 bytes on sm_90, inside its loop over the heads.
 GROUP_BLOCK_T = 64
 GROUP_HEADS = 16
-GROUP_WARPS = 8
+GROUP_WARPS = 4
 GROUP_STAGES = 2
 DCB_WARPS = 4
 STATE_WARPS = 8  # the state passes, forward and backward (a (64, 64) state tile and a block's tiles)
