@@ -216,22 +216,24 @@ def test_triton_backward_through_autograd_matches_reference():
         assert_close(g, g_ref[name], TOLERANCES[torch.float32], f"d{name}")
 
 
-@pytest.mark.parametrize("atomic, reduce, deterministic", [(True, 1, False), (True, 4, False), (False, 1, False),
-                                                            (True, 1, True)],
-                         ids=["atomic", "atomic-after-4-channels", "rows", "deterministic"])
+@pytest.mark.parametrize("atomic, reduce, warp_rows, deterministic", [
+    (True, 1, True, False), (True, 4, True, False), (False, 1, True, False), (False, 1, False, False),
+    (True, 1, True, True)], ids=["atomic", "atomic-after-4-channels", "rows", "rows-of-programs", "deterministic"])
 @pytest.mark.parametrize("bc", ["var", "g4"])
 @needs_interpreter
-def test_triton_variable_dB_dC_summed_over_channels(bc, atomic, reduce, deterministic, monkeypatch):
+def test_triton_variable_dB_dC_summed_over_channels(bc, atomic, reduce, warp_rows, deterministic, monkeypatch):
     """Variable dB/dC are summed over a group's channels: with BACKWARD_ATOMIC, added atomically per channel or
     after a sum over 4 channels in the program (BACKWARD_REDUCE); without it (the default), and always under
-    torch.use_deterministic_algorithms(True), summed over a program's channels of a group into rows of its own,
-    which are then summed in a fixed order: the same bits on every run. B and C shared by all 128 channels (two
-    programs of 64: two rows a batch row to sum), or by groups of 32 (two groups a program)."""
+    torch.use_deterministic_algorithms(True), summed over a warp's 32 channels (BACKWARD_WARP_ROWS) or a
+    program's channels of a group into rows of their own, which are then summed in a fixed order: the same bits
+    on every run. B and C shared by all 128 channels (two programs of 64: four rows, or two, a batch row to sum),
+    or by groups of 32 (two groups a program)."""
     from ssmops.ops.selective_scan import triton as scan_triton
 
     monkeypatch.setattr(scan_triton, "BACKWARD_WARPS", 2)  # (blocks of 64 channels)
     monkeypatch.setattr(scan_triton, "BACKWARD_ATOMIC", atomic)
     monkeypatch.setattr(scan_triton, "BACKWARD_REDUCE", reduce)
+    monkeypatch.setattr(scan_triton, "BACKWARD_WARP_ROWS", warp_rows)
     case = Case(batch=2, dim=128, seqlen=9, dstate=4, B=bc, C=bc, initial_state=True)
     kw = make_inputs(case)
     _, _, g_ref = run_scan_with_grads(ssmops.selective_scan_ref, kw)

@@ -61,12 +61,19 @@ FORWARD_PREFETCH = 2
 # after a sum over BACKWARD_REDUCE channels (lane shuffles), or (False, and always under
 # torch.use_deterministic_algorithms) summed over a program's channels of a group into rows of their own, which
 # torch sums in a fixed order: at the benchmark's shape on an H200 the atomics took 89 ms, the rows 18.7.
+# BACKWARD_TILE 16 (a step of 16 states a register tile) ran the backward in 16.5 ms where 32 ran 17.4 (H200,
+# 28 Nov, ninth session's sweep: docs/limits.md); under Triton 3.6 it spills 128 bytes, not 160.
 BACKWARD_WARPS = 4
 BACKWARD_STATES = 16
-BACKWARD_TILE = 32
+BACKWARD_TILE = 16
 BACKWARD_SEGMENT = 1
 BACKWARD_ATOMIC = False
 BACKWARD_REDUCE = 1
+# BACKWARD_WARP_ROWS: without atomics, each warp sums its 32 channels into a row of its own (lane shuffles only),
+# rather than the program all of its channels (False), whose sum goes through shared memory: sm_90's compile then
+# puts 4 barriers and 8 shared-memory accesses in each step of the walk back, which hold the program's warps in
+# step. The rows are then a float32 (step, state) per 32 channels: as many bytes as a 16-bit du.
+BACKWARD_WARP_ROWS = True
 # BACKWARD_READ: bytes of each input row a read tile takes (8: 4 steps of a 16-bit input). 16 halves the
 # checkpoints and the sectors of the rows (each 8-byte row is charged a 32-byte one), but holds more across the
 # register tiles (1,768 bytes spilled on sm_90 at the benchmark's shape, docs/limits.md): for a GPU to weigh.
@@ -79,11 +86,11 @@ BACKWARD_PREFETCH = 2
 TUNING_SPACE = {"FORWARD_WARPS": (2, 4, 8), "FORWARD_TILE": (32, 64, 128), "FORWARD_SEGMENT": (0, 256, 512, 1024),
                 "FORWARD_PREFETCH": (0, 1, 2),
                 "BACKWARD_WARPS": (2, 4, 8), "BACKWARD_TILE": (16, 32, 64), "BACKWARD_SEGMENT": (1, 2, 4),
-                "BACKWARD_ATOMIC": (False, True), "BACKWARD_REDUCE": (1, 4, 32), "BACKWARD_READ": (8, 16),
-                "BACKWARD_PREFETCH": (0, 1, 2)}
+                "BACKWARD_ATOMIC": (False, True), "BACKWARD_REDUCE": (1, 4, 32), "BACKWARD_WARP_ROWS": (True, False),
+                "BACKWARD_READ": (8, 16), "BACKWARD_PREFETCH": (0, 1, 2)}
 FORWARD_KNOBS = ("FORWARD_WARPS", "FORWARD_TILE", "FORWARD_SEGMENT", "FORWARD_PREFETCH")
 BACKWARD_KNOBS = ("BACKWARD_WARPS", "BACKWARD_TILE", "BACKWARD_SEGMENT", "BACKWARD_ATOMIC", "BACKWARD_REDUCE",
-                  "BACKWARD_READ", "BACKWARD_PREFETCH")
+                  "BACKWARD_WARP_ROWS", "BACKWARD_READ", "BACKWARD_PREFETCH")
 TUNER = _tuning.Tuner("selective_scan", lambda: {name: globals()[name] for name in TUNING_SPACE}, TUNING_SPACE)
 
 
@@ -137,7 +144,8 @@ def _time_major(M: Tensor, cfg: dict) -> Tensor:
     a step's states are one vector load), with zeros past seqlen and dstate to whole tiles, so that its
     loads need no masks (and PREFETCH steps more: the loads ahead). Every thread of a block reads each
     value, and widening a 16-bit one would cost it an instruction or two per value, as much as the
-    recurrence's own arithmetic. (A copy about 1/dim the size of u.) Returned as a (..., states, steps) view, the layout the kernel's strides describe."""
+    recurrence's own arithmetic. (A copy about 1/dim the size of u.) Returned as a (..., states, steps) view,
+    the layout the kernel's strides describe."""
     *_, dstate, seqlen = M.shape
     steps = _triton.cdiv(seqlen, cfg["BLOCK_T"]) * cfg["BLOCK_T"] + cfg["PREFETCH"]
     # (clone, not contiguous, which refuses fake CUDA tensors in CPU-only torch; pad returns its input
@@ -262,12 +270,13 @@ def selective_scan_bwd(
     cfg = _backward_config(dim, dstate, u.element_size(), aligned, knobs)
     B_read, C_read = (_time_major(M, cfg) if M.dim() > 2 else M for M in (B, C))
     # variable dB/dC: summed over BACKWARD_REDUCE channels of a group in a program, then added atomically (order
-    # not fixed); or summed over all of a program's channels of a group into rows of their own, which are summed
-    # below in a fixed order: always under torch.use_deterministic_algorithms, else unless BACKWARD_ATOMIC or a
-    # row would sum fewer than 32 channels (a group's channels an odd multiple of 16 or fewer: the float32 rows
-    # would outweigh du)
+    # not fixed); or summed over a warp's (BACKWARD_WARP_ROWS) or a program's channels of a group into rows of their
+    # own, which are summed below in a fixed order: always under torch.use_deterministic_algorithms, else unless
+    # BACKWARD_ATOMIC or a row would sum fewer than 32 channels (a group's channels an odd multiple of 16 or fewer:
+    # the float32 rows would outweigh du)
     def reduced(M: Tensor, atomic: bool) -> int:  # channels summed in a program: a power of two dividing a group
-        cap = min(knobs["BACKWARD_REDUCE"], cfg["BLOCK_D"]) if atomic else cfg["BLOCK_D"]
+        rows_of = min(32, cfg["BLOCK_D"]) if knobs["BACKWARD_WARP_ROWS"] else cfg["BLOCK_D"]
+        cap = min(knobs["BACKWARD_REDUCE"], cfg["BLOCK_D"]) if atomic else rows_of
         return _pow2_divisor(dim // _groups(M), cap) if M.dim() > 2 else 1
 
     bc_atomic = not torch.are_deterministic_algorithms_enabled() and (

@@ -380,33 +380,42 @@ def _load_states(ptrs, stride, mask_d, BLOCK_D: tl.constexpr, STATES: tl.constex
 
 
 @triton.jit
-def _add_bc_grad(rows_ptr, value, d_first, t, n_first, dim, dpg, seqlen_padded, states_padded,
-                 REDUCE: tl.constexpr, BLOCK_D: tl.constexpr, STATES: tl.constexpr, ATOMIC: tl.constexpr,
-                 SHARED: tl.constexpr):
-    """Step t's (BLOCK_D, STATES) gradient of a variable B or C (states n_first ...) into its time-major
-    (rows, seqlen_padded, states_padded) buffer: summed over REDUCE consecutive channels (of one group)
-    first, then added atomically to their group's row (ATOMIC), or stored in their own row (each is
-    written once, by this program). A state at a time, from the registers that hold it (as _store_states).
-    No masks: the buffer has the padding steps and states, whose values are 0 (or discarded: the caller
-    slices them off), and a channel past dim (value 0) adds to the last channel's group."""
-    if REDUCE == 1:
-        part = value
-    else:
-        part = tl.sum(tl.reshape(value, (BLOCK_D // REDUCE, REDUCE, STATES)), axis=1)
-    first = d_first + tl.arange(0, BLOCK_D // REDUCE) * REDUCE
+def _bc_grad_rows(dd, d_first, dim, dpg, REDUCE: tl.constexpr, ATOMIC: tl.constexpr, SHARED: tl.constexpr):
+    """The row of a variable dB's or dC's buffer that the sum holding each channel dd goes to (_add_bc_grad): its
+    group's (ATOMIC), or its own, one for every REDUCE channels (each written once, by this program; the buffer
+    has rows for the channels past dim, whose values are 0). A channel past dim adds to the last channel's
+    group."""
     if ATOMIC and SHARED:  # (the block's one row: a uniform address, which no thread keeps a register for)
-        rows = tl.zeros_like(first) + d_first // dpg
+        rows = dd * 0 + d_first // dpg
     elif ATOMIC:
-        rows = tl.minimum(first, dim - 1) // dpg
+        rows = tl.minimum(dd, dim - 1) // dpg
     else:
-        rows = first // REDUCE  # (the buffer has rows for the channels past dim)
+        rows = dd // REDUCE
+    return rows
+
+
+@triton.jit
+def _add_bc_grad(rows_ptr, value, rows, t, n_first, seqlen_padded, states_padded, REDUCE: tl.constexpr,
+                 BLOCK_D: tl.constexpr, STATES: tl.constexpr, ATOMIC: tl.constexpr):
+    """Step t's (BLOCK_D, STATES) gradient of a variable B or C (states n_first ...) into its time-major
+    (rows, seqlen_padded, states_padded) buffer: summed over REDUCE consecutive channels (of one group) first,
+    then added atomically (ATOMIC) or stored at the rows of _bc_grad_rows by the first channel of each sum. A
+    state at a time, from the registers that hold it (as _store_states). No masks but that: the buffer has the
+    padding steps and states, whose values are 0 (or discarded: the caller slices them off)."""
+    part = value
+    if REDUCE > 1:  # each channel holds its sum (lane shuffles within a warp leave it in every lane), so that
+        # the stores keep the channels' layout: a (BLOCK_D // REDUCE,) sum is moved to the layout of its row index
+        # through shared memory, with a barrier, at every store
+        sums = tl.sum(tl.reshape(value, (BLOCK_D // REDUCE, REDUCE, STATES)), axis=1)
+        part = tl.reshape(tl.broadcast_to(sums[:, None, :], (BLOCK_D // REDUCE, REDUCE, STATES)), (BLOCK_D, STATES))
     ptrs = rows_ptr + (rows * seqlen_padded + t) * states_padded + n_first
+    first = tl.arange(0, BLOCK_D) % REDUCE == 0
     cols = tl.arange(0, STATES)
     for n in tl.static_range(STATES):
         if ATOMIC:
-            tl.atomic_add(ptrs + n, _column(part, cols, n), sem="relaxed")
+            tl.atomic_add(ptrs + n, _column(part, cols, n), mask=first, sem="relaxed")
         else:
-            tl.store(ptrs + n, _column(part, cols, n))
+            tl.store(ptrs + n, _column(part, cols, n), mask=first)
 
 
 @triton.jit
@@ -447,6 +456,8 @@ def selective_scan_bwd_kernel(
     seqlen_padded = (seqlen + BLOCK_T - 1) // BLOCK_T * BLOCK_T
     dB_rows = dB_ptr + pid_b * rows_B * seqlen_padded * (STATES * STATE_TILES)
     dC_rows = dC_ptr + pid_b * rows_C * seqlen_padded * (STATES * STATE_TILES)
+    dB_row = _bc_grad_rows(dd, d_first, dim, dpg_B, REDUCE_B, BC_ATOMIC, B_SHARED)
+    dC_row = _bc_grad_rows(dd, d_first, dim, dpg_C, REDUCE_C, BC_ATOMIC, C_SHARED)
     row = pid_b * dim + dd  # of the (batch, dim, ...) outputs
     ckpt_rows = ckpt_ptr + pid_b * n_segments * STATES * dim + dd  # state n of segment j at (j STATES + n) dim
     segment_len = SEGMENT * BLOCK_T
@@ -548,8 +559,8 @@ def selective_scan_bwd_kernel(
                         y = _with_column(y, tt, k, tl.sum(h * C_t, axis=1))
                     dy_step = _column(dy, tt, k)[:, None]
                     if C_VAR:
-                        _add_bc_grad(dC_rows, h * dy_step, d_first, t0 + k, s * STATES, dim, dpg_C, seqlen_padded,
-                                     STATES * STATE_TILES, REDUCE_C, BLOCK_D, STATES, BC_ATOMIC, C_SHARED)
+                        _add_bc_grad(dC_rows, h * dy_step, dC_row, t0 + k, s * STATES, seqlen_padded,
+                                     STATES * STATE_TILES, REDUCE_C, BLOCK_D, STATES, BC_ATOMIC)
                     else:
                         dC_acc += h * dy_step
                 # the adjoint back over them
@@ -574,8 +585,8 @@ def selective_scan_bwd_kernel(
                     d_dt_decay = _with_column(d_dt_decay, tt, r, tl.sum(q * A2, axis=1))
                     d_dtu = _with_column(d_dtu, tt, r, tl.sum(g * B_t, axis=1))
                     if B_VAR:
-                        _add_bc_grad(dB_rows, g * dtu_step, d_first, t0 + r, s * STATES, dim, dpg_B, seqlen_padded,
-                                     STATES * STATE_TILES, REDUCE_B, BLOCK_D, STATES, BC_ATOMIC, B_SHARED)
+                        _add_bc_grad(dB_rows, g * dtu_step, dB_row, t0 + r, s * STATES, seqlen_padded,
+                                     STATES * STATE_TILES, REDUCE_B, BLOCK_D, STATES, BC_ATOMIC)
                     else:
                         dB_acc += g * dtu_step
                     carry = decays[r - sub * SUB_T] * g
