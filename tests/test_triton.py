@@ -1067,7 +1067,7 @@ def test_triton_ops_trace_into_kernel_launches_on_cuda_tensors():
         "launch ssd_state_grads_kernel [8] [(1, 16, 1)]", "launch ssd_cb_kernel [4] [(4, 4, 1)]",
         "launch ssd_chunk_scan_kernel [4] [(4, 16, 1)]", "launch ssd_bwd_dx_kernel [4] [(4, 16, 1)]",
         "launch ssd_bwd_dcb_kernel [4] [(4, 4, 1)]",
-        "launch ssd_bwd_group_kernel [8] [(4, 4, 1)]", "launch ssd_bwd_group_kernel [8] [(4, 4, 1)]",
+        "launch ssd_bwd_group_kernel [4] [(4, 4, 1)]", "launch ssd_bwd_group_kernel [4] [(4, 4, 1)]",
         "launch ssd_bwd_ddt_kernel [4] [(4, 16, 1)]",
     ], proc.stdout
     # the decoding steps through the front end: one launch each, nothing copied (eager calls skip the operator;
