@@ -59,10 +59,11 @@ FORWARD_PREFETCH = 2
 # seqlen / (SEGMENT * tile steps) of them); a read tile is then reached by walking up to SEGMENT - 1 tiles
 # from its segment's checkpoint. BACKWARD_ATOMIC: variable dB/dC added atomically into one (batch, group) row
 # after a sum over BACKWARD_REDUCE channels (lane shuffles), or (False, and always under
-# torch.use_deterministic_algorithms) summed over a program's channels of a group into rows of their own, which
+# torch.use_deterministic_algorithms) summed over a warp's channels of a group into rows of their own, which
 # torch sums in a fixed order: at the benchmark's shape on an H200 the atomics took 89 ms, the rows 18.7.
 # BACKWARD_TILE 16 (a step of 16 states a register tile) ran the backward in 16.5 ms where 32 ran 17.4 (H200,
-# 28 Nov, ninth session's sweep: docs/limits.md); under Triton 3.6 it spills 128 bytes, not 160.
+# 28 Nov, ninth session's sweep: docs/limits.md), before BACKWARD_WARP_ROWS; with it, 32 compiles to fewer
+# instructions per (step, state) under Triton 3.6 (59.9, where 16 takes 63.3): the next sweep decides.
 BACKWARD_WARPS = 4
 BACKWARD_STATES = 16
 BACKWARD_TILE = 16
@@ -71,7 +72,7 @@ BACKWARD_ATOMIC = False
 BACKWARD_REDUCE = 1
 # BACKWARD_WARP_ROWS: without atomics, each warp sums its 32 channels into a row of its own (lane shuffles only),
 # rather than the program all of its channels (False), whose sum goes through shared memory: sm_90's compile then
-# puts 4 barriers and 8 shared-memory accesses in each step of the walk back, which hold the program's warps in
+# puts 4 barriers and 16 shared-memory accesses in each step of the walk back, which hold the program's warps in
 # step. The rows are then a float32 (step, state) per 32 channels: as many bytes as a 16-bit du.
 BACKWARD_WARP_ROWS = True
 # BACKWARD_READ: bytes of each input row a read tile takes (8: 4 steps of a 16-bit input). 16 halves the
