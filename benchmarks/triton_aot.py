@@ -142,7 +142,7 @@ def resource_usage(compiled) -> dict:
     return dict(regs=int(regs), spills=int(stack) + int(local))
 
 
-def _sass(compiled) -> list:
+def sass_instructions(compiled) -> list:
     """An NVIDIA kernel's SASS instructions, (address, text) each, predicate included."""
     instructions = []
     for line in _cuobjdump(compiled, "-sass").splitlines():
@@ -152,11 +152,16 @@ def _sass(compiled) -> list:
     return instructions
 
 
+def opcode(instruction: str) -> str:
+    """A SASS instruction's operation without its predicate and modifiers: `@P0 LDG.E.128 R4, ...` -> `LDG`."""
+    return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0].split(".")[0]
+
+
 def load_use_distances(compiled, loop: dict) -> list:
     """For each global load (LDG) in a loop of loop_nest's, the instructions from it to the first one in the
     loop's span that reads a register it loads (a load used only on a later trip is left out): how much
     of a load's latency a warp's own work can cover, to be multiplied by the warps that share a scheduler."""
-    span = _sass(compiled)[loop["start"]:loop["end"] + 1]
+    span = sass_instructions(compiled)[loop["start"]:loop["end"] + 1]
     distances = []
     for i, (_, text) in enumerate(span):
         load = re.match(r"(?:@!?U?P\w+\s+)?LDG\S*?(?:\.(64|128))?\s+R(\d+),", text)
@@ -166,8 +171,7 @@ def load_use_distances(compiled, loop: dict) -> list:
         loaded = {f"R{first + k}" for k in range({"64": 2, "128": 4}.get(load.group(1), 1))}
         for j in range(i + 1, len(span)):
             operands = re.sub(r"^(?:@!?U?P\w+\s+)?\S+\s*", "", span[j][1]).split(",")
-            opcode = re.sub(r"^@!?U?P\w+\s+", "", span[j][1]).split()[0]
-            read = operands if opcode.startswith(("ST", "RED", "ATOM")) else operands[1:]
+            read = operands if opcode(span[j][1]).startswith(("ST", "RED", "ATOM")) else operands[1:]
             if loaded & set(re.findall(r"\bR\d+\b", ",".join(read))):
                 distances.append(j - i)
                 break
@@ -178,7 +182,7 @@ def loop_nest(compiled) -> list:
     """The loops of an NVIDIA kernel's SASS (backward-branching spans), each a dict: start and end
     (instruction indices), `inside` (the index of the loop it sits in directly, or None) and `own` (the
     opcode counts of its span less the loops inside it: what one trip issues besides their trips)."""
-    instructions = _sass(compiled)
+    instructions = sass_instructions(compiled)
     index = {address: i for i, (address, _) in enumerate(instructions)}
     spans = set()
     for i, (address, text) in enumerate(instructions):
@@ -195,17 +199,11 @@ def loop_nest(compiled) -> list:
         for other in loops:
             if other["inside"] == i:
                 body -= set(range(other["start"], other["end"] + 1))
-        loop["own"] = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", instructions[k][1]).split()[0].split(".")[0]
-                                          for k in body)
+        loop["own"] = collections.Counter(opcode(instructions[k][1]) for k in body)
     return loops
 
 
 def sass_opcodes(compiled) -> collections.Counter:
     """Opcode counts of an NVIDIA kernel's whole SASS (static, not weighted by loop trips): which
     tensor-core instruction it uses (HGMMA, Hopper's warpgroup MMA, or HMMA, the warp-level mma.sync)."""
-    counts = collections.Counter()
-    for line in _cuobjdump(compiled, "-sass").splitlines():
-        m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
-        if m:
-            counts[re.sub(r"^@!?U?P\w+\s+", "", m.group(1)).split()[0].split(".")[0]] += 1
-    return counts
+    return collections.Counter(opcode(text) for _, text in sass_instructions(compiled))

@@ -135,9 +135,7 @@ def scan_rows(args, aot, dtype) -> list:
         walk = max(loops, key=lambda loop: sum(loop["own"].values())) if name == "backward" else _walk_loop(loops)
         per_element = _per_element(loops, meta) if name == "backward" else {
             op: count / (meta["BLOCK_T"] * meta["STATES"]) for op, count in walk["own"].items()}
-        # (instructions between a global load of the walk's loop and its first use: min / median)
-        distances = sorted(aot.load_use_distances(compiled, walk)) or [0]
-        load_use = f"{distances[0]}/{distances[len(distances) // 2]}"
+        load_use = _load_use(aot, compiled, walk)
         steps = meta["BLOCK_T"]
         instructions = sum(per_element.values())
         t_issue = elements * instructions / issue_rate
@@ -149,6 +147,12 @@ def scan_rows(args, aot, dtype) -> list:
               f"{load_use:>7} {t_issue * 1e3:>8.2f} {t_ex2 * 1e3:>7.2f} {t_copy * 1e3:>7.2f} "
               f"{t_copy / max(t_issue, t_ex2):>7.0%}")
     return scan_compiled
+
+
+def _load_use(aot, compiled, loop: dict) -> str:
+    """The `ld>use` column: the instructions between each global load of the loop and its first use, min / median."""
+    distances = sorted(aot.load_use_distances(compiled, loop)) or [0]
+    return f"{distances[0]}/{distances[len(distances) // 2]}"
 
 
 def _innermost(loops: list) -> list:
@@ -251,8 +255,7 @@ def ssd_rows(args, aot, dtype) -> None:
         instructions = sum(loop.values())
         t_issue = programs * trips * instructions * meta["num_warps"] / issue_rate
         mma = loop["HMMA"] + loop["HGMMA"]
-        distances = sorted(aot.load_use_distances(compiled, mma_loop)) or [0]
-        load_use = f"{distances[0]}/{distances[len(distances) // 2]}"
+        load_use = _load_use(aot, compiled, mma_loop)
         print(f"{name:<31} {usage['regs']:>4} {usage['spills']:>5} {meta['num_warps']:>5} {programs:>8} {trips:>5.1f} "
               f"{instructions:>5} {mma:>4} {loop['SHFL']:>4} {loop['LDGSTS']:>8} {load_use:>7} "
               f"{t_issue * 1e3:>8.2f}")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
-import re
 import os
 import subprocess
 import sys
@@ -828,8 +827,8 @@ def test_triton_decoding_steps_load_everything_before_they_store():
     assert {kernel.__name__ for kernel, *_ in steps} == {
         "selective_state_update_kernel", "multihead_state_update_kernel", "causal_conv1d_update_kernel"}
     for kernel, args, meta, _ in steps:
-        opcodes = [re.sub(r"^@!?U?P\w+\s+", "", text).split()[0] for _, text in aot._sass(
-            aot.compile_launch(kernel, args, meta, "sm90"))]
+        compiled = aot.compile_launch(kernel, args, meta, "sm90")
+        opcodes = [aot.opcode(text) for _, text in aot.sass_instructions(compiled)]
         loads = [i for i, op in enumerate(opcodes) if op.startswith("LDG")]
         stores = [i for i, op in enumerate(opcodes) if op.startswith("STG")]
         assert loads and stores and max(loads) < min(stores), (kernel.__name__, meta)
@@ -876,7 +875,7 @@ def test_triton_static_estimate_shows_time_inside_the_threads():
     layout: the loops over time of the forward and the backward, a thread's channel with its states in
     registers, need no shuffle (the backward's, mamba_ssm's layout with time across lanes, needed 6.75
     per element, and 43 before that). The backward is priced with its dB/dC added atomically
-    (BACKWARD_ATOMIC): the default's sum over a program's channels shuffles, 14 an element. The forward's loop
+    (BACKWARD_ATOMIC): the default's sum over a warp's channels shuffles, 10 an element. The forward's loop
     loads each variable B/C row ahead of its step (FORWARD_PREFETCH): a median of over 120 instructions between a
     load and its use (78 with the loads at their steps, which measured one L2 latency a step)."""
     proc = subprocess.run([sys.executable, "benchmarks/triton_static.py", "--no-bounds", "--family", "scan",

@@ -268,7 +268,7 @@ def selective_scan_fwd_kernel(
                 t = t0 + tt
                 mask = mask_d[:, None] & (t < seqlen)[None, :]
                 u = u_next.to(tl.float32)
-                _, dt = _dt(delta_next, bias[:, None], mask, HAS_BIAS, SOFTPLUS)
+                dt, dtu = _drive(u_next, delta_next, bias, mask, HAS_BIAS, SOFTPLUS)
                 gate = z_next.to(tl.float32)
                 if HAS_Z:
                     gate = gate * tl.sigmoid(gate)
@@ -278,7 +278,6 @@ def selective_scan_fwd_kernel(
                 delta_next = _row_tile(delta_rows, t_next, mask_next, s_dt)
                 if HAS_Z:
                     z_next = _row_tile(z_rows, t_next, mask_next & last_tile, s_zt)
-                dtu = dt * u
                 dt_total += tl.sum(dt, axis=1)
                 y_at = row[:, None] * seqlen + t[None, :]
                 y = tl.zeros([BLOCK_D, BLOCK_T], dtype=tl.float32)
@@ -328,11 +327,11 @@ def _load_tile(rows, t, mask, s_t):
 
 
 @triton.jit
-def _drive(u_rows, delta_rows, bias, t, mask, s_ut, s_dt, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
-    """A tile's (dt, dt * u), float32 (BLOCK_D, BLOCK_T); dt is 0 where masked (decay 1, no drive: a padding
-    step passes the state, and the adjoint, through unchanged)."""
-    _, dt = _dt(_load_tile(delta_rows, t, mask, s_dt), bias[:, None], mask, HAS_BIAS, SOFTPLUS)
-    return dt, dt * _load_tile(u_rows, t, mask, s_ut)
+def _drive(u, delta, bias, mask, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
+    """A tile's (dt, dt * u), float32 (BLOCK_D, BLOCK_T), from its u and delta as loaded; dt is 0 where masked
+    (decay 1, no drive: a padding step passes the state, and the adjoint, through unchanged)."""
+    _, dt = _dt(delta, bias[:, None], mask, HAS_BIAS, SOFTPLUS)
+    return dt, dt * u.to(tl.float32)
 
 
 @triton.jit
@@ -486,8 +485,8 @@ def selective_scan_bwd_kernel(
             _store_states(ckpt_rows + j * STATES * dim, h, dim, mask_d, STATES)
             for t0 in range(j * segment_len, tl.minimum(seqlen, (j + 1) * segment_len), BLOCK_T):
                 t = t0 + tt
-                dt = _dt(delta_next, bias[:, None], mask_d[:, None] & (t < seqlen)[None, :], HAS_BIAS, SOFTPLUS)[1]
-                dtu = dt * u_next.to(tl.float32)
+                dt, dtu = _drive(u_next, delta_next, bias, mask_d[:, None] & (t < seqlen)[None, :], HAS_BIAS,
+                                 SOFTPLUS)
                 mask_next = mask_d[:, None] & (t + BLOCK_T < seqlen)[None, :]
                 u_next = _row_tile(u_rows, t + BLOCK_T, mask_next, s_ut)
                 delta_next = _row_tile(delta_rows, t + BLOCK_T, mask_next, s_dt)
@@ -510,8 +509,9 @@ def selective_scan_bwd_kernel(
             h_start = _load_states(ckpt_rows + j * STATES * dim, dim, mask_d, BLOCK_D, STATES)
             for t1 in range(j * segment_len, t0, BLOCK_T):
                 t = t1 + tt
-                dt, dtu = _drive(u_rows, delta_rows, bias, t, mask_d[:, None] & (t < seqlen)[None, :], s_ut, s_dt,
-                                 HAS_BIAS, SOFTPLUS)
+                walk_mask = mask_d[:, None] & (t < seqlen)[None, :]
+                dt, dtu = _drive(_row_tile(u_rows, t, walk_mask, s_ut), _row_tile(delta_rows, t, walk_mask, s_dt),
+                                 bias, walk_mask, HAS_BIAS, SOFTPLUS)
                 h_start = _advance(h_start, A2, dt, dtu, B_rows, B_const, n, t1, mask_dn, s_Bn, s_Bt, B_VAR,
                                    B_SHARED, 0, BLOCK_T, PADDED_STATES)
             t = t0 + tt

@@ -491,13 +491,14 @@ def ssd_chunk_scan_kernel(
         M = _decayed(CB, L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l, seq_s, False)
         y += _dot(_operand(M, x_ptr, DOT_F32), _operand(X_s, x_ptr, DOT_F32), DOT_F32)
     x_l = x_raw.to(tl.float32)
+    finite = x_l * dt_l[:, None] * 0.0 == 0.0
     if HAS_SEQ:  # the row block's NaN and inf, to the rows whose sequence is the last with one up to them: NaN
-        last_bad = tl.associative_scan(tl.where(x_l * dt_l[:, None] * 0.0 == 0.0, -1, seq_l[:, None]), 0, _maximum)
+        last_bad = tl.associative_scan(tl.where(finite, -1, seq_l[:, None]), 0, _maximum)
         y = tl.where(last_bad == seq_l[:, None], float("nan"), y)
     else:  # the row block's NaN and inf, to its rows from theirs on (one reduction: a scan here was 736 of the
         # program's ~3,200 instructions on sm_90)
         rows = tl.arange(0, BLOCK_T)
-        first_bad = tl.min(tl.where(x_l * dt_l[:, None] * 0.0 == 0.0, BLOCK_T, rows[:, None]), axis=0)
+        first_bad = tl.min(tl.where(finite, BLOCK_T, rows[:, None]), axis=0)
         y = tl.where(rows[:, None] >= first_bad[None, :], float("nan"), y)
     if HAS_D:
         if D_CHANNEL:
