@@ -59,11 +59,13 @@ def record_scan(fwd_args: tuple, **knobs) -> list:
 
 def record_ssd(fwd_args: tuple) -> list:
     """The forward and backward launches for the arguments of `ssmops::ssd_scan_fwd` (CPU tensors will
-    do), the backward given every cotangent the forward's outputs can have."""
+    do), as autograd makes them (the output before the gate kept), the backward given every cotangent the
+    forward's outputs can have."""
     with recorded_launches() as launches:
-        out, final, states, varlen = ssd_triton.ssd_fwd(*fwd_args)
+        out, final, states, varlen, ungated = ssd_triton.ssd_fwd(*fwd_args, True)
         ssd_triton.ssd_bwd(*fwd_args, torch.ones_like(out), states, torch.ones_like(final),
-                           torch.ones_like(varlen) if fwd_args[10] is not None else None)
+                           torch.ones_like(varlen) if fwd_args[10] is not None else None,
+                           ungated if ungated.numel() else None)
     return launches
 
 

@@ -123,8 +123,8 @@ def recorded(family: str, fwd_args: tuple) -> list:
             out, x, out_z, last = scan_triton.selective_scan_fwd(*fwd_args)
             scan_triton.selective_scan_bwd(*fwd_args[:9], torch.ones_like(out), x, torch.ones_like(last), fwd_args[9])
         else:
-            out, final, states, varlen = ssd_triton.ssd_fwd(*fwd_args)
-            ssd_triton.ssd_bwd(*fwd_args, torch.ones_like(out), states, torch.ones_like(final), None)
+            out, final, states, varlen, ungated = ssd_triton.ssd_fwd(*fwd_args, True)  # (as autograd calls it)
+            ssd_triton.ssd_bwd(*fwd_args, torch.ones_like(out), states, torch.ones_like(final), None, ungated)
     finally:
         _triton.launch = launch
     return launches
@@ -132,8 +132,6 @@ def recorded(family: str, fwd_args: tuple) -> list:
 
 def launch_name(kernel, meta: dict) -> str:
     name = getattr(kernel, "__name__", None) or kernel.fn.__name__
-    if meta.get("DZ"):
-        name += " (dz)"
     if "DB" in meta:
         name += " (dB)" if meta["DB"] else " (dC)"
     return name + (f" ({meta['MODE']})" if "MODE" in meta else "")

@@ -246,8 +246,7 @@ def ssd_rows(args, aot, dtype) -> None:
         loop = mma_loop["own"] if mma_loop else None
         compiled_launches.append(dict(compiled=compiled, usage=usage, meta=meta, kernel=kernel.__name__,
                                       loop_instructions=sum(loop.values()) if loop else None))
-        name = kernel.__name__ + (" (dz)" if kernel.__name__ == "ssd_chunk_scan_kernel" and meta["DZ"] else "")
-        name += f" ({meta['MODE']})" if "MODE" in meta else ""
+        name = kernel.__name__ + (f" ({meta['MODE']})" if "MODE" in meta else "")
         if loop is None:  # no tensor-core loop (the ddt pass, the decoding step): its size only
             print(f"{name:<31} {usage['regs']:>4} {usage['spills']:>5} {meta['num_warps']:>5} {programs:>8}")
             continue

@@ -71,19 +71,22 @@ def mamba_chunk_scan_combined(
         cu_seqlens = None  # as mamba_ssm: only the varlen states read it
     limit = _limit_arg(dt_limit)
     inputs = (x, dt, A, B, C, D, z, dt_bias, initial_states)
+    # the output before the gate, for the backward's dz (schema.py): kept only where a backward may follow
+    keep_ungated = z is not None and torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad
+                                                                      for t in inputs)
 
     def scan():
         # (on GPUs the Triton operator itself, so that torch.compile and AOTInductor trace into its kernels)
         forward = operator_for("ssd_scan_fwd", x)
         return forward(*contiguous_when_compiling_backward(*inputs), seq_idx, cu_seqlens, chunk_size, dt_softplus,
-                       limit)
+                       limit, keep_ungated)
 
     def check():
         check_ssd_inputs(*inputs, seq_idx, cu_seqlens, chunk_size, limit)
         if not torch.compiler.is_compiling():  # reads seq_idx and cu_seqlens: eager only (the kernels check too)
             check_sequence_values(x.shape[1], seq_idx, cu_seqlens)
 
-    out, final_states, _, varlen_states = checked_call(scan, check)
+    out, final_states, _, varlen_states, _ = checked_call(scan, check)
     returned = (out,) + ((final_states,) if return_final_states else ()) + \
         ((varlen_states,) if return_varlen_states else ())
     return returned[0] if len(returned) == 1 else returned

@@ -57,11 +57,13 @@ def test_ssd_scan_fakes_match_views_of_a_projection(backend):
         args = (x_view.unflatten(-1, (nheads, headdim)), dt, A, B.unflatten(-1, (ngroups, dstate)),
                 C.unflatten(-1, (ngroups, dstate)), D, z.unflatten(-1, (nheads, headdim)), dt_bias, None, None,
                 None, 16, True, [])
+        args = (*args, True)  # (the output before the gate kept, as autograd asks)
         assert_fake_strides_match(backend, torch.ops.ssmops.ssd_scan_fwd.default, args)
-        out, _, chunk_states, _ = torch.ops.ssmops.ssd_scan_fwd(*args)
+        out, _, chunk_states, _, ungated = torch.ops.ssmops.ssd_scan_fwd(*args)
         dout = torch.randn(batch, seqlen, nheads, 2 * headdim)[..., :headdim]  # a non-contiguous gradient
         assert_fake_strides_match(backend, torch.ops.ssmops.ssd_scan_bwd.default,
-                                  (*args, dout, chunk_states, torch.randn(batch, nheads, headdim, dstate), None))
+                                  (*args[:-1], dout, chunk_states, torch.randn(batch, nheads, headdim, dstate), None,
+                                   ungated))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -337,19 +337,22 @@ def _ssd_args(batch=2, seqlen=37, nheads=4, headdim=8, ngroups=2, dstate=16, chu
 
 
 def _ssd_bwd_args(fwd_args: tuple, fwd=None) -> tuple:
-    out, final, states, varlen = (fwd or torch.ops.ssmops.ssd_scan_fwd_triton)(*fwd_args)
+    """The backward's arguments as autograd passes them: the forward's outputs (the output before the gate kept)
+    and cotangents of every output."""
+    out, final, states, varlen, ungated = (fwd or torch.ops.ssmops.ssd_scan_fwd_triton)(*fwd_args, True)
     g = torch.Generator().manual_seed(1)
 
     def randn(like: torch.Tensor) -> torch.Tensor:  # (drawn on the CPU, for the same values on every device)
         return torch.randn(like.shape, generator=g).to(like.device, like.dtype)
 
-    return (*fwd_args, randn(out), states, randn(final), randn(varlen) if fwd_args[10] is not None else None)
+    return (*fwd_args, randn(out), states, randn(final), randn(varlen) if fwd_args[10] is not None else None,
+            ungated)
 
 
 @needs_interpreter
 def test_triton_ssd_opcheck():
     fwd_args = _ssd_args(batch=1, seqlen=20, nheads=2, headdim=4, ngroups=1, dstate=4, varlen=True)
-    torch.library.opcheck(torch.ops.ssmops.ssd_scan_fwd_triton.default, fwd_args)
+    torch.library.opcheck(torch.ops.ssmops.ssd_scan_fwd_triton.default, (*fwd_args, True))
     torch.library.opcheck(torch.ops.ssmops.ssd_scan_bwd_triton.default, _ssd_bwd_args(fwd_args),
                           test_utils=BACKWARD_OPCHECKS)
 
@@ -435,7 +438,7 @@ def test_triton_every_tuning_value_gives_the_defaults_results(family, knob, valu
         bwd_args = _ssd_bwd_args(fwd_args)[14:]
 
         def run(knobs: dict) -> tuple:
-            return (*module.ssd_fwd(*fwd_args, knobs), *module.ssd_bwd(*fwd_args, *bwd_args, knobs))
+            return (*module.ssd_fwd(*fwd_args, True, knobs), *module.ssd_bwd(*fwd_args, *bwd_args, knobs))
 
     if family not in _DEFAULTS_RESULTS:
         _DEFAULTS_RESULTS[family] = run(knobs)
@@ -512,7 +515,7 @@ def test_triton_ssd_tuned_knobs_are_what_the_launches_take(tmp_path, monkeypatch
         launches.clear()
         grads = bwd(*_ssd_bwd_args(args))
         warps = {name: meta["num_warps"] for name, _, meta in launches if name == "ssd_chunk_scan_kernel"}
-        assert warps == {"ssd_chunk_scan_kernel": 8}  # (the forward in _ssd_bwd_args, and dz's launch)
+        assert warps == {"ssd_chunk_scan_kernel": 8}  # (the forward's, in _ssd_bwd_args: the backward reads its y)
         runs = [grid[1] for name, grid, _ in launches if name == "ssd_bwd_dcb_kernel"]
         assert runs[-1] == 1 * 2 * 2  # batch x groups x runs of GROUP_HEADS 1 in a group's 2 heads
         for got, want in zip(grads, expected):
@@ -721,7 +724,7 @@ def _ssd_compile_params():  # the varlen case for sm_90 only (see _compile_param
 
 
 SSD_KERNELS = ["ssd_dt_kernel", "ssd_states_fwd_kernel", "ssd_cb_kernel", "ssd_chunk_scan_kernel", "ssd_dt_kernel",
-               "ssd_state_grads_kernel", "ssd_cb_kernel", "ssd_chunk_scan_kernel",  # (the second pair: dz)
+               "ssd_state_grads_kernel", "ssd_cb_kernel", "ssd_gate_grad_kernel",
                "ssd_bwd_dx_kernel", "ssd_bwd_dcb_kernel", "ssd_bwd_group_kernel", "ssd_bwd_group_kernel",
                "ssd_bwd_ddt_kernel"]
 
@@ -737,7 +740,7 @@ def test_triton_ssd_kernels_compile_for_gpus_without_spilling(target, name):
     elsewhere, and in the varlen case (seq_idx, fp16, per-channel D), a few: 24 bytes in sm_80's state pass of 128
     states, 32 in gfx942's output kernel, 64 in sm_90's dX pass on the 4 warps an H200 ran fastest at
     mamba2-2.7b's layer (88 under Triton 3.6, torch 2.11's, which the GPU machines run). On NVIDIA's,
-    the output kernel (the forward's and dz's launches) takes at most 1024 / warps registers as Mamba2 calls it, so
+    the output kernel takes at most 1024 / warps registers as Mamba2 calls it, so
     that two of its programs share an SM. At the benchmark's shape on sm_90 every tensor-core loop of the kernels
     with a pipeline (the knobs' stages above 1) is pipelined, its operands loaded a trip ahead by asynchronous
     copies: Triton pipelines innermost loops only, and the backward's loops over a group's heads, each holding a
@@ -954,8 +957,8 @@ class ScanFwdBwd(torch.nn.Module):
 class SsdFwdBwd(torch.nn.Module):
     def forward(self, x, dt, A, B, C, D, z, bias, init, dout, dfinal):
         args = (x, dt, A, B, C, D, z, bias, init, None, None, 64, True, [])
-        out, final, states, _ = ops.ssd_scan_fwd_triton(*args)
-        grads = ops.ssd_scan_bwd_triton(*args, dout, states, dfinal, None)
+        out, final, states, _, ungated = ops.ssd_scan_fwd_triton(*args, True)
+        grads = ops.ssd_scan_bwd_triton(*args, dout, states, dfinal, None, ungated)
         return (out, final, *grads)
 
 
@@ -1064,7 +1067,7 @@ def test_triton_ops_trace_into_kernel_launches_on_cuda_tensors():
         "launch ssd_cb_kernel [4] [(4, 4, 1)]",
         "launch ssd_chunk_scan_kernel [4] [(4, 16, 1)]", "launch ssd_dt_kernel [4] [(1, 16, 1)]",
         "launch ssd_state_grads_kernel [8] [(1, 16, 1)]", "launch ssd_cb_kernel [4] [(4, 4, 1)]",
-        "launch ssd_chunk_scan_kernel [4] [(4, 16, 1)]", "launch ssd_bwd_dx_kernel [4] [(4, 16, 1)]",
+        "launch ssd_gate_grad_kernel [4] [(7, 16, 1)]", "launch ssd_bwd_dx_kernel [4] [(4, 16, 1)]",
         "launch ssd_bwd_dcb_kernel [4] [(4, 4, 1)]",
         "launch ssd_bwd_group_kernel [4] [(4, 4, 1)]", "launch ssd_bwd_group_kernel [4] [(4, 4, 1)]",
         "launch ssd_bwd_ddt_kernel [4] [(4, 16, 1)]",

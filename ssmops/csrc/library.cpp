@@ -35,14 +35,14 @@ STABLE_TORCH_LIBRARY(ssmops, m) {
   m.def(
       "ssd_scan_fwd(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? z, "
       "Tensor? dt_bias, Tensor? initial_states, Tensor? seq_idx, Tensor? cu_seqlens, int "
-      "chunk_size, bool dt_softplus, float[] dt_limit) -> (Tensor out, Tensor final_states, "
-      "Tensor chunk_states, Tensor varlen_states)");
+      "chunk_size, bool dt_softplus, float[] dt_limit, bool keep_ungated=False) -> (Tensor out, "
+      "Tensor final_states, Tensor chunk_states, Tensor varlen_states, Tensor ungated)");
   m.def(
       "ssd_scan_bwd(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? z, "
       "Tensor? dt_bias, Tensor? initial_states, Tensor? seq_idx, Tensor? cu_seqlens, int "
       "chunk_size, bool dt_softplus, float[] dt_limit, Tensor dout, Tensor chunk_states, "
-      "Tensor? dfinal_states, Tensor? dvarlen_states) -> (Tensor dx, Tensor ddt, Tensor dA, "
-      "Tensor dB, Tensor dC, Tensor dD, Tensor dz, Tensor ddt_bias, Tensor dinitial_states)");
+      "Tensor? dfinal_states, Tensor? dvarlen_states, Tensor? ungated=None) -> (Tensor dx, Tensor ddt, "
+      "Tensor dA, Tensor dB, Tensor dC, Tensor dD, Tensor dz, Tensor ddt_bias, Tensor dinitial_states)");
   m.def("weight_only_linear(Tensor x, Tensor weight, Tensor? weight_scale, Tensor? bias) -> Tensor");
   m.def(
       "mamba_step(Tensor hidden_states, Tensor(a!) conv_state, Tensor(b!) ssm_state, Tensor in_proj_weight, "

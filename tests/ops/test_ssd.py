@@ -308,12 +308,12 @@ DEFAULT_CASES = [
 
 
 def run_ops(case: Case, inputs: dict, cotangents: dict) -> tuple:
-    """The forward and backward operators on the backend in force."""
+    """The forward and backward operators on the backend in force, as autograd calls them: the forward keeps
+    the output before the gate (with z), and the backward reads it."""
     args = op_args(inputs, case)
-    out, final, chunk_states, varlen = torch.ops.ssmops.ssd_scan_fwd(*args)
-    grads = torch.ops.ssmops.ssd_scan_bwd(
-        *args, cotangents["out"], chunk_states, cotangents["final"], cotangents.get("varlen")
-    )
+    out, final, chunk_states, varlen, ungated = torch.ops.ssmops.ssd_scan_fwd(*args, True)
+    grads = torch.ops.ssmops.ssd_scan_bwd(*args, cotangents["out"], chunk_states, cotangents["final"],
+                                          cotangents.get("varlen"), ungated if case.z else None)
     return out, final, chunk_states, varlen, grads
 
 
@@ -420,7 +420,7 @@ def test_chunk_states_are_the_states_before_each_chunk(backend):
     case = Case(seq=SEQ)
     inputs = on_device(make_inputs(case), backend.device)
     with ssmops.use_backend(backend):
-        _, _, chunk_states, _ = torch.ops.ssmops.ssd_scan_fwd(*op_args(inputs, case))
+        _, _, chunk_states, _, _ = torch.ops.ssmops.ssd_scan_fwd(*op_args(inputs, case))
     chunk_states = chunk_states.view(case.batch, -1, case.nheads, case.headdim, case.dstate)
     assert torch.equal(chunk_states[:, 0], inputs["initial_states"])
     for c in range(1, chunk_states.shape[1]):
@@ -452,13 +452,38 @@ def test_absent_optionals_and_dtypes(backend):
     inputs = on_device(make_inputs(case), backend.device)
     args = op_args(inputs, case)
     with ssmops.use_backend(backend):
-        out, final, chunk_states, varlen = torch.ops.ssmops.ssd_scan_fwd(*args)
+        out, final, chunk_states, varlen, ungated = torch.ops.ssmops.ssd_scan_fwd(*args, True)
         grads = torch.ops.ssmops.ssd_scan_bwd(*args, torch.ones_like(out), chunk_states, None, None)
+    assert ungated.numel() == 0  # (no z: nothing to keep)
     dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial = grads
     assert out.dtype == torch.bfloat16 and chunk_states.dtype == torch.float32
     assert dx.dtype == ddt.dtype == dB.dtype == dC.dtype == torch.bfloat16
     assert dA.dtype == torch.float32 and dA.shape == (case.nheads,)
     assert all(g.numel() == 0 for g in (dD, dz, ddt_bias, dinitial))
+
+
+@pytest.mark.parametrize("backend", backend_params(names=SSD_BACKENDS, devices=GRID_DEVICES))
+def test_kept_ungated_output_is_the_output_before_the_gate(backend):
+    """keep_ungated: the forward's fifth output is what it returns without z (D included, in x's dtype), the
+    gated output does not change, and the backward's gradients are the same with it as without it (the
+    Triton backward reads it instead of recomputing the output; the others recompute their chunks)."""
+    case = Case(seqlen=24, seq=(0, 5, 21), dtypes="bf16", D="head")  # 2 chunks
+    inputs = on_device(make_inputs(case), backend.device)
+    args = op_args(inputs, case)
+    cotangents = make_cotangents(case, inputs)
+    with ssmops.use_backend(backend):
+        out, final, chunk_states, _, ungated = torch.ops.ssmops.ssd_scan_fwd(*args, True)
+        gated_only = torch.ops.ssmops.ssd_scan_fwd(*args)
+        before_gate = torch.ops.ssmops.ssd_scan_fwd(*op_args({**inputs, "z": None}, case))[0]
+        grad_args = (*args, cotangents["out"], chunk_states, cotangents["final"], None)
+        with_ungated = torch.ops.ssmops.ssd_scan_bwd(*grad_args, ungated)
+        recomputed = torch.ops.ssmops.ssd_scan_bwd(*grad_args)
+        no_z = op_args({**inputs, "z": None}, case)
+        with pytest.raises((ValueError, RuntimeError), match="ungated"):
+            torch.ops.ssmops.ssd_scan_bwd(*no_z, cotangents["out"], chunk_states, None, None, ungated)
+    assert ungated.dtype == out.dtype and ungated.shape == out.shape and gated_only[4].numel() == 0
+    assert torch.equal(out, gated_only[0]) and torch.equal(ungated, before_gate)
+    assert all(torch.equal(a, b) for a, b in zip(with_ungated, recomputed))
 
 
 @pytest.mark.parametrize("backend", backend_params(names=("default", "cpu")))  # Triton: tests/test_triton.py
@@ -595,11 +620,13 @@ def test_opcheck(case):
     torch.library.opcheck(torch.ops.ssmops.ssd_scan_fwd.default, args)
     grad_args = tuple(t.clone().requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
                       for t in args)
-    torch.library.opcheck(torch.ops.ssmops.ssd_scan_fwd.default, grad_args)
-    out, final, chunk_states, varlen = torch.ops.ssmops.ssd_scan_fwd(*args)
+    torch.library.opcheck(torch.ops.ssmops.ssd_scan_fwd.default, (*grad_args, True))
+    out, final, chunk_states, varlen, ungated = torch.ops.ssmops.ssd_scan_fwd(*args, True)
     cotangents = make_cotangents(case, inputs)
-    torch.library.opcheck(torch.ops.ssmops.ssd_scan_bwd.default,
-                          (*args, cotangents["out"], chunk_states, cotangents["final"], cotangents.get("varlen")))
+    grads = (*args, cotangents["out"], chunk_states, cotangents["final"], cotangents.get("varlen"))
+    torch.library.opcheck(torch.ops.ssmops.ssd_scan_bwd.default, grads)
+    if case.z:
+        torch.library.opcheck(torch.ops.ssmops.ssd_scan_bwd.default, (*grads, ungated))
 
 
 # --- deployment paths ------------------------------------------------------------------------------

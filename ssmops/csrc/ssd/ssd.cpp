@@ -265,11 +265,12 @@ Tensor in_dtype(const Tensor& t, ST dtype) { return dtype == ST::Float ? t : tor
 
 // --- the operators -----------------------------------------------------------------------
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> ssd_scan_fwd(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C,
-                                                        OptTensor D, OptTensor z, OptTensor dt_bias,
-                                                        OptTensor initial_states, OptTensor seq_idx,
-                                                        OptTensor cu_seqlens, int64_t chunk_size, bool dt_softplus,
-                                                        std::vector<double> dt_limit) {
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ssd_scan_fwd(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C,
+                                                                OptTensor D, OptTensor z, OptTensor dt_bias,
+                                                                OptTensor initial_states, OptTensor seq_idx,
+                                                                OptTensor cu_seqlens, int64_t chunk_size,
+                                                                bool dt_softplus, std::vector<double> dt_limit,
+                                                                bool keep_ungated) {
   Prepared p;
   prepare(p, "ssd_scan_fwd", x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size,
           dt_softplus, dt_limit);
@@ -281,8 +282,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> ssd_scan_fwd(Tensor x, Tensor dt, Ten
   Tensor varlen_states = empty_like_shape(
       x, cu_seqlens ? std::vector<int64_t>{d.nseq, d.nheads, d.headdim, d.dstate} : std::vector<int64_t>{0},
       ST::Float);
+  const bool keeps_ungated = z && keep_ungated;
+  Tensor ungated = empty_like_shape(x, keeps_ungated ? shape_vec(x) : std::vector<int64_t>{0}, ST::Float);
   SsdArgs& a = p.args;
   a.out = out.mutable_data_ptr<float>();
+  a.ungated = keeps_ungated ? ungated.mutable_data_ptr<float>() : nullptr;
   a.final_states = final_states.mutable_data_ptr<float>();
   a.chunk_states = chunk_states.mutable_data_ptr<float>();
   a.varlen_states = cu_seqlens ? varlen_states.mutable_data_ptr<float>() : nullptr;
@@ -293,14 +297,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> ssd_scan_fwd(Tensor x, Tensor dt, Ten
       for (int64_t h = 0; h < d.nheads; ++h)
         for (int64_t q = 0; q < PN; ++q)
           a.varlen_states[(i * d.nheads + h) * PN + q] = a.initial_states ? a.initial_states[h * PN + q] : 0.0f;
-  return {in_dtype(out, x.scalar_type()), final_states, chunk_states, varlen_states};
+  return {in_dtype(out, x.scalar_type()), final_states, chunk_states, varlen_states,
+          in_dtype(ungated, x.scalar_type())};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> ssd_scan_bwd(
     Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, OptTensor D, OptTensor z, OptTensor dt_bias,
     OptTensor initial_states, OptTensor seq_idx, OptTensor cu_seqlens, int64_t chunk_size, bool dt_softplus,
     std::vector<double> dt_limit, Tensor dout, Tensor chunk_states, OptTensor dfinal_states,
-    OptTensor dvarlen_states) {
+    OptTensor dvarlen_states, OptTensor ungated) {
   const char* op = "ssd_scan_bwd";
   Prepared p;
   prepare(p, op, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_softplus,
@@ -314,6 +319,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
     check_tensor_of(op, "dfinal_states", *dfinal_states, {ST::Float}, {d.batch, d.nheads, d.headdim, d.dstate}, "x");
   if (dvarlen_states)
     check_tensor_of(op, "dvarlen_states", *dvarlen_states, {ST::Float}, {d.nseq, d.nheads, d.headdim, d.dstate}, "x");
+  // (checked, not read: the kernels recompute each chunk, dz's output before the gate with it)
+  if (ungated) {
+    STD_TORCH_CHECK(z.has_value(), op, ": ungated (the output before the gate) was given without z");
+    check_tensor_of(op, "ungated", *ungated, kFloatDtypes, {d.batch, d.seqlen, d.nheads, d.headdim}, "x");
+  }
   const Tensor dout32 = as_f32(dout), cs32 = contig(chunk_states);
   const OptTensor dfin32 = contig(dfinal_states), dvar32 = cu_seqlens ? contig(dvarlen_states) : std::nullopt;
 

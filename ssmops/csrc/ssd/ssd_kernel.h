@@ -496,23 +496,26 @@ __attribute__((noinline)) void seg_state(const SsdArgs& a, const Geo& g, const S
        Store{h_end, g.N, true});
 }
 
-// y += D x, then y *= silu(z), over rows [tg, tg+T) of head h.
+// y += D x, then (kept in a.ungated where asked) y *= silu(z), over rows [tg, tg+T) of head h.
 __attribute__((noinline)) void skip_and_gate(const SsdArgs& a, const Geo& g, int64_t b, int64_t h, int64_t tg, int64_t T, float* yrows) {
   const int64_t P = g.P;
   for (int64_t i = 0; i < T; ++i) {
     float* y = yrows + i * g.H * P;
     const float* x = xrow(a.x, g, b, tg + i, h);
     const float* z = a.z ? xrow(a.z, g, b, tg + i, h) : nullptr;
+    float* u = a.ungated ? a.ungated + (y - a.out) : nullptr;
     int64_t p = 0;
     for (; p + W <= P; p += W) {
       vf v = ld(y + p);
       if (a.D) v += (a.D_per_channel ? ld(a.D + h * P + p) : bc(a.D[h])) * ld(x + p);
+      if (u) st(u + p, v);
       if (z) v *= ld(z + p) * vsigmoid(ld(z + p));
       st(y + p, v);
     }
     for (; p < P; ++p) {
       float v = y[p];
       if (a.D) v += (a.D_per_channel ? a.D[h * P + p] : a.D[h]) * x[p];
+      if (u) u[p] = v;
       if (z) v *= z[p] * vsigmoid(bc(z[p]))[0];
       y[p] = v;
     }

@@ -34,6 +34,7 @@ struct SsdArgs {
 
   // forward outputs: out (batch, seqlen, nheads, headdim) before the cast to x's dtype
   float *out, *chunk_states, *final_states, *varlen_states;  // varlen_states may be null
+  float* ungated;  // may be null: out before the silu(z) gate (keep_ungated)
 
   // backward: dout is the gradient of out; dfinal_states, dvarlen_states may be null
   const float *dout, *chunk_states_in, *dfinal_states, *dvarlen_states;

@@ -121,6 +121,8 @@ def check_ssd_grad_inputs(
     chunk_states: Tensor,
     dfinal_states: Tensor | None,
     dvarlen_states: Tensor | None,
+    z: Tensor | None = None,
+    ungated: Tensor | None = None,
 ) -> None:
     """Validates the backward-only inputs (the forward's inputs are checked separately)."""
     batch, seqlen, nheads, headdim, _, dstate, nseq = dims
@@ -133,6 +135,15 @@ def check_ssd_grad_inputs(
     if dvarlen_states is not None:
         check_tensor("dvarlen_states", dvarlen_states, (torch.float32,), (nseq, nheads, headdim, dstate), x.device,
                      like="x")
+    if ungated is not None:
+        if z is None:
+            raise ValueError("ungated (the output before the gate) was given without z")
+        check_tensor("ungated", ungated, INPUT_DTYPES, tuple(x.shape), x.device, like="x")
+
+
+def keeps_ungated(z: Tensor | None, keep_ungated: bool) -> bool:
+    """Whether the forward returns the output before the gate (else an empty tensor in its place)."""
+    return z is not None and keep_ungated
 
 
 def check_sequence_values(seqlen: int, seq_idx: Tensor | None, cu_seqlens: Tensor | None) -> None:

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .checks import check_sequence_values, check_ssd_grad_inputs, check_ssd_inputs, limit_bounds
+from .checks import check_sequence_values, check_ssd_grad_inputs, check_ssd_inputs, keeps_ungated, limit_bounds
 
 # Rows of a chunk processed together in the quadratic form; the per-head decay mask is
 # built only for the (_ROW_BLOCK, _ROW_BLOCK) diagonal blocks.
@@ -125,6 +125,11 @@ def _causal_product(mixer: Tensor, xdt: Tensor, seq: Tensor | None = None) -> Te
     last_bad_seq = torch.where(xdt.detach().isfinite(), -1, seq[..., None]).cummax(dim=1).values
     from_it_on = torch.where(last_bad_seq == seq[..., None], math.nan, 0.0).to(xdt.dtype)
     return torch.baddbmm(from_it_on, mixer, xdt.nan_to_num(0.0, 0.0, 0.0))
+
+
+def _gate(y: Tensor, z: Tensor) -> Tensor:
+    """y * silu(z), in float32."""
+    return y * F.silu(z.float())
 
 
 def _pad_tokens(t: Tensor, length: int) -> Tensor:
@@ -228,7 +233,7 @@ def _chunk_scan(
     if D is not None:
         y = y + x.float() * (D.float() if D.dim() == 2 else D.float()[:, None])
     if z is not None:
-        y = y * F.silu(z.float())
+        y = _gate(y, z)
 
     states = []
     for t in state_offsets:
@@ -308,17 +313,19 @@ def ssd_fwd(
     chunk_size: int,
     dt_softplus: bool,
     dt_limit: list[float],
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    keep_ungated: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The SSD scan. Returns out (x's shape and dtype), final_states (batch, nheads, headdim,
     dstate), chunk_states (batch, nchunks * nheads, headdim, dstate): the state entering each
-    chunk, and varlen_states (nseq, nheads, headdim, dstate), empty without cu_seqlens;
-    states are float32."""
+    chunk, varlen_states (nseq, nheads, headdim, dstate), empty without cu_seqlens, and the
+    output before the gate where kept (schema.py), else empty; states are float32."""
     check_ssd_inputs(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_limit)
     check_sequence_values(x.shape[1], seq_idx, cu_seqlens)
     batch, seqlen, nheads, headdim = x.shape
     dstate = B.shape[-1]
     chunks = _chunks(seqlen, chunk_size, cu_seqlens)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    ungated = torch.empty_like(out) if keeps_ungated(z, keep_ungated) else x.new_empty(0)
     chunk_states = x.new_empty(batch, len(chunks), nheads, headdim, dstate, dtype=torch.float32)
     nseq = 0 if cu_seqlens is None else cu_seqlens.shape[0] - 1
     varlen_states = x.new_empty(nseq, nheads, headdim, dstate, dtype=torch.float32)
@@ -331,15 +338,17 @@ def ssd_fwd(
         for chunk in chunks:
             chunk_states[:, chunk.index] = state
             y, (state, *ends) = _chunk_scan(
-                chunk.slice(x), chunk.slice(dt), A, chunk.slice(B), chunk.slice(C), D, chunk.slice(z), dt_bias,
+                chunk.slice(x), chunk.slice(dt), A, chunk.slice(B), chunk.slice(C), D, None, dt_bias,
                 state, chunk.slice(seq_idx), chunk.seq_before(seq_idx), chunk.state_offsets, dt_softplus, dt_limit,
             )  # fmt: skip
-            out[:, chunk.start : chunk.stop] = y
+            if ungated.numel():
+                ungated[:, chunk.start : chunk.stop] = y
+            out[:, chunk.start : chunk.stop] = y if z is None else _gate(y, chunk.slice(z))
             for i, end_state in zip(chunk.varlen_ids, ends):
                 varlen_states[i] = end_state[0]
     if cu_seqlens is None:
         varlen_states = x.new_empty(0, dtype=torch.float32)
-    return out, state, chunk_states.view(batch, -1, headdim, dstate), varlen_states
+    return out, state, chunk_states.view(batch, -1, headdim, dstate), varlen_states, ungated
 
 
 def _all_finite(*tensors: Tensor | None) -> bool:
@@ -397,12 +406,13 @@ def ssd_bwd(
     chunk_states: Tensor,
     dfinal_states: Tensor | None,
     dvarlen_states: Tensor | None,
+    ungated: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients (dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states) of ssd_fwd's out,
-    final_states and varlen_states, from ssd_fwd's chunk_states; each in its input's dtype,
-    an empty tensor for an absent optional input."""
+    final_states and varlen_states, from ssd_fwd's chunk_states (recomputing each chunk: `ungated`
+    is checked, not read); each in its input's dtype, an empty tensor for an absent optional input."""
     dims = check_ssd_inputs(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_limit)
-    check_ssd_grad_inputs(dims, x, chunk_size, dout, chunk_states, dfinal_states, dvarlen_states)
+    check_ssd_grad_inputs(dims, x, chunk_size, dout, chunk_states, dfinal_states, dvarlen_states, z, ungated)
     check_sequence_values(x.shape[1], seq_idx, cu_seqlens)
     batch, seqlen, nheads, headdim = x.shape
     chunks = _chunks(seqlen, chunk_size, cu_seqlens)

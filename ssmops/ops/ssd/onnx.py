@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch._higher_order_ops.scan import scan
 
-from .checks import num_chunks
+from .checks import keeps_ungated, num_chunks
 from .default import discretize_dt
 
 # Tokens per scan iteration (at most): the quadratic form costs q per token, an iteration's fixed cost
@@ -36,9 +36,9 @@ def _chunks(t: Tensor, padded: int, q: int) -> Tensor:
 
 
 def ssd_scan_fwd(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_softplus,
-                 dt_limit):
-    """`ssmops::ssd_scan_fwd` from aten ops and a scan over chunks; `chunk_states` is the state
-    entering each chunk, as the operator returns it."""
+                 dt_limit, keep_ungated=False):
+    """`ssmops::ssd_scan_fwd` from aten ops and a scan over chunks; `chunk_states` and `ungated` serve the
+    backward only (an exported graph has none): zeros of their shapes."""
     if cu_seqlens is not None:
         raise NotImplementedError("ONNX export of ssd_scan_fwd: cu_seqlens (return_varlen_states) is not "
                                   "supported; pack sequences with seq_idx alone")
@@ -104,6 +104,6 @@ def ssd_scan_fwd(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seql
         y = y + x.float() * (D.float() if D.dim() == 2 else D.float()[:, None])
     if z is not None:
         y = y * F.silu(z.float())
-    # chunk_states serves the backward only: zeros of its shape
     chunk_states = x.new_zeros(batch, num_chunks(seqlen, chunk_size) * nheads, headdim, dstate, dtype=torch.float32)
-    return y.to(x.dtype), carry[0], chunk_states, x.new_empty(0, dtype=torch.float32)
+    ungated = x.new_zeros(x.shape) if keeps_ungated(z, keep_ungated) else x.new_empty(0)
+    return y.to(x.dtype), carry[0], chunk_states, x.new_empty(0, dtype=torch.float32), ungated

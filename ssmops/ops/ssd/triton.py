@@ -18,10 +18,11 @@ from torch import Tensor
 from torch.library import triton_op
 
 from .. import _triton, _tuning
-from .checks import check_sequence_values, check_ssd_grad_inputs, check_ssd_inputs, num_chunks
+from .checks import check_sequence_values, check_ssd_grad_inputs, check_ssd_inputs, keeps_ungated, num_chunks
 from .triton_kernels import (
     ssd_bwd_dcb_kernel, ssd_bwd_ddt_kernel, ssd_bwd_dx_kernel, ssd_bwd_group_kernel, ssd_cb_kernel,
-    ssd_chunk_scan_kernel, ssd_dt_kernel, ssd_state_grads_kernel, ssd_states_fwd_kernel, ssd_varlen_states_kernel,
+    ssd_chunk_scan_kernel, ssd_dt_kernel, ssd_gate_grad_kernel, ssd_state_grads_kernel, ssd_states_fwd_kernel,
+    ssd_varlen_states_kernel,
 )
 
 # Tiles, warps and software-pipelining stages (num_stages: loads in flight in the GEMM loops; Triton's default
@@ -33,13 +34,13 @@ SCAN_BLOCK_T = 64  # the forward's output kernel: tokens a program (and the side
 SCAN_BLOCK_P = 64  # its channels a program (32: 113 registers, but twice the programs and C.B^T reads)
 SCAN_WARPS = 4  # (8 warps, the sm_90 compile's choice, ran 4.95 ms where 4 ran 3.82 on an H200: docs/limits.md)
 SCAN_STAGES = 2  # 112 registers (3 stages: 146)
-DZ_STAGES = 1  # the same kernel recomputing y for dz holds dout's tile too: 127 registers (2 stages: 135)
 # The backward's dX pass takes token blocks of 64, headdim and dstate whole (blocks of 32: twice the programs,
 # each reading dE whole and the gated dout's blocks after its own: 6.1 GB requested from the L2 at mamba2-2.7b's
 # layer, not 4.8), on 4 warps: 222 registers on sm_90, and ~1.6 ms less a forward+backward than 8 on an H200.
 BWD_BLOCK_T = 64
 BWD_WARPS = 4
 BWD_STAGES = 2
+GATE_BLOCK_T = 32  # the gradient through the gate: elementwise, (32, headdim) tiles
 # dB and dC: a program walks a run of at most GROUP_HEADS heads of a group (the group's heads split into equal
 # runs; torch sums the runs), summing the gradient of C.B^T over them (ssd_bwd_dcb_kernel, a pair of token blocks
 # a program), then multiplying it by B and C once a run (ssd_bwd_group_kernel, a token block a program). 4 warps
@@ -63,10 +64,10 @@ STATE_BLOCK_N = 128
 CB_IN_OPERAND_DTYPE = True
 
 # What SSMOPS_AUTOTUNE=1 times per shape (ops/_tuning.py), each phase's knobs in the call that launches with them:
-# the state passes' are the forward's (the backward's state pass reads them too), dz's stages the backward's.
+# the state passes' are the forward's (the backward's state pass reads them too).
 # (CB_IN_OPERAND_DTYPE is a precision and SCAN_BLOCK_T the layout of C.B^T's tiles: not tuned.)
 TUNING_SPACE = {"SCAN_BLOCK_P": (32, 64), "SCAN_WARPS": (4, 8), "SCAN_STAGES": (1, 2, 3), "STATE_WARPS": (4, 8),
-                "STATE_STAGES": (1, 2, 3), "STATE_BLOCK_N": (32, 64, 128), "DZ_STAGES": (1, 2, 3),
+                "STATE_STAGES": (1, 2, 3), "STATE_BLOCK_N": (32, 64, 128),
                 "BWD_BLOCK_T": (32, 64), "BWD_WARPS": (4, 8), "BWD_STAGES": (1, 2, 3), "GROUP_BLOCK_T": (32, 64),
                 "GROUP_HEADS": (4, 8, 16, 32), "GROUP_WARPS": (4, 8), "GROUP_STAGES": (1, 2, 3), "DCB_WARPS": (4, 8)}
 FORWARD_KNOBS = ("SCAN_BLOCK_P", "SCAN_WARPS", "SCAN_STAGES", "STATE_WARPS", "STATE_STAGES", "STATE_BLOCK_N")
@@ -209,37 +210,36 @@ class _Launch:
         ), dict(DOT_F32=self.flags["DOT_F32"], BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"], num_warps=4))
         return cb
 
-    def chunk_scan(self, states: Tensor, cb: Tensor, out: Tensor, dout: Optional[Tensor],
-                   gated: Optional[Tensor] = None) -> None:
-        """out = the scan's output, or with dout, the gradient of z and into gated dout * silu(z) (x's layout), by
-        blocks of tokens and channels of each head, reading cb (cb_tiles)."""
+    def chunk_scan(self, states: Tensor, cb: Tensor, out: Tensor, ungated: Optional[Tensor] = None,
+                   gate: bool = True) -> None:
+        """out = the scan's output (x's layout), by blocks of tokens and channels of each head, reading cb
+        (cb_tiles); with z, into ungated the output before the gate too, where given. gate False: out is y
+        before the gate."""
         cfg = self.cfg
         blocks = _triton.cdiv(self.chunk_size, cfg["BLOCK_T"])
         D = self.inputs["D"]
         grid = (self.nchunks * blocks, self.batch * self.nheads, _triton.cdiv(self.headdim, cfg["BLOCK_P"]))
         _triton.launch(ssd_chunk_scan_kernel, grid, (
-            *(self.ptr(n) for n in ("x", "dt", "A", "B", "C", "D", "z", "bias", "seq")), states, cb,
-            dout if dout is not None else out, out, gated if gated is not None else out, *self.sizes, blocks,
-            *self.token_strides("x", "dt", "B", "C", "z"), *_strides(dout, 4), *self.token_strides("seq"),
-            D.stride(0) if D is not None else 0,
-        ), dict(**self.d_flags, HAS_Z=self.inputs["z"] is not None, DZ=dout is not None, **self.flags, **cfg,
-                num_warps=self.knobs["SCAN_WARPS"],
-                num_stages=self.knobs["DZ_STAGES"] if dout is not None else self.knobs["SCAN_STAGES"]))
+            *(self.ptr(n) for n in ("x", "dt", "A", "B", "C", "D", "z", "bias", "seq")), states, cb, out,
+            ungated if ungated is not None else out, *self.sizes, blocks,
+            *self.token_strides("x", "dt", "B", "C", "z", "seq"), D.stride(0) if D is not None else 0,
+        ), dict(**self.d_flags, HAS_Z=gate and self.inputs["z"] is not None, KEEP_UNGATED=ungated is not None,
+                **self.flags, **cfg, num_warps=self.knobs["SCAN_WARPS"], num_stages=self.knobs["SCAN_STAGES"]))
 
 
 def ssd_fwd(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
     dt_bias: Optional[Tensor], initial_states: Optional[Tensor], seq_idx: Optional[Tensor],
     cu_seqlens: Optional[Tensor], chunk_size: int, dt_softplus: bool, dt_limit: list[float],
-    knobs: Optional[dict] = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    keep_ungated: bool = False, knobs: Optional[dict] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(knobs: the launch knobs, TUNER's for the call's key when None.)"""
     x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx = _triton.contiguous_when_traced(
         x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx)
     args = (x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_softplus, dt_limit)
     run = _Launch(*args)
-    run = run.use_knobs(TUNER.choose(run.key, x.device, "forward", FORWARD_KNOBS, lambda k: ssd_fwd(*args, k),
-                                     knobs)).dt_processed()
+    run = run.use_knobs(TUNER.choose(run.key, x.device, "forward", FORWARD_KNOBS,
+                                     lambda k: ssd_fwd(*args, keep_ungated, k), knobs)).dt_processed()
     f32 = dict(dtype=torch.float32, device=x.device)
     batch, nheads, headdim, dstate = run.batch, run.nheads, run.headdim, run.dstate
     # every buffer a kernel writes is 1-D (contiguous), viewed as its shape after the launch (_triton.output)
@@ -256,7 +256,8 @@ def ssd_fwd(
     ), dict(HAS_INIT=initial_states is not None, **run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles,
             **run.state_launch()))
     out = _triton.output(x.shape, x.dtype, x.device)
-    run.chunk_scan(states_op, run.cb_tiles(), out, None)
+    ungated = _triton.output(x.shape, x.dtype, x.device) if keeps_ungated(z, keep_ungated) else None
+    run.chunk_scan(states_op, run.cb_tiles(), out, ungated)
     varlen = x.new_empty(0, dtype=torch.float32)
     if cu_seqlens is not None:
         varlen = _triton.output((run.nseq, nheads, headdim, dstate), **f32)
@@ -265,7 +266,8 @@ def ssd_fwd(
             *x.stride()[1:], *run.token_strides("dt")[1:], *B.stride()[1:], seq_idx.stride(1),
         ), dict(**run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles, **run.state_launch()))
     return out.view(x.shape), final.view(final_shape), states.view(states_shape), \
-        varlen.view(run.nseq, nheads, headdim, dstate) if cu_seqlens is not None else varlen
+        varlen.view(run.nseq, nheads, headdim, dstate) if cu_seqlens is not None else varlen, \
+        ungated.view(x.shape) if ungated is not None else x.new_empty(0)
 
 
 def ssd_bwd(
@@ -273,19 +275,19 @@ def ssd_bwd(
     dt_bias: Optional[Tensor], initial_states: Optional[Tensor], seq_idx: Optional[Tensor],
     cu_seqlens: Optional[Tensor], chunk_size: int, dt_softplus: bool, dt_limit: list[float], dout: Tensor,
     chunk_states: Tensor, dfinal_states: Optional[Tensor], dvarlen_states: Optional[Tensor],
-    knobs: Optional[dict] = None,
+    ungated: Optional[Tensor] = None, knobs: Optional[dict] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(knobs: the launch knobs, TUNER's for the call's key when None.)"""
-    x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, dout = _triton.contiguous_when_traced(
-        x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, dout)
+    x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, dout, ungated = _triton.contiguous_when_traced(
+        x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, dout, ungated)
     args = (x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_softplus, dt_limit)
-    grad_args = (dout, chunk_states, dfinal_states, dvarlen_states)
+    grad_args = (dout, chunk_states, dfinal_states, dvarlen_states, ungated)
     raw = _Launch(*args)
-    names = tuple(name for name in BACKWARD_KNOBS if z is not None or name != "DZ_STAGES")  # (dz's launch: z's)
-    raw.use_knobs(TUNER.choose(raw.key, x.device, "backward", names, lambda k: ssd_bwd(*args, *grad_args, k), knobs))
+    raw.use_knobs(TUNER.choose(raw.key, x.device, "backward", BACKWARD_KNOBS, lambda k: ssd_bwd(*args, *grad_args, k),
+                               knobs))
     run = raw.dt_processed()  # (ssd_bwd_ddt_kernel differentiates through dt_bias, softplus and the clamp: raw)
     dims = (run.batch, run.seqlen, run.nheads, run.headdim, run.ngroups, run.dstate, run.nseq)
-    check_ssd_grad_inputs(dims, x, chunk_size, dout, chunk_states, dfinal_states, dvarlen_states)
+    check_ssd_grad_inputs(dims, x, chunk_size, dout, chunk_states, dfinal_states, dvarlen_states, z, ungated)
     batch, seqlen, nheads, headdim, ngroups, dstate, _ = dims
     nchunks = run.nchunks
     f32 = dict(dtype=torch.float32, device=x.device)
@@ -315,13 +317,20 @@ def ssd_bwd(
             CHUNK_TOKENS=run.cfg["CHUNK_TOKENS"], **tiles,
             **run.state_launch()))
 
-    cb = run.cb_tiles()  # (for dz's recomputed output and the dX pass)
+    cb = run.cb_tiles()  # (for the dX pass, and the output before the gate where the forward did not keep it)
     dz = x.new_empty(0, dtype=torch.float32)
     gated = dout  # the gradient of the output before the gate, as the chunk passes' GEMMs take it
-    if z is not None:  # the gradient of the gate needs the output before it: recomputed
+    if z is not None:
+        if ungated is None:
+            ungated = _triton.output(x.shape, x.dtype, x.device)
+            run.chunk_scan(states_op, cb, ungated, gate=False)
+            ungated = ungated.view(x.shape)
         dz = _triton.output(x.shape, z.dtype, x.device)
         gated = _triton.output(x.shape, torch.float32 if run.flags["DOT_F32"] else x.dtype, x.device)
-        run.chunk_scan(states_op, cb, dz, dout, gated)
+        gate_tile = dict(BLOCK_T=GATE_BLOCK_T, BLOCK_P=_triton.pow2_tile(headdim, 16, _triton.NO_CAP))
+        _triton.launch(ssd_gate_grad_kernel, (_triton.cdiv(seqlen, GATE_BLOCK_T), batch * nheads), (
+            dout, z, ungated, dz, gated, seqlen, nheads, headdim, *dout.stride(), *z.stride(), *ungated.stride(),
+        ), dict(**gate_tile, num_warps=4))
         gated = gated.view(x.shape)
 
     # every chunk's gradients, by blocks of tokens: dx per head, dB and dC per run of a group's heads
@@ -419,10 +428,11 @@ def ssd_scan_fwd_triton(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
     dt_bias: Optional[Tensor], initial_states: Optional[Tensor], seq_idx: Optional[Tensor],
     cu_seqlens: Optional[Tensor], chunk_size: int, dt_softplus: bool, dt_limit: list[float],
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    keep_ungated: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """`ssmops::ssd_scan_fwd` on the Triton kernels; same schema and conventions."""
     return ssd_fwd(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_softplus,
-                   dt_limit)
+                   dt_limit, keep_ungated)
 
 
 @triton_op("ssmops::ssd_scan_bwd_triton", mutates_args=())
@@ -431,10 +441,11 @@ def ssd_scan_bwd_triton(
     dt_bias: Optional[Tensor], initial_states: Optional[Tensor], seq_idx: Optional[Tensor],
     cu_seqlens: Optional[Tensor], chunk_size: int, dt_softplus: bool, dt_limit: list[float], dout: Tensor,
     chunk_states: Tensor, dfinal_states: Optional[Tensor], dvarlen_states: Optional[Tensor],
+    ungated: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """`ssmops::ssd_scan_bwd` on the Triton kernels; same schema and conventions."""
     return ssd_bwd(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_softplus,
-                   dt_limit, dout, chunk_states, dfinal_states, dvarlen_states)
+                   dt_limit, dout, chunk_states, dfinal_states, dvarlen_states, ungated)
 
 
 TRITON_OPS = {"ssd_scan_fwd": ssd_scan_fwd_triton, "ssd_scan_bwd": ssd_scan_bwd_triton}

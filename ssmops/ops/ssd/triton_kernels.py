@@ -30,8 +30,9 @@ forward
   `ssd_chunk_scan_kernel`: a program owns a block of BLOCK_T tokens of one chunk and a block of
     channels: y = w (C @ S^T) + ((C @ B^T) * decay mask) @ (dt x), reading C @ B^T's tiles, D and
     the silu(z) gate fused. (Computing C @ B^T here instead, per head and channel block, took
-    five of its loop's MMAs in six and 195 registers; reading it, 142.) The backward launches both
-    again to recompute y for dz, and that launch writes the gated gradient dout * silu(z) too.
+    five of its loop's MMAs in six and 195 registers; reading it, 142.) Where autograd asks, it also
+    writes y before the gate, from which the backward takes dz (as mamba_ssm's out_x): recomputing y there
+    took as long as the forward's own launch.
   `ssd_varlen_states_kernel`: H_e at each cu_seqlens end e, from its chunk's entering state.
 
 backward (deterministic: every output element is written by one program, partial sums over
@@ -40,10 +41,12 @@ runs of a group's heads and over chunks are summed afterwards in a fixed order; 
     forward's states: the gradient of the state entering chunk c is w_end dE_c + sum_l w_l
     dy_l^T C_l (+ the varlen states' cotangents), with dE_c that of the state after chunk c.
     With 16-bit GEMM operands it also writes dE_c and the chunk states in that dtype: the dX and
-    dB/dC passes and the dz launch, each of whose programs reads a whole (headdim, dstate) state to
-    use it as a 16-bit GEMM operand, then read half the bytes.
+    dB/dC passes, each of whose programs reads a whole (headdim, dstate) state to use it as a 16-bit
+    GEMM operand, then read half the bytes.
+  `ssd_gate_grad_kernel`: with z, dz and the gradient of y before the gate, dout * silu(z), from the
+    forward's y before the gate (recomputed by ssd_chunk_scan_kernel where the forward did not keep it).
   `ssd_bwd_dx_kernel`: a program owns a block of tokens of one chunk of one (batch, head): dx, from
-    dE_c and C.B^T's tiles, its loop reading the gated gradient of the output written by the dz launch.
+    dE_c and C.B^T's tiles, its loop reading the gradient of y before the gate.
   `ssd_bwd_dcb_kernel`, `ssd_bwd_group_kernel`: dB and dC are sums over a group's heads, and their
     quadratic parts go through one matrix per chunk, the gradient of C_l . B_s. The first sums it over a
     run of the group's heads, a pair of token blocks a program; the second, a token block a program,
@@ -406,20 +409,18 @@ def ssd_cb_kernel(
 
 @triton.jit
 def ssd_chunk_scan_kernel(
-    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, seq_ptr, states_ptr, cb_ptr, dout_ptr, out_ptr,
-    gated_ptr,
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, seq_ptr, states_ptr, cb_ptr, out_ptr, ungated_ptr,
     seqlen, nheads, headdim, dstate, Q, nchunks, heads_per_group, lo, hi, blocks_per_chunk,
     s_xb, s_xt, s_xh, s_xp, s_dtb, s_dtt, s_dth, s_Bb, s_Bt, s_Bg, s_Bn, s_Cb, s_Ct, s_Cg, s_Cn,
-    s_zb, s_zt, s_zh, s_zp, s_gb, s_gt, s_gh, s_gp, s_seqb, s_seqt, s_Dh,
+    s_zb, s_zt, s_zh, s_zp, s_seqb, s_seqt, s_Dh,
     HAS_D: tl.constexpr, D_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_F32: tl.constexpr,
-    DZ: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    KEEP_UNGATED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     CHUNK_TOKENS: tl.constexpr,
 ):
-    """Grid (nchunks * blocks_per_chunk, batch * nheads, channel blocks). Writes out (x's layout, contiguous),
-    or, with DZ, the gradient of z from dout (the output recomputed) and into gated dout * silu(z), the
-    gradient of the output before the gate (x's layout, contiguous, in the backward's GEMM operand dtype: what
-    ssd_bwd_block_kernel's loops multiply). cb: ssd_cb_kernel's C . B^T."""
+    """Grid (nchunks * blocks_per_chunk, batch * nheads, channel blocks). Writes out, and with HAS_Z and
+    KEEP_UNGATED the output before the gate into ungated (both x's layout, contiguous, in out's dtype).
+    cb: ssd_cb_kernel's C . B^T."""
     c = tl.program_id(0) // blocks_per_chunk
     i = tl.program_id(0) % blocks_per_chunk
     b, h = _batch_head(tl.program_id(1), nheads)
@@ -453,14 +454,11 @@ def ssd_chunk_scan_kernel(
     Qp = blocks_per_chunk * BLOCK_T
     cb_tile = ((b * nchunks + c) * (nheads // heads_per_group) + h // heads_per_group) * Qp * Qp
     cb_rows = cb_ptr + cb_tile + (i * BLOCK_T + tl.arange(0, BLOCK_T))[:, None] * Qp
-    # the row block's x, z and dout, which the end reads: loaded now, in flight while the loop runs
+    # the row block's x and z, which the end reads: loaded now, in flight while the loop runs
     x_raw = _raw_tile(x_row, t_l, valid_l, s_xt, pp, headdim, s_xp)
     z_raw = x_raw
     if HAS_Z:
         z_raw = _raw_tile(z_ptr + b * s_zb + h * s_zh, t_l, valid_l, s_zt, pp, headdim, s_zp)
-    dout_raw = x_raw
-    if DZ:
-        dout_raw = _raw_tile(dout_ptr + b * s_gb + h * s_gh, t_l, valid_l, s_gt, pp, headdim, s_gp)
     between = 0.0  # the sum of a over the blocks between the column block and the row block
     for k in range(0, i + 1):
         if HAS_SEQ:
@@ -506,19 +504,37 @@ def ssd_chunk_scan_kernel(
         else:
             y += tl.load(D_ptr + h).to(tl.float32) * x_l
     mask = valid_l[:, None] & (pp < headdim)[None, :]
-    # out (or dz) is contiguous like x: (batch, seqlen, nheads, headdim)
-    out_ptrs = out_ptr + ((b * seqlen + t_l[:, None]) * nheads + h) * headdim + pp[None, :]
+    # out and ungated are contiguous like x: (batch, seqlen, nheads, headdim)
+    offsets = ((b * seqlen + t_l[:, None]) * nheads + h) * headdim + pp[None, :]
     if HAS_Z:
+        if KEEP_UNGATED:
+            tl.store(ungated_ptr + offsets, y.to(ungated_ptr.dtype.element_ty), mask=mask)
         zv = z_raw.to(tl.float32)
-        sig = tl.sigmoid(zv)
-        if DZ:
-            dout = dout_raw.to(tl.float32)
-            gated_ptrs = gated_ptr + ((b * seqlen + t_l[:, None]) * nheads + h) * headdim + pp[None, :]
-            tl.store(gated_ptrs, (dout * zv * sig).to(gated_ptr.dtype.element_ty), mask=mask)  # (as _dy rounds it)
-            y = dout * y * sig * (1.0 + zv * (1.0 - sig))
-        else:
-            y = y * zv * sig
-    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        y = y * zv * tl.sigmoid(zv)
+    tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def ssd_gate_grad_kernel(
+    dout_ptr, z_ptr, ungated_ptr, dz_ptr, gated_ptr, seqlen, nheads, headdim,
+    s_gb, s_gt, s_gh, s_gp, s_zb, s_zt, s_zh, s_zp, s_ub, s_ut, s_uh, s_up,
+    BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """Grid (cdiv(seqlen, BLOCK_T), batch * nheads). Through the gate out = y * silu(z), from y before it
+    (ungated): dz = dout y silu'(z), and into gated dout * silu(z), the gradient of y (x's layout, contiguous,
+    in the backward's GEMM operand dtype: what the dX and dB/dC passes multiply)."""
+    b, h = _batch_head(tl.program_id(1), nheads)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    valid = t < seqlen
+    pp = tl.arange(0, BLOCK_P)
+    dout = _tile(dout_ptr + b * s_gb + h * s_gh, t, valid, s_gt, pp, headdim, s_gp)
+    zv = _tile(z_ptr + b * s_zb + h * s_zh, t, valid, s_zt, pp, headdim, s_zp)
+    y = _tile(ungated_ptr + b * s_ub + h * s_uh, t, valid, s_ut, pp, headdim, s_up)
+    sig = tl.sigmoid(zv)
+    offsets = ((b * seqlen + t[:, None]) * nheads + h) * headdim + pp[None, :]
+    mask = valid[:, None] & (pp < headdim)[None, :]
+    tl.store(gated_ptr + offsets, (dout * zv * sig).to(gated_ptr.dtype.element_ty), mask=mask)
+    tl.store(dz_ptr + offsets, (dout * y * sig * (1.0 + zv * (1.0 - sig))).to(dz_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -680,8 +696,8 @@ def ssd_bwd_dx_kernel(
     into scratch rows, x_s . dX_s and R_s = v_s X_s . (dE B_s), the end state's part of the log-decay
     gradient (see ssd_bwd_ddt_kernel).
 
-    The loop reads dy_l, a GEMM operand, from gated: written by the dz launch of ssd_chunk_scan_kernel
-    (dout itself without z), so that it loads one tile a trip, not dout's and z's, and computes no gate:
+    The loop reads dy_l, a GEMM operand, from gated: written by ssd_gate_grad_kernel (dout itself without
+    z), so that it loads one tile a trip, not dout's and z's, and computes no gate:
     done per trip in the operand's layout, the gate took two thirds of the loop's instructions (sm_90: 476
     instructions; 196 without)."""
     c = tl.program_id(0) // blocks_per_chunk
