@@ -33,7 +33,7 @@ from .triton_kernels import (
 SCAN_BLOCK_T = 64  # the forward's output kernel: tokens a program (and the side of C.B^T's tiles)
 SCAN_BLOCK_P = 64  # its channels a program (32: 113 registers, but twice the programs and C.B^T reads)
 SCAN_WARPS = 4  # (8 warps, the sm_90 compile's choice, ran 4.95 ms where 4 ran 3.82 on an H200: docs/limits.md)
-SCAN_STAGES = 2  # 112 registers (3 stages: 146)
+SCAN_STAGES = 2  # 233 registers on sm_90 (Triton 3.9; 1 stage: 220, 3: 235): two programs an SM in every case
 # The backward's dX pass takes token blocks of 64, headdim and dstate whole (blocks of 32: twice the programs,
 # each reading dE whole and the gated dout's blocks after its own: 6.1 GB requested from the L2 at mamba2-2.7b's
 # layer, not 4.8), on 4 warps: 222 registers on sm_90, and ~1.6 ms less a forward+backward than 8 on an H200.

@@ -86,7 +86,7 @@ def _dot(a, b, DOT_F32: tl.constexpr):
 def _operand(v, like_ptr, DOT_F32: tl.constexpr):
     """A GEMM operand: float32, or the inputs' 16-bit dtype (like_ptr's)."""
     if DOT_F32:
-        r = v
+        r = v.to(tl.float32)
     else:
         r = v.to(like_ptr.dtype.element_ty)
     return r
@@ -446,50 +446,53 @@ def ssd_chunk_scan_kernel(
         state = tl.where(seq_first == seq_before, state, 0.0)
     w_l = tl.where(valid_l & (seq_l == seq_before), tl.exp(run + L_l), 0.0)
     y = _dot(C_l, tl.trans(_operand(state, x_ptr, DOT_F32)), DOT_F32) * w_l[:, None]
-    # the chunk's tokens up to this block, through (C B^T * decay mask), walked back from it so that
-    # L_l - L_s is summed over the blocks between (see _state_at). With seq_idx only the row block's first
-    # sequence reaches it from earlier blocks, and the product spreads a NaN or inf to every row (0 * NaN): their
-    # tokens of other sequences are selected out of X_s, and once they are summed (the row block itself comes
-    # last), the rows of the block's later sequences.
+    # the chunk's tokens before this block, through C B^T decayed, walked back from it so that L_l - L_s is
+    # summed over the blocks between (see _state_at); then the block's own tokens. dt_s scales the columns of
+    # the decayed C B^T, not the rows of x: an earlier block's x tile goes from its load to the GEMM as it is
+    # (scaling it took a round trip through registers and shared memory a trip). With seq_idx only the row
+    # block's first sequence reaches it from earlier blocks, and the product spreads a NaN or inf to every row
+    # (0 * NaN): their tokens of other sequences are selected out of X_s, and once they are summed, the rows of
+    # the block's later sequences.
     Qp = blocks_per_chunk * BLOCK_T
     cb_tile = ((b * nchunks + c) * (nheads // heads_per_group) + h // heads_per_group) * Qp * Qp
     cb_rows = cb_ptr + cb_tile + (i * BLOCK_T + tl.arange(0, BLOCK_T))[:, None] * Qp
-    # the row block's x and z, which the end reads: loaded now, in flight while the loop runs
+    # the row block's x, which its own tokens' product and the end read: loaded now, in flight while the loop runs
     x_raw = _raw_tile(x_row, t_l, valid_l, s_xt, pp, headdim, s_xp)
-    z_raw = x_raw
-    if HAS_Z:
-        z_raw = _raw_tile(z_ptr + b * s_zb + h * s_zh, t_l, valid_l, s_zt, pp, headdim, s_zp)
     between = 0.0  # the sum of a over the blocks between the column block and the row block
-    for k in range(0, i + 1):
-        if HAS_SEQ:
-            jj = (k + 1) % (i + 1)
-        else:
-            jj = k
+    for jj in range(1, i + 1):
         t_s, valid_s = _block(t0, i - jj, Q, seqlen, BLOCK_T)
         dt_s, a_s = _dt(dt_row, t_s, valid_s, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
-        seq_s = _seq(seq_row, t_s, valid_s, s_seqt, HAS_SEQ)
         # relative to the row block's start; with seq_idx summed back over (s, row block) directly: from this
         # block's start the sum would carry the a of the tokens before s, those of another sequence too
         if HAS_SEQ:
-            L_s = tl.where(jj == 0, L_l, -(between + tl.cumsum(a_s, axis=0, reverse=True) - a_s))
-        between += tl.where(jj > 0, tl.sum(a_s, axis=0), 0.0)
+            L_s = -(between + tl.cumsum(a_s, axis=0, reverse=True) - a_s)
+        between += tl.sum(a_s, axis=0)
         if not HAS_SEQ:
             L_s = tl.cumsum(a_s, axis=0) - between
-        CB = tl.load(cb_rows + ((i - jj) * BLOCK_T + tl.arange(0, BLOCK_T))[None, :],
-                     mask=valid_l[:, None] & valid_s[None, :], other=0.0).to(tl.float32)
-        X_s = _tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp) * dt_s[:, None]
-        # A NaN or inf in the row block's own X_s must reach its rows s and after only, but the product
-        # meets it with the zeros above the diagonal too (0 * NaN = NaN): there it enters as 0, and
-        # reaches its rows after the loop
-        if jj == 0:  # (a branch: the select on every trip was a sixth of the loop's instructions)
-            X_s = tl.where(X_s * 0.0 == 0.0, X_s, 0.0)
+        # (every token of an earlier block is real where a row is, and comes before it: no causal mask; the
+        # rows past seqlen are not stored)
+        CB = tl.load(cb_rows + ((i - jj) * BLOCK_T + tl.arange(0, BLOCK_T))[None, :]).to(tl.float32)
+        M = CB * tl.exp(L_l[:, None] - L_s[None, :]) * dt_s[None, :]
+        X_s = _raw_tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp)
         if HAS_SEQ:
-            X_s = tl.where((seq_s == seq_first)[:, None] | (jj == 0), X_s, 0.0)
-            y = tl.where((seq_l == seq_first)[:, None] | (jj > 0), y, 0.0)
-        M = _decayed(CB, L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l, seq_s, False)
+            seq_s = _seq(seq_row, t_s, valid_s, s_seqt, HAS_SEQ)
+            M = tl.where(seq_l[:, None] == seq_s[None, :], M, 0.0)
+            X_s = tl.where((seq_s == seq_first)[:, None], X_s, 0.0)
         y += _dot(_operand(M, x_ptr, DOT_F32), _operand(X_s, x_ptr, DOT_F32), DOT_F32)
+    z_raw = x_raw  # (z, for the gate at the end: loaded after the loop, whose registers it would take)
+    if HAS_Z:
+        z_raw = _raw_tile(z_ptr + b * s_zb + h * s_zh, t_l, valid_l, s_zt, pp, headdim, s_zp)
+    if HAS_SEQ:
+        y = tl.where((seq_l == seq_first)[:, None], y, 0.0)
+    # the row block's own tokens. A NaN or inf in its x dt must reach its rows s and after only, but the product
+    # meets it with the zeros above the diagonal too (0 * NaN = NaN): there it enters as 0, and reaches its rows
+    # below
     x_l = x_raw.to(tl.float32)
     finite = x_l * dt_l[:, None] * 0.0 == 0.0
+    CB = tl.load(cb_rows + (i * BLOCK_T + tl.arange(0, BLOCK_T))[None, :], mask=valid_l[:, None] & valid_l[None, :],
+                 other=0.0).to(tl.float32)
+    M = _decayed(CB * dt_l[None, :], L_l, L_l, t_l, t_l, valid_l, valid_l, seq_l, seq_l, False)
+    y += _dot(_operand(M, x_ptr, DOT_F32), _operand(tl.where(finite, x_l, 0.0), x_ptr, DOT_F32), DOT_F32)
     if HAS_SEQ:  # the row block's NaN and inf, to the rows whose sequence is the last with one up to them: NaN
         last_bad = tl.associative_scan(tl.where(finite, -1, seq_l[:, None]), 0, _maximum)
         y = tl.where(last_bad == seq_l[:, None], float("nan"), y)
@@ -729,32 +732,36 @@ def ssd_bwd_dx_kernel(
     # (tiles used once are read again rather than kept: registers are this kernel's limit; R is stored after the
     # loop, whose loads the compiler would keep behind a store here, and so behind the GEMM that R waits for)
     cb_rows = cb_ptr + ((b * nchunks + c) * (nheads // heads_per_group) + h // heads_per_group) * cb_side * cb_side
-    # With seq_idx the block itself comes last: only the sequence of its last token reaches the later blocks,
-    # whose rows of it are taken alone, and whose NaN the product spreads to every column: the columns of
-    # other sequences are selected out before the block's own rows are added
+    # The later blocks, walked forward from this one, then the block itself. With seq_idx only the sequence of
+    # its last token reaches the later blocks, whose rows of it are taken alone, and whose NaN the product spreads
+    # to every column: the columns of other sequences are selected out before the block's own rows are added
     seq_last = _seq_at(seq_row, tl.minimum(t0 + tl.minimum(j * BLOCK_T + BLOCK_T, Q), seqlen) - 1, s_seqt, HAS_SEQ)
-    after_s = tl.cumsum(a_s, axis=0, reverse=True) - a_s  # the sum of a over the block after s
+    L_c = -(tl.cumsum(a_s, axis=0, reverse=True) - a_s)  # minus the sum of a over the block after s
     between = 0.0  # the sum of a from this block's end to the row block's
-    for k in range(j, nblocks):
-        if HAS_SEQ:
-            i = tl.where(k + 1 < nblocks, k + 1, j)
-        else:
-            i = k
+    for i in range(j + 1, nblocks):
         t_l, valid_l = _block(t0, i, Q, seqlen, BLOCK_T)
         a_l = _dt(dt_row, t_l, valid_l, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1]
-        seq_l = _seq(seq_row, t_l, valid_l, s_seqt, HAS_SEQ)
-        # L_l - L_s over (s, l]: in block j from the block start, else the blocks between and the block after s
-        L_l = tl.where(i == j, L_s, between + tl.cumsum(a_l, axis=0))
-        L_c = tl.where(i == j, L_s, -after_s)
-        between += tl.where(i == j, 0.0, tl.sum(a_l, axis=0))
-        dy_l = _tile(gated_row, t_l, valid_l, s_yt, pp, headdim, s_yp)
-        if HAS_SEQ:  # (the block's own non-finite dy enters as 0, and reaches its columns after the loop)
-            dy_l = tl.where(((seq_l == seq_last)[:, None] | (i == j)) & ((dy_l * 0.0 == 0.0) | (i != j)), dy_l, 0.0)
-            acc = tl.where((seq_s == seq_last)[:, None] | (i != j), acc, 0.0)
-        CB = tl.load(cb_rows + (t_l - t0)[:, None] * cb_side + (t_s - t0)[None, :],
-                     mask=valid_l[:, None] & valid_s[None, :], other=0.0).to(tl.float32)  # ssd_cb_kernel's C_l . B_s
-        M = _decayed(CB, L_l, L_c, t_l, t_s, valid_l, valid_s, seq_l, seq_s, False)
+        L_l = between + tl.cumsum(a_l, axis=0)  # L_l - L_c: the sum of a over (s, l]
+        between += tl.sum(a_l, axis=0)
+        # (every row comes after every column: no causal mask. The rows past seqlen have dy 0 and C_l . B_s 0:
+        # their products are 0, whatever the decay a real row of theirs has)
+        CB = tl.load(cb_rows + (t_l - t0)[:, None] * cb_side + (t_s - t0)[None, :], mask=valid_l[:, None],
+                     other=0.0).to(tl.float32)  # ssd_cb_kernel's C_l . B_s
+        M = CB * tl.exp(L_l[:, None] - L_c[None, :])
+        dy_l = _raw_tile(gated_row, t_l, valid_l, s_yt, pp, headdim, s_yp)
+        if HAS_SEQ:
+            seq_l = _seq(seq_row, t_l, valid_l, s_seqt, HAS_SEQ)
+            M = tl.where(seq_l[:, None] == seq_s[None, :], M, 0.0)
+            dy_l = tl.where((seq_l == seq_last)[:, None], dy_l, 0.0)
         acc += _dot(tl.trans(_operand(M, x_ptr, DOT_F32)), _operand(dy_l, x_ptr, DOT_F32), DOT_F32)
+    dy_own = _tile(gated_row, t_s, valid_s, s_yt, pp, headdim, s_yp)
+    if HAS_SEQ:  # (the block's own non-finite dy enters as 0, and reaches its columns below)
+        acc = tl.where((seq_s == seq_last)[:, None], acc, 0.0)
+        dy_own = tl.where(dy_own * 0.0 == 0.0, dy_own, 0.0)
+    CB = tl.load(cb_rows + (t_s - t0)[:, None] * cb_side + (t_s - t0)[None, :], mask=valid_s[:, None] & valid_s[None, :],
+                 other=0.0).to(tl.float32)
+    M = _decayed(CB, L_s, L_s, t_s, t_s, valid_s, valid_s, seq_s, seq_s, False)
+    acc += _dot(tl.trans(_operand(M, x_ptr, DOT_F32)), _operand(dy_own, x_ptr, DOT_F32), DOT_F32)
     if HAS_SEQ:  # the block's NaN and inf of dy, to its columns before them of their sequence: NaN
         dy_s = _tile(gated_row, t_s, valid_s, s_yt, pp, headdim, s_yp)
         first_bad = tl.associative_scan(tl.where(dy_s * 0.0 == 0.0, 2147483647, seq_s[:, None]), 0, _minimum,
