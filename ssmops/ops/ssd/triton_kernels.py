@@ -862,10 +862,12 @@ def ssd_bwd_dcb_kernel(
                          lo, hi, SOFTPLUS, HAS_LIMIT, CHUNK_TOKENS)
         L_l = _log_decays(a_l, seq_l, HAS_SEQ)
         L_s = tl.where(j < i, -(between + tl.cumsum(a_s, axis=0, reverse=True) - a_s), L_l)
-        dy_l = _operand(_tile(gated_ptr + b * s_yb + h * s_yh, t_l, valid_l, s_yt, pp, headdim, s_yp), x_ptr,
+        # (the tiles go from their loads to the GEMM as they are: dt scales the product's columns, not x's rows)
+        dy_l = _operand(_raw_tile(gated_ptr + b * s_yb + h * s_yh, t_l, valid_l, s_yt, pp, headdim, s_yp), x_ptr,
                         DOT_F32)
-        X_s = _operand(_tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp) * dt_s[:, None], x_ptr, DOT_F32)
-        dM = _decayed(_dot(dy_l, tl.trans(X_s), DOT_F32), L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l, seq_s, False)
+        x_s = _operand(_raw_tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp), x_ptr, DOT_F32)
+        dM = _decayed(_dot(dy_l, tl.trans(x_s), DOT_F32) * dt_s[None, :], L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l,
+                      seq_s, False)
         acc += dM
         q = tl.where(strict, dM * CB, 0.0)
         tl.store(dlC_ptr + ((j * batch + b) * nheads + h) * seqlen + t_l, tl.sum(q, axis=1), mask=valid_l)
