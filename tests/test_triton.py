@@ -724,7 +724,7 @@ def _ssd_compile_params():  # the varlen case for sm_90 only (see _compile_param
 
 
 SSD_KERNELS = ["ssd_dt_kernel", "ssd_states_fwd_kernel", "ssd_cb_kernel", "ssd_chunk_scan_kernel", "ssd_dt_kernel",
-               "ssd_state_grads_kernel", "ssd_cb_kernel", "ssd_gate_grad_kernel",
+               "ssd_cb_kernel", "ssd_gate_grad_kernel", "ssd_state_grads_kernel",
                "ssd_bwd_dx_kernel", "ssd_bwd_dcb_kernel", "ssd_bwd_group_kernel", "ssd_bwd_group_kernel",
                "ssd_bwd_ddt_kernel"]
 
@@ -1066,8 +1066,8 @@ def test_triton_ops_trace_into_kernel_launches_on_cuda_tensors():
         "launch ssd_dt_kernel [4] [(1, 16, 1)]", "launch ssd_states_fwd_kernel [8] [(1, 16, 1)]",
         "launch ssd_cb_kernel [4] [(4, 4, 1)]",
         "launch ssd_chunk_scan_kernel [4] [(4, 16, 1)]", "launch ssd_dt_kernel [4] [(1, 16, 1)]",
-        "launch ssd_state_grads_kernel [8] [(1, 16, 1)]", "launch ssd_cb_kernel [4] [(4, 4, 1)]",
-        "launch ssd_gate_grad_kernel [4] [(7, 16, 1)]", "launch ssd_bwd_dx_kernel [4] [(4, 16, 1)]",
+        "launch ssd_cb_kernel [4] [(4, 4, 1)]", "launch ssd_gate_grad_kernel [4] [(7, 16, 1)]",
+        "launch ssd_state_grads_kernel [8] [(1, 16, 1)]", "launch ssd_bwd_dx_kernel [4] [(4, 16, 1)]",
         "launch ssd_bwd_dcb_kernel [4] [(4, 4, 1)]",
         "launch ssd_bwd_group_kernel [4] [(4, 4, 1)]", "launch ssd_bwd_group_kernel [4] [(4, 4, 1)]",
         "launch ssd_bwd_ddt_kernel [4] [(4, 16, 1)]",

@@ -296,7 +296,6 @@ def ssd_bwd(
     dvarlen = dvarlen_states.contiguous() if dvarlen_states is not None and cu_seqlens is not None else None
     firsts = _varlen_firsts(cu_seqlens, nchunks, chunk_size) if dvarlen is not None else None
     varlen_args = (dvarlen, cu_seqlens, firsts) if dvarlen is not None else (states, states, states)
-    # the gradient of the state after each chunk, walking the chunks back
     # every buffer a kernel writes is 1-D (contiguous), viewed as its shape after the launch (_triton.output)
     state_shape = (batch, nheads, headdim, dstate)
     dends = _triton.output(states.shape, **f32)
@@ -306,24 +305,14 @@ def ssd_bwd(
     states_op, dends_op = states, dends
     if not run.flags["DOT_F32"]:
         states_op, dends_op = (_triton.output(states.shape, x.dtype, x.device) for _ in range(2))
-    tiles = _state_tiles(headdim, dstate, run.knobs)
-    _triton.launch(ssd_state_grads_kernel, run.state_grid(tiles, batch * nheads), (
-        *(run.ptr(n) for n in ("dt", "A", "C", "bias", "z", "seq")), dout,
-        dfinal if dfinal is not None else states, *varlen_args, dends, dinit if initial_states is not None else dends,
-        states, states_op, dends_op,
-        *run.sizes, *run.token_strides("dt", "C", "z"), *dout.stride(), *run.token_strides("seq"),
-    ), dict(HAS_Z=z is not None, HAS_DFINAL=dfinal is not None, HAS_DVARLEN=dvarlen is not None,
-            HAS_INIT=initial_states is not None, **run.flags, BLOCK_T=run.cfg["BLOCK_T"],
-            CHUNK_TOKENS=run.cfg["CHUNK_TOKENS"], **tiles,
-            **run.state_launch()))
-
     cb = run.cb_tiles()  # (for the dX pass, and the output before the gate where the forward did not keep it)
+    # the gradient of the output before the gate, which every later pass reads: dout itself without z
     dz = x.new_empty(0, dtype=torch.float32)
-    gated = dout  # the gradient of the output before the gate, as the chunk passes' GEMMs take it
+    gated = dout
     if z is not None:
-        if ungated is None:
+        if ungated is None:  # (the float32 chunk states, the same values as the forward's operands once rounded)
             ungated = _triton.output(x.shape, x.dtype, x.device)
-            run.chunk_scan(states_op, cb, ungated, gate=False)
+            run.chunk_scan(states, cb, ungated, gate=False)
             ungated = ungated.view(x.shape)
         dz = _triton.output(x.shape, z.dtype, x.device)
         gated = _triton.output(x.shape, torch.float32 if run.flags["DOT_F32"] else x.dtype, x.device)
@@ -332,6 +321,17 @@ def ssd_bwd(
             dout, z, ungated, dz, gated, seqlen, nheads, headdim, *dout.stride(), *z.stride(), *ungated.stride(),
         ), dict(**gate_tile, num_warps=4))
         gated = gated.view(x.shape)
+
+    # the gradient of the state after each chunk, walking the chunks back
+    tiles = _state_tiles(headdim, dstate, run.knobs)
+    _triton.launch(ssd_state_grads_kernel, run.state_grid(tiles, batch * nheads), (
+        *(run.ptr(n) for n in ("dt", "A", "C", "bias", "seq")), gated,
+        dfinal if dfinal is not None else states, *varlen_args, dends, dinit if initial_states is not None else dends,
+        states, states_op, dends_op,
+        *run.sizes, *run.token_strides("dt", "C"), *gated.stride(), *run.token_strides("seq"),
+    ), dict(HAS_DFINAL=dfinal is not None, HAS_DVARLEN=dvarlen is not None, HAS_INIT=initial_states is not None,
+            **run.flags, BLOCK_T=run.cfg["BLOCK_T"], CHUNK_TOKENS=run.cfg["CHUNK_TOKENS"], **tiles,
+            **run.state_launch()))
 
     # every chunk's gradients, by blocks of tokens: dx per head, dB and dC per run of a group's heads
     dx = _triton.output(x.shape, x.dtype, x.device)
@@ -344,13 +344,12 @@ def ssd_bwd(
     dD_part = _triton.output((parts * blocks, headdim), **f32)
     # per token: the kernels' scratch rows
     dlC, dlB, R, xdx = (_triton.output((batch * nheads * seqlen,), **f32) for _ in range(4))
-    strides = (*run.token_strides("x", "dt", "B", "C", "z"), *dout.stride(), *gated.stride(),
-               *run.token_strides("seq"))
+    strides = (*run.token_strides("x", "dt", "B", "C"), *gated.stride(), *run.token_strides("seq"))
     _triton.launch(ssd_bwd_dx_kernel, (nchunks * blocks, batch * nheads), (
-        *(run.ptr(n) for n in ("x", "dt", "A", "B", "C", "D", "z", "bias", "seq")), dends_op, cb, dout, gated,
+        *(run.ptr(n) for n in ("x", "dt", "A", "B", "C", "D", "bias", "seq")), dends_op, cb, gated,
         *varlen_args, dx, dD_part, R, xdx, *run.sizes, blocks, run.cb_side(), *strides,
         D.stride(0) if D is not None else 0,
-    ), dict(**run.d_flags, HAS_Z=z is not None, HAS_DVARLEN=dvarlen is not None, **run.flags, **cfg,
+    ), dict(**run.d_flags, HAS_DVARLEN=dvarlen is not None, **run.flags, **cfg,
             num_warps=run.knobs["BWD_WARPS"], num_stages=run.knobs["BWD_STAGES"]))
     dB, dC = _group_grads(run, states_op, dends_op, varlen_args, dvarlen is not None, gated, cb, dlC, dlB)
     _triton.launch(ssd_bwd_ddt_kernel, (nchunks, batch * nheads), (

@@ -189,16 +189,6 @@ def _raw_tile(row, t, valid, s_t, cols, ncols, s_c):
 
 
 @triton.jit
-def _dy(dout_row, z_row, t, valid, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z: tl.constexpr):
-    """The gradient of y (before the gate): dout * silu(z)."""
-    dy = _tile(dout_row, t, valid, s_gt, pp, headdim, s_gp)
-    if HAS_Z:
-        zv = _tile(z_row, t, valid, s_zt, pp, headdim, s_zp)
-        dy = dy * zv * tl.sigmoid(zv)
-    return dy
-
-
-@triton.jit
 def _decayed(P, L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l, seq_s, STRICT: tl.constexpr):
     """P exp(L_l - L_s) for s <= l (s < l if STRICT) of the same sequence, else 0: (rows l, columns s).
     Selected, not multiplied by a 0/1 mask: past the diagonal the exponent is a positive sum that may
@@ -542,16 +532,17 @@ def ssd_gate_grad_kernel(
 
 @triton.jit
 def ssd_state_grads_kernel(
-    dt_ptr, A_ptr, C_ptr, bias_ptr, z_ptr, seq_ptr, dout_ptr, dfinal_ptr, dvarlen_ptr, cu_ptr, first_ptr,
+    dt_ptr, A_ptr, C_ptr, bias_ptr, seq_ptr, gated_ptr, dfinal_ptr, dvarlen_ptr, cu_ptr, first_ptr,
     dends_ptr, dinit_ptr, states_ptr, states16_ptr, dends16_ptr,
     seqlen, nheads, headdim, dstate, Q, nchunks, heads_per_group, lo, hi,
-    s_dtb, s_dtt, s_dth, s_Cb, s_Ct, s_Cg, s_Cn, s_zb, s_zt, s_zh, s_zp, s_gb, s_gt, s_gh, s_gp, s_seqb, s_seqt,
-    HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr,
+    s_dtb, s_dtt, s_dth, s_Cb, s_Ct, s_Cg, s_Cn, s_yb, s_yt, s_yh, s_yp, s_seqb, s_seqt,
+    HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_DFINAL: tl.constexpr, HAS_DVARLEN: tl.constexpr, HAS_INIT: tl.constexpr,
     DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     CHUNK_TOKENS: tl.constexpr,
 ):
-    """Grid (state tiles, batch * nheads). Writes dends (batch, nchunks * nheads, headdim, dstate): the
+    """Grid (state tiles, batch * nheads). From gated, the gradient of the output before the gate
+    (ssd_gate_grad_kernel's), writes dends (batch, nchunks * nheads, headdim, dstate): the
     gradient of the state after each chunk, and dinit, the gradient of the state entering chunk 0
     (both contiguous float32). dfinal and dvarlen are contiguous float32; first[c] is the first
     varlen sequence ending in chunk c or later. With 16-bit GEMM operands (not DOT_F32) it also writes
@@ -565,8 +556,7 @@ def ssd_state_grads_kernel(
     _, dt_row, _, C_row, seq_row, bias, A = _head(
         b, h, heads_per_group, dt_ptr, dt_ptr, A_ptr, C_ptr, C_ptr, bias_ptr, seq_ptr,
         0, 0, s_dtb, s_dth, s_Cb, s_Cg, s_Cb, s_Cg, s_seqb, HAS_BIAS)
-    z_row = z_ptr + b * s_zb + h * s_zh
-    dout_row = dout_ptr + b * s_gb + h * s_gh
+    gated_row = gated_ptr + b * s_yb + h * s_yh
     if HAS_DFINAL:
         grad = _state_tile(dfinal_ptr, b * nheads + h, pp, nn, headdim, dstate)
     else:
@@ -589,8 +579,7 @@ def ssd_state_grads_kernel(
             L = run + tl.cumsum(a, axis=0)
             run += tl.sum(a, axis=0)
             keep = valid & (_seq(seq_row, t, valid, s_seqt, HAS_SEQ) == seq_before)
-            dy = _dy(dout_row, z_row, t, valid, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z) * \
-                tl.where(keep, tl.exp(L), 0.0)[:, None]
+            dy = _tile(gated_row, t, valid, s_yt, pp, headdim, s_yp) * tl.where(keep, tl.exp(L), 0.0)[:, None]
             C_t = _tile(C_row, t, valid, s_Ct, nn, dstate, s_Cn)
             if HAS_SEQ:  # the other sequences' rows are selected out of both operands: either may hold a NaN
                 dy = tl.where(keep[:, None], dy, 0.0)
@@ -625,15 +614,14 @@ def _store_rows(ptr, row0, t, valid, cols, ncols, value):
 
 @triton.jit
 def _chunk_program(b, h, t0, heads_per_group, Q, seqlen, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, bias_ptr, seq_ptr,
-                   z_ptr, dout_ptr, s_xb, s_xh, s_dtb, s_dth, s_Bb, s_Bg, s_Cb, s_Cg, s_seqb, s_seqt,
-                   s_zb, s_zh, s_gb, s_gh, HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr):
-    """What the backward's chunk kernels read for (batch b, head h, chunk c from token t0): _head's, z's and
-    dout's rows, and the sequence before the chunk and at its end."""
+                   s_xb, s_xh, s_dtb, s_dth, s_Bb, s_Bg, s_Cb, s_Cg, s_seqb, s_seqt, HAS_BIAS: tl.constexpr,
+                   HAS_SEQ: tl.constexpr):
+    """What the backward's chunk kernels read for (batch b, head h, chunk c from token t0): _head's rows, and
+    the sequence before the chunk and at its end."""
     x_row, dt_row, B_row, C_row, seq_row, bias, A = _head(
         b, h, heads_per_group, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, bias_ptr, seq_ptr,
         s_xb, s_xh, s_dtb, s_dth, s_Bb, s_Bg, s_Cb, s_Cg, s_seqb, HAS_BIAS)
-    return (x_row, dt_row, B_row, C_row, seq_row, bias, A, z_ptr + b * s_zb + h * s_zh,
-            dout_ptr + b * s_gb + h * s_gh, _seq_at(seq_row, t0 - 1, s_seqt, HAS_SEQ),
+    return (x_row, dt_row, B_row, C_row, seq_row, bias, A, _seq_at(seq_row, t0 - 1, s_seqt, HAS_SEQ),
             _seq_at(seq_row, tl.minimum(t0 + Q, seqlen) - 1, s_seqt, HAS_SEQ))
 
 
@@ -683,12 +671,12 @@ def _varlen_parts(acc, op, j, c, t0, h, nheads, Q, seqlen, headdim, dstate, t_s,
 
 @triton.jit
 def ssd_bwd_dx_kernel(
-    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, seq_ptr, dends_ptr, cb_ptr, dout_ptr,
-    gated_ptr, dvarlen_ptr, cu_ptr, first_ptr, dx_ptr, dD_ptr, R_ptr, xdx_ptr,
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, bias_ptr, seq_ptr, dends_ptr, cb_ptr, gated_ptr, dvarlen_ptr, cu_ptr,
+    first_ptr, dx_ptr, dD_ptr, R_ptr, xdx_ptr,
     seqlen, nheads, headdim, dstate, Q, nchunks, heads_per_group, lo, hi, blocks_per_chunk, cb_side,
     s_xb, s_xt, s_xh, s_xp, s_dtb, s_dtt, s_dth, s_Bb, s_Bt, s_Bg, s_Bn, s_Cb, s_Ct, s_Cg, s_Cn,
-    s_zb, s_zt, s_zh, s_zp, s_gb, s_gt, s_gh, s_gp, s_yb, s_yt, s_yh, s_yp, s_seqb, s_seqt, s_Dh,
-    HAS_D: tl.constexpr, D_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr,
+    s_yb, s_yt, s_yh, s_yp, s_seqb, s_seqt, s_Dh,
+    HAS_D: tl.constexpr, D_CHANNEL: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
     HAS_DVARLEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr, CHUNK_TOKENS: tl.constexpr,
@@ -699,17 +687,17 @@ def ssd_bwd_dx_kernel(
     into scratch rows, x_s . dX_s and R_s = v_s X_s . (dE B_s), the end state's part of the log-decay
     gradient (see ssd_bwd_ddt_kernel).
 
-    The loop reads dy_l, a GEMM operand, from gated: written by ssd_gate_grad_kernel (dout itself without
-    z), so that it loads one tile a trip, not dout's and z's, and computes no gate:
-    done per trip in the operand's layout, the gate took two thirds of the loop's instructions (sm_90: 476
-    instructions; 196 without)."""
+    The loop, and the end (D's part), read dy, the gradient of y before the gate, from gated: written by
+    ssd_gate_grad_kernel (dout itself without z), so that they load one tile, not dout's and z's, and compute
+    no gate: done per trip in the operand's layout, the gate took two thirds of the loop's instructions (sm_90:
+    476 instructions; 196 without)."""
     c = tl.program_id(0) // blocks_per_chunk
     j = tl.program_id(0) % blocks_per_chunk
     b, h = _batch_head(tl.program_id(1), nheads)
     t0 = c * Q
-    x_row, dt_row, B_row, C_row, seq_row, bias, A, z_row, dout_row, seq_before, seq_end = _chunk_program(
-        b, h, t0, heads_per_group, Q, seqlen, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, bias_ptr, seq_ptr, z_ptr, dout_ptr,
-        s_xb, s_xh, s_dtb, s_dth, s_Bb, s_Bg, s_Cb, s_Cg, s_seqb, s_seqt, s_zb, s_zh, s_gb, s_gh, HAS_BIAS, HAS_SEQ)
+    x_row, dt_row, B_row, C_row, seq_row, bias, A, seq_before, seq_end = _chunk_program(
+        b, h, t0, heads_per_group, Q, seqlen, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, bias_ptr, seq_ptr,
+        s_xb, s_xh, s_dtb, s_dth, s_Bb, s_Bg, s_Cb, s_Cg, s_seqb, s_seqt, HAS_BIAS, HAS_SEQ)
     state_row, scratch_row, out_row = _chunk_rows(b, h, c, nheads, nchunks, seqlen)
     gated_row = gated_ptr + b * s_yb + h * s_yh  # dout * silu(z) (dout without z) in the loop's GEMM operand dtype
     pp = tl.arange(0, BLOCK_P)
@@ -773,7 +761,7 @@ def ssd_bwd_dx_kernel(
                             s_seqt, True, HAS_SEQ, SOFTPLUS, HAS_LIMIT, DOT_F32, BLOCK_T, CHUNK_TOKENS)
     # (the loads before the stores)
     x_s = _tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp)
-    dy_s = _dy(dout_row, z_row, t_s, valid_s, pp, headdim, s_gt, s_gp, s_zt, s_zp, HAS_Z)
+    dy_s = _tile(gated_row, t_s, valid_s, s_yt, pp, headdim, s_yp)
     dx = acc * dt_s[:, None]
     if HAS_D:
         if D_CHANNEL:
@@ -1030,9 +1018,9 @@ def ssd_bwd_ddt_kernel(
     c = tl.program_id(0)
     b, h = _batch_head(tl.program_id(1), nheads)
     t0 = c * Q
-    x_row, dt_row, B_row, _, seq_row, bias, A, _, _, seq_before, seq_end = _chunk_program(
-        b, h, t0, heads_per_group, Q, seqlen, x_ptr, dt_ptr, A_ptr, B_ptr, B_ptr, bias_ptr, seq_ptr, x_ptr, x_ptr,
-        s_xb, s_xh, s_dtb, s_dth, s_Bb, s_Bg, s_Bb, s_Bg, s_seqb, s_seqt, 0, 0, 0, 0, HAS_BIAS, HAS_SEQ)
+    x_row, dt_row, B_row, _, seq_row, bias, A, seq_before, seq_end = _chunk_program(
+        b, h, t0, heads_per_group, Q, seqlen, x_ptr, dt_ptr, A_ptr, B_ptr, B_ptr, bias_ptr, seq_ptr,
+        s_xb, s_xh, s_dtb, s_dth, s_Bb, s_Bg, s_Bb, s_Bg, s_seqb, s_seqt, HAS_BIAS, HAS_SEQ)
     state_row, scratch_row, _ = _chunk_rows(b, h, c, nheads, nchunks, seqlen)
     pp = tl.arange(0, BLOCK_P)
     nn = tl.arange(0, BLOCK_N)
