@@ -277,7 +277,8 @@ def _ssd_grids(shape: dict) -> list:
     runs = b * g * ssd_triton._head_runs(h // g, ssd_triton.GROUP_HEADS)
     dcb, group = nchunks * group_blocks * (group_blocks + 1) // 2 * runs, nchunks * group_blocks * runs
     dt = -(-L // 256) * b * h
-    return [dt, state_programs, cb, scan, dt, state_programs, cb, scan, dx, dcb, group, group, nchunks * b * h, b * h]
+    gate = -(-L // ssd_triton.GATE_BLOCK_T) * b * h
+    return [dt, state_programs, cb, scan, dt, cb, gate, state_programs, dx, dcb, group, group, nchunks * b * h, b * h]
 
 
 
