@@ -71,9 +71,10 @@ def mamba_chunk_scan_combined(
         cu_seqlens = None  # as mamba_ssm: only the varlen states read it
     limit = _limit_arg(dt_limit)
     inputs = (x, dt, A, B, C, D, z, dt_bias, initial_states)
-    # the output before the gate, for the backward's dz (schema.py): kept only where a backward may follow
-    keep_ungated = z is not None and torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad
-                                                                      for t in inputs)
+    # the output before the gate, for the backward's dz (schema.py): kept only where a backward may follow, and
+    # not in an exported graph (an inference program, whose parameters still require grad)
+    keep_ungated = (z is not None and torch.is_grad_enabled() and not torch.compiler.is_exporting()
+                    and any(isinstance(t, Tensor) and t.requires_grad for t in inputs))
 
     def scan():
         # (on GPUs the Triton operator itself, so that torch.compile and AOTInductor trace into its kernels)

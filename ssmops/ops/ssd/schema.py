@@ -12,11 +12,11 @@ Conventions that the schemas cannot express:
 * an absent optional output (`varlen_states` without cu_seqlens, `dD` without D, ...) is an
   empty tensor (numel 0);
 * `dout` of the backward is the gradient of `out` (gated by silu(z) when z is given);
-* `keep_ungated` (autograd's forward sets it where z is given) asks the forward for `ungated`, the output
-  before the silu(z) gate (x's shape and dtype), else empty; given to the backward, its dz and the gradient
-  through the gate are read from it, where the Triton kernels would otherwise recompute the output (the
-  C++ and PyTorch kernels recompute their chunks anyway, and ignore it). mamba_ssm saves it too (`out_x`):
-  one activation of x's size more per layer in training, none in inference.
+* `keep_ungated` (the front end sets it where z is given and a backward may follow, not while exporting) asks
+  the forward for `ungated`, the output before the silu(z) gate (x's shape and dtype), else empty; given to
+  the backward, its dz and the gradient through the gate are read from it, where the Triton kernels would
+  otherwise recompute the output (the C++ and PyTorch kernels recompute their chunks anyway, and ignore it).
+  mamba_ssm keeps it too (`out_x`): one activation of x's size more per layer in training, none in inference.
 """
 
 from __future__ import annotations

@@ -746,8 +746,8 @@ def ssd_bwd_dx_kernel(
     if HAS_SEQ:  # (the block's own non-finite dy enters as 0, and reaches its columns below)
         acc = tl.where((seq_s == seq_last)[:, None], acc, 0.0)
         dy_own = tl.where(dy_own * 0.0 == 0.0, dy_own, 0.0)
-    CB = tl.load(cb_rows + (t_s - t0)[:, None] * cb_side + (t_s - t0)[None, :], mask=valid_s[:, None] & valid_s[None, :],
-                 other=0.0).to(tl.float32)
+    CB = tl.load(cb_rows + (t_s - t0)[:, None] * cb_side + (t_s - t0)[None, :],
+                 mask=valid_s[:, None] & valid_s[None, :], other=0.0).to(tl.float32)
     M = _decayed(CB, L_s, L_s, t_s, t_s, valid_s, valid_s, seq_s, seq_s, False)
     acc += _dot(tl.trans(_operand(M, x_ptr, DOT_F32)), _operand(dy_own, x_ptr, DOT_F32), DOT_F32)
     if HAS_SEQ:  # the block's NaN and inf of dy, to its columns before them of their sequence: NaN
