@@ -45,7 +45,8 @@ GATE_BLOCK_T = 32  # the gradient through the gate: elementwise, (32, headdim) t
 # runs; torch sums the runs), summing the gradient of C.B^T over them (ssd_bwd_dcb_kernel, a pair of token blocks
 # a program), then multiplying it by B and C once a run (ssd_bwd_group_kernel, a token block a program). 4 warps
 # ran mamba2-2.7b's forward+backward in 11.6-11.7 ms where 8 ran 12.3-12.4 (two sweeps on an H200, 28 Nov),
-# although the dC launch then spills 112 bytes on sm_90, inside its loop over the heads.
+# although the dC launch then spilled 112 bytes on sm_90 inside its loop over the heads (24 since its dy goes to the
+# GEMM as loaded; 104 under Triton 3.6).
 GROUP_BLOCK_T = 64
 GROUP_HEADS = 16
 GROUP_WARPS = 4

@@ -931,9 +931,11 @@ def ssd_bwd_group_kernel(
         if DB:
             ends, v = _end_decays(t0, k, nblocks, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, a_k, valid_k, seq_k,
                                   seq_out, SOFTPLUS, HAS_LIMIT, BLOCK_T, CHUNK_TOKENS)
-            X_k = _operand(_tile(x_row, t_k, valid_k, s_xt, pp, headdim, s_xp) * dt_k[:, None], x_ptr, DOT_F32)
-            acc += tl.where(ends[:, None], _dot(X_k, state, DOT_F32) * v[:, None], 0.0)
+            # (x to the GEMM as loaded: dt scales the product's rows, with v)
+            x_k = _operand(_raw_tile(x_row, t_k, valid_k, s_xt, pp, headdim, s_xp), x_ptr, DOT_F32)
+            acc += tl.where(ends[:, None], _dot(x_k, state, DOT_F32) * (dt_k * v)[:, None], 0.0)
             if HAS_DVARLEN:
+                X_k = _operand(_tile(x_row, t_k, valid_k, s_xt, pp, headdim, s_xp) * dt_k[:, None], x_ptr, DOT_F32)
                 part = _varlen_parts(tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32), X_k, k, c, t0, h, nheads, Q,
                                      seqlen, headdim, dstate, t_k, valid_k, seq_k, a_k, dt_row, seq_row, cu_ptr,
                                      first_ptr, dvarlen_ptr, x_ptr, bias, A, lo, hi, pp, nn, s_dtt, s_seqt, False,
@@ -945,8 +947,10 @@ def ssd_bwd_group_kernel(
             w = tl.where(carried, tl.exp(_log_decay_from(t0, 0, k, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS,
                                                          HAS_LIMIT, BLOCK_T, CHUNK_TOKENS) + tl.cumsum(a_k, axis=0)),
                          0.0)
-            dy = _tile(gated_ptr + b * s_yb + h * s_yh, t_k, valid_k, s_yt, pp, headdim, s_yp)
-            part = tl.where(carried[:, None], _dot(_operand(dy * w[:, None], x_ptr, DOT_F32), state, DOT_F32), 0.0)
+            # (dy to the GEMM as loaded: w scales the product's rows)
+            dy = _operand(_raw_tile(gated_ptr + b * s_yb + h * s_yh, t_k, valid_k, s_yt, pp, headdim, s_yp), x_ptr,
+                          DOT_F32)
+            part = tl.where(carried[:, None], _dot(dy, state, DOT_F32) * w[:, None], 0.0)
             acc += part
             dl = tl.sum(dl_tile * part, axis=1)
         # (the partial rows in one load: a loop here would keep the pipeliner off this loop)
