@@ -189,8 +189,9 @@ def _per_element(loops: list, meta: dict) -> dict:
 
 def _ssd_trips(name: str, meta: dict, shape: dict) -> float:
     """Mean trips of a kernel's tensor-core loop per program: over the chunks' blocks for the state
-    passes (walking every chunk), over the blocks up to (or from) the program's own in the chunk kernels, over
-    a run of a group's heads in the backward's group kernels (and then its blocks, in ssd_bwd_group_kernel's)."""
+    passes (walking every chunk), over the blocks before (or after) the program's own in the chunk kernels, and
+    its own block's product after the loop, about a trip's instructions, as one more; over a run of a group's
+    heads in the backward's group kernels (and then its blocks, in ssd_bwd_group_kernel's)."""
     from ssmops.ops.ssd import triton as ssd_triton
 
     blocks = -(-shape["chunk"] // meta["BLOCK_T"])
@@ -203,7 +204,7 @@ def _ssd_trips(name: str, meta: dict, shape: dict) -> float:
         return run
     if name.startswith("ssd_bwd_group_kernel"):
         return run + (blocks + 1) / 2
-    return (blocks + 1) / 2
+    return (blocks - 1) / 2 + 1
 
 
 def ssd_rows(args, aot, dtype) -> None:
