@@ -31,9 +31,10 @@ from .triton_kernels import (
 # docs/limits.md; tests/test_triton.py holds them to no spills there), then from an H200's sweep at mamba2-2.7b's
 # layer (28 Nov, Triton 3.6): 4 warps beat 8 in the output kernel and the dX pass.
 SCAN_BLOCK_T = 64  # the forward's output kernel: tokens a program (and the side of C.B^T's tiles)
-SCAN_BLOCK_P = 64  # its channels a program (32: 182 registers, still two programs an SM, twice the C.B^T reads)
+SCAN_BLOCK_P = 64  # its channels a program (32: twice the programs and C.B^T reads, 143 registers under Triton 3.6,
+# three programs an SM; 180 under 3.9, two)
 SCAN_WARPS = 4  # (8 warps, the sm_90 compile's choice, ran 4.95 ms where 4 ran 3.82 on an H200: docs/limits.md)
-SCAN_STAGES = 2  # 233 registers on sm_90 (Triton 3.9; 1 stage: 220, 3: 235): two programs an SM in every case
+SCAN_STAGES = 2  # 225 registers on sm_90 (Triton 3.9; 229 under 3.6): two programs an SM with 1 to 3 stages
 # The backward's dX pass takes token blocks of 64, headdim and dstate whole (blocks of 32: twice the programs,
 # each reading dE whole and the gated dout's blocks after its own: 6.1 GB requested from the L2 at mamba2-2.7b's
 # layer, not 4.8), on 4 warps: 222 registers on sm_90, and ~1.6 ms less a forward+backward than 8 on an H200.

@@ -446,8 +446,6 @@ def ssd_chunk_scan_kernel(
     Qp = blocks_per_chunk * BLOCK_T
     cb_tile = ((b * nchunks + c) * (nheads // heads_per_group) + h // heads_per_group) * Qp * Qp
     cb_rows = cb_ptr + cb_tile + (i * BLOCK_T + tl.arange(0, BLOCK_T))[:, None] * Qp
-    # the row block's x, which its own tokens' product and the end read: loaded now, in flight while the loop runs
-    x_raw = _raw_tile(x_row, t_l, valid_l, s_xt, pp, headdim, s_xp)
     between = 0.0  # the sum of a over the blocks between the column block and the row block
     for jj in range(1, i + 1):
         t_s, valid_s = _block(t0, i - jj, Q, seqlen, BLOCK_T)
@@ -469,7 +467,10 @@ def ssd_chunk_scan_kernel(
             M = tl.where(seq_l[:, None] == seq_s[None, :], M, 0.0)
             X_s = tl.where((seq_s == seq_first)[:, None], X_s, 0.0)
         y += _dot(_operand(M, x_ptr, DOT_F32), _operand(X_s, x_ptr, DOT_F32), DOT_F32)
-    z_raw = x_raw  # (z, for the gate at the end: loaded after the loop, whose registers it would take)
+    # the row block's x and z, for its own tokens' product and the end: loaded after the loop, whose registers
+    # they would take (with the block's own C.B^T tile, one latency)
+    x_raw = _raw_tile(x_row, t_l, valid_l, s_xt, pp, headdim, s_xp)
+    z_raw = x_raw
     if HAS_Z:
         z_raw = _raw_tile(z_ptr + b * s_zb + h * s_zh, t_l, valid_l, s_zt, pp, headdim, s_zp)
     if HAS_SEQ:
