@@ -51,6 +51,7 @@ import importlib
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -88,7 +89,8 @@ def parse_args(argv=None):
     p.add_argument("--ssd-shapes", default=",".join(map(str, range(len(SSD_SHAPES)))),
                    help="the SSD rows' and sweep's shapes, as indices into SSD_SHAPES (comma-separated)")
     p.add_argument("--sweep-values", default="",
-                   help="the knob values the scans' sweeps time, as NAME=VALUE,... (default: each knob's every value)")
+                   help="the knob values the scans' sweeps time, as NAME=VALUE,... (NAME=VALUE+NAME=VALUE: a row that "
+                        "sets both; default: each knob's every value)")
     args = p.parse_args(argv)
     if args.parts is None:
         parts = ["decode", "ssd-decode", "generate"] if args.decoding else [p for p in PARTS if p not in SWEEPS]
@@ -396,12 +398,27 @@ def sweep_decode_step(args) -> None:
 
 
 def knob_values(space: dict, chosen: dict, asked: str) -> list[tuple]:
-    """The (knob, value) rows of a sweep over `space`: those of --sweep-values `asked` ("NAME=VALUE,...") whose
-    knob is in it, else every value but the chosen one of each knob."""
+    """The rows of a sweep over `space`, each the (knob, value) pairs it sets: those of --sweep-values `asked`
+    ("NAME=VALUE,...", and "A=1+B=2" for a row that sets two knobs) whose knobs are all in it, else every value but
+    the chosen one of each knob."""
     if not asked:
-        return [(knob, value) for knob, values in space.items() for value in values if value != chosen[knob]]
-    rows = [(knob, ast.literal_eval(value)) for knob, value in (pair.split("=") for pair in asked.split(","))]
-    return [(knob, value) for knob, value in rows if knob in space]
+        return [((knob, value),) for knob, values in space.items() for value in values if value != chosen[knob]]
+    rows = [tuple((knob, ast.literal_eval(value)) for knob, value in (pair.split("=") for pair in row.split("+")))
+            for row in asked.split(",")]
+    return [row for row in rows if all(knob in space for knob, _ in row)]
+
+
+@contextlib.contextmanager
+def knobs_set(module, row: tuple) -> Iterator[str]:
+    """A sweep row's knobs set on the launchers' module, restored after; yields the row's label."""
+    saved = {knob: getattr(module, knob) for knob, _ in row}
+    try:
+        for knob, value in row:
+            setattr(module, knob, value)
+        yield " + ".join(f"{knob} {value}" for knob, value in row)
+    finally:
+        for knob, value in saved.items():
+            setattr(module, knob, value)
 
 
 def sweep_tiles(fwd, bwd, repeats: int, sweep_values: str = "") -> None:
@@ -422,15 +439,11 @@ def sweep_tiles(fwd, bwd, repeats: int, sweep_values: str = "") -> None:
 
     print("scan knobs (ssmops/ops/selective_scan/triton.py)   forward ms  backward ms")
     print(f"{'chosen by the launchers':<26} {cell(fwd):>11} {cell(bwd):>12}")
-    try:
-        for knob, value in knob_values(ops.TUNING_SPACE, chosen, sweep_values):
-            forward = knob in ops.FORWARD_KNOBS
-            setattr(ops, knob, value)
-            print(f"{knob + ' ' + str(value):<26} {cell(fwd if forward else bwd):>{11 if forward else 24}}")
-            setattr(ops, knob, chosen[knob])
-    finally:
-        for knob, value in chosen.items():
-            setattr(ops, knob, value)
+    for row in knob_values(ops.TUNING_SPACE, chosen, sweep_values):
+        forward = {knob in ops.FORWARD_KNOBS for knob, _ in row}
+        with knobs_set(ops, row) as label:
+            cells = f"{cell(fwd) if True in forward else '':>11} {cell(bwd) if False in forward else '':>12}"
+            print(f"{label:<26} {cells}")
 
 
 def ssd_sweep() -> dict:
@@ -462,14 +475,9 @@ def sweep_ssd_knobs(args) -> None:
     names = (f"b{s['batch']} L{s['seqlen']} h{s['nheads']} g{s['ngroups']}" for s in args.ssd_shapes)
     print(f"{'knob':<26}" + "".join(f" {name:>21}" for name in names))
     print(f"{'chosen by the launchers':<26}" + "".join(f" {cell(s)}" for s in args.ssd_shapes))
-    try:
-        for knob, value in knob_values(sweep, chosen, args.sweep_values):
-            setattr(ops, knob, value)
-            print(f"{knob + ' ' + str(value):<26}" + "".join(f" {cell(s)}" for s in args.ssd_shapes))
-            setattr(ops, knob, chosen[knob])
-    finally:
-        for knob, value in chosen.items():
-            setattr(ops, knob, value)
+    for row in knob_values(sweep, chosen, args.sweep_values):
+        with knobs_set(ops, row) as label:
+            print(f"{label:<26}" + "".join(f" {cell(s)}" for s in args.ssd_shapes))
 
 
 SSD_LAYER = dict(nheads=80, headdim=64, ngroups=1, dstate=128, chunk=256)  # mamba2-2.7b

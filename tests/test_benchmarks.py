@@ -239,6 +239,25 @@ def test_gpu_benchmark_kernel_table_sums_each_kernel(capsys):
     assert sum(row[0] == "aten::mm" for row in rows) == 1
 
 
+def test_gpu_benchmark_sweep_rows_set_their_knobs_and_restore_them():
+    """benchmarks/gpu.py's sweep rows (`--sweep-values`): each knob's other values by default; asked rows, a
+    "+" joining knobs that one row sets together, rows naming a knob outside the space left out; every knob a row
+    set is back to its chosen value after it, even when the row's timing fails."""
+    import types
+
+    import gpu
+
+    space, chosen = {"TILE": (32, 64), "WARPS": (4, 8)}, {"TILE": 64, "WARPS": 4}
+    assert gpu.knob_values(space, chosen, "") == [(("TILE", 32),), (("WARPS", 8),)]
+    rows = gpu.knob_values(space, chosen, "TILE=32+WARPS=8,OTHER=1,WARPS=8")
+    assert rows == [(("TILE", 32), ("WARPS", 8)), (("WARPS", 8),)]
+    module = types.SimpleNamespace(**chosen)
+    with pytest.raises(RuntimeError), gpu.knobs_set(module, rows[0]) as label:
+        assert label == "TILE 32 + WARPS 8" and (module.TILE, module.WARPS) == (32, 8)
+        raise RuntimeError("out of resources")
+    assert vars(module) == chosen
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="times the Triton launchers")
 def test_decode_overhead_benchmark_runs():
