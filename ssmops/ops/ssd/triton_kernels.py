@@ -189,6 +189,18 @@ def _raw_tile(row, t, valid, s_t, cols, ncols, s_c):
 
 
 @triton.jit
+def _decayed_own(P, L, seq, HAS_SEQ: tl.constexpr, BLOCK_T: tl.constexpr):
+    """_decayed for a block's own tokens (rows l, columns s of one block, s <= l): the causal mask by position
+    alone. Past seqlen, P (a product with C.B^T's zeros there) and dt are 0, and those tokens come after every
+    real one: no validity mask."""
+    pos = tl.arange(0, BLOCK_T)
+    keep = pos[None, :] <= pos[:, None]
+    if HAS_SEQ:
+        keep = keep & (seq[:, None] == seq[None, :])
+    return tl.where(keep, P * tl.exp(L[:, None] - L[None, :]), 0.0)
+
+
+@triton.jit
 def _decayed(P, L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l, seq_s, STRICT: tl.constexpr):
     """P exp(L_l - L_s) for s <= l (s < l if STRICT) of the same sequence, else 0: (rows l, columns s).
     Selected, not multiplied by a 0/1 mask: past the diagonal the exponent is a positive sum that may
@@ -480,9 +492,8 @@ def ssd_chunk_scan_kernel(
     # below
     x_l = x_raw.to(tl.float32)
     finite = x_l * dt_l[:, None] * 0.0 == 0.0
-    CB = tl.load(cb_rows + (i * BLOCK_T + tl.arange(0, BLOCK_T))[None, :], mask=valid_l[:, None] & valid_l[None, :],
-                 other=0.0).to(tl.float32)
-    M = _decayed(CB * dt_l[None, :], L_l, L_l, t_l, t_l, valid_l, valid_l, seq_l, seq_l, False)
+    CB = tl.load(cb_rows + (i * BLOCK_T + tl.arange(0, BLOCK_T))[None, :]).to(tl.float32)  # (written whole)
+    M = _decayed_own(CB * dt_l[None, :], L_l, seq_l, HAS_SEQ, BLOCK_T)
     y += _dot(_operand(M, x_ptr, DOT_F32), _operand(tl.where(finite, x_l, 0.0), x_ptr, DOT_F32), DOT_F32)
     if HAS_SEQ:  # the row block's NaN and inf, to the rows whose sequence is the last with one up to them: NaN
         last_bad = tl.associative_scan(tl.where(finite, -1, seq_l[:, None]), 0, _maximum)
@@ -747,9 +758,8 @@ def ssd_bwd_dx_kernel(
     if HAS_SEQ:  # (the block's own non-finite dy enters as 0, and reaches its columns below)
         acc = tl.where((seq_s == seq_last)[:, None], acc, 0.0)
         dy_own = tl.where(dy_own * 0.0 == 0.0, dy_own, 0.0)
-    CB = tl.load(cb_rows + (t_s - t0)[:, None] * cb_side + (t_s - t0)[None, :],
-                 mask=valid_s[:, None] & valid_s[None, :], other=0.0).to(tl.float32)
-    M = _decayed(CB, L_s, L_s, t_s, t_s, valid_s, valid_s, seq_s, seq_s, False)
+    CB = tl.load(cb_rows + (t_s - t0)[:, None] * cb_side + (t_s - t0)[None, :]).to(tl.float32)  # (written whole)
+    M = _decayed_own(CB, L_s, seq_s, HAS_SEQ, BLOCK_T)
     acc += _dot(tl.trans(_operand(M, x_ptr, DOT_F32)), _operand(dy_own, x_ptr, DOT_F32), DOT_F32)
     if HAS_SEQ:  # the block's NaN and inf of dy, to its columns before them of their sequence: NaN
         dy_s = _tile(gated_row, t_s, valid_s, s_yt, pp, headdim, s_yp)
