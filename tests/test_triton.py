@@ -738,8 +738,8 @@ def test_triton_ssd_kernels_compile_for_gpus_without_spilling(target, name):
     measured on, but for the dC launch of the group kernel, on the 4 warps an H200 ran 6% faster a forward+backward
     than 8 all the same (24 bytes there, 104 under Triton 3.6; up to 184 in the varlen case and on sm_80, unmeasured);
     elsewhere, and in the varlen case (seq_idx, fp16, per-channel D), a few: 24 bytes in sm_80's state pass of 128
-    states, 24 in sm_90's dX pass on the 4 warps an H200 ran fastest at mamba2-2.7b's layer, 96 in its output
-    kernel (0 under Triton 3.6, torch 2.11's, which the GPU machines run). On NVIDIA's,
+    states, 24 in sm_90's dX pass on the 4 warps an H200 ran fastest at mamba2-2.7b's layer (32 under Triton 3.6,
+    torch 2.11's, which the GPU machines run), 24 in its output kernel (0 under 3.6). On NVIDIA's,
     the output kernel takes at most 1024 / warps registers as Mamba2 calls it, so
     that two of its programs share an SM. At the benchmark's shape on sm_90 every tensor-core loop of the kernels
     with a pipeline (the knobs' stages above 1) is pipelined, its operands loaded a trip ahead by asynchronous

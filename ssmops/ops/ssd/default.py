@@ -325,7 +325,8 @@ def ssd_fwd(
     dstate = B.shape[-1]
     chunks = _chunks(seqlen, chunk_size, cu_seqlens)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    ungated = torch.empty_like(out) if keeps_ungated(z, keep_ungated) else x.new_empty(0)
+    keep = keeps_ungated(z, keep_ungated)
+    ungated = torch.empty_like(out) if keep else x.new_empty(0)
     chunk_states = x.new_empty(batch, len(chunks), nheads, headdim, dstate, dtype=torch.float32)
     nseq = 0 if cu_seqlens is None else cu_seqlens.shape[0] - 1
     varlen_states = x.new_empty(nseq, nheads, headdim, dstate, dtype=torch.float32)
@@ -341,7 +342,7 @@ def ssd_fwd(
                 chunk.slice(x), chunk.slice(dt), A, chunk.slice(B), chunk.slice(C), D, None, dt_bias,
                 state, chunk.slice(seq_idx), chunk.seq_before(seq_idx), chunk.state_offsets, dt_softplus, dt_limit,
             )  # fmt: skip
-            if ungated.numel():
+            if keep:
                 ungated[:, chunk.start : chunk.stop] = y
             out[:, chunk.start : chunk.stop] = y if z is None else _gate(y, chunk.slice(z))
             for i, end_state in zip(chunk.varlen_ids, ends):

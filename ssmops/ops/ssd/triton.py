@@ -308,21 +308,7 @@ def ssd_bwd(
     if not run.flags["DOT_F32"]:
         states_op, dends_op = (_triton.output(states.shape, x.dtype, x.device) for _ in range(2))
     cb = run.cb_tiles()  # (for the dX pass, and the output before the gate where the forward did not keep it)
-    # the gradient of the output before the gate, which every later pass reads: dout itself without z
-    dz = x.new_empty(0, dtype=torch.float32)
-    gated = dout
-    if z is not None:
-        if ungated is None:  # (the float32 chunk states, the same values as the forward's operands once rounded)
-            ungated = _triton.output(x.shape, x.dtype, x.device)
-            run.chunk_scan(states, cb, ungated, gate=False)
-            ungated = ungated.view(x.shape)
-        dz = _triton.output(x.shape, z.dtype, x.device)
-        gated = _triton.output(x.shape, torch.float32 if run.flags["DOT_F32"] else x.dtype, x.device)
-        gate_tile = dict(BLOCK_T=GATE_BLOCK_T, BLOCK_P=_triton.pow2_tile(headdim, 16, _triton.NO_CAP))
-        _triton.launch(ssd_gate_grad_kernel, (_triton.cdiv(seqlen, GATE_BLOCK_T), batch * nheads), (
-            dout, z, ungated, dz, gated, seqlen, nheads, headdim, *dout.stride(), *z.stride(), *ungated.stride(),
-        ), dict(**gate_tile, num_warps=4))
-        gated = gated.view(x.shape)
+    dz, gated = _through_gate(run, states, cb, dout, ungated)
 
     # the gradient of the state after each chunk, walking the chunks back
     tiles = _state_tiles(headdim, dstate, run.knobs)
@@ -367,9 +353,32 @@ def ssd_bwd(
     return (
         dx.view(x.shape), ddt.view(dt.shape), dA_part.view(-1, nheads).sum(0), dB.to(B.dtype), dC.to(C.dtype),
         optional(dD if D is None or D.dim() == 2 else dD.sum(-1), D),
-        dz.view(x.shape) if z is not None else dz, optional(dbias_part.view(-1, nheads).sum(0), dt_bias),
+        dz, optional(dbias_part.view(-1, nheads).sum(0), dt_bias),
         optional(dinit.view(state_shape) if initial_states is not None else dinit, initial_states),
     )
+
+
+def _through_gate(run: _Launch, states: Tensor, cb: Tensor, dout: Tensor,
+                  ungated: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """(dz, gated): with z, dz and the gradient of the output before the gate, dout * silu(z), which every later
+    pass of the backward reads (x's shape, in the GEMMs' operand dtype), from the forward's output before the gate,
+    recomputed where not given (from the float32 chunk states: the same values as the forward's operands once
+    rounded); without z, an empty dz and dout itself."""
+    x, z = run.inputs["x"], run.inputs["z"]
+    if z is None:
+        return x.new_empty(0, dtype=torch.float32), dout
+    if ungated is None:
+        ungated = _triton.output(x.shape, x.dtype, x.device)
+        run.chunk_scan(states, cb, ungated, gate=False)
+        ungated = ungated.view(x.shape)
+    dz = _triton.output(x.shape, z.dtype, x.device)
+    gated = _triton.output(x.shape, torch.float32 if run.flags["DOT_F32"] else x.dtype, x.device)
+    tile = dict(BLOCK_T=GATE_BLOCK_T, BLOCK_P=_triton.pow2_tile(run.headdim, 16, _triton.NO_CAP))
+    _triton.launch(ssd_gate_grad_kernel, (_triton.cdiv(run.seqlen, GATE_BLOCK_T), run.batch * run.nheads), (
+        dout, z, ungated, dz, gated, run.seqlen, run.nheads, run.headdim, *dout.stride(), *z.stride(),
+        *ungated.stride(),
+    ), dict(**tile, num_warps=4))
+    return dz.view(x.shape), gated.view(x.shape)
 
 
 def _head_runs(heads_per_group: int, most: int) -> int:

@@ -754,15 +754,15 @@ def ssd_bwd_dx_kernel(
             M = tl.where(seq_l[:, None] == seq_s[None, :], M, 0.0)
             dy_l = tl.where((seq_l == seq_last)[:, None], dy_l, 0.0)
         acc += _dot(tl.trans(_operand(M, x_ptr, DOT_F32)), _operand(dy_l, x_ptr, DOT_F32), DOT_F32)
-    dy_own = _tile(gated_row, t_s, valid_s, s_yt, pp, headdim, s_yp)
+    dy_s = _tile(gated_row, t_s, valid_s, s_yt, pp, headdim, s_yp)  # the block's own: its product, and D's part
+    dy_own = dy_s
     if HAS_SEQ:  # (the block's own non-finite dy enters as 0, and reaches its columns below)
         acc = tl.where((seq_s == seq_last)[:, None], acc, 0.0)
-        dy_own = tl.where(dy_own * 0.0 == 0.0, dy_own, 0.0)
+        dy_own = tl.where(dy_s * 0.0 == 0.0, dy_s, 0.0)
     CB = tl.load(cb_rows + (t_s - t0)[:, None] * cb_side + (t_s - t0)[None, :]).to(tl.float32)  # (written whole)
     M = _decayed_own(CB, L_s, seq_s, HAS_SEQ, BLOCK_T)
     acc += _dot(tl.trans(_operand(M, x_ptr, DOT_F32)), _operand(dy_own, x_ptr, DOT_F32), DOT_F32)
     if HAS_SEQ:  # the block's NaN and inf of dy, to its columns before them of their sequence: NaN
-        dy_s = _tile(gated_row, t_s, valid_s, s_yt, pp, headdim, s_yp)
         first_bad = tl.associative_scan(tl.where(dy_s * 0.0 == 0.0, 2147483647, seq_s[:, None]), 0, _minimum,
                                         reverse=True)
         acc = tl.where(first_bad == seq_s[:, None], float("nan"), acc)
@@ -772,7 +772,6 @@ def ssd_bwd_dx_kernel(
                             s_seqt, True, HAS_SEQ, SOFTPLUS, HAS_LIMIT, DOT_F32, BLOCK_T, CHUNK_TOKENS)
     # (the loads before the stores)
     x_s = _tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp)
-    dy_s = _tile(gated_row, t_s, valid_s, s_yt, pp, headdim, s_yp)
     dx = acc * dt_s[:, None]
     if HAS_D:
         if D_CHANNEL:
