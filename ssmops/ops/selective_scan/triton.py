@@ -52,6 +52,14 @@ FORWARD_SEGMENT = 0
 # ahead, B's and C's). Each is an L2 hit whose latency, with a load at its step, was paid every step: the sm_90
 # compiles put the loads 2-130 instructions before their use, a step's arithmetic being ~180.
 FORWARD_PREFETCH = 2
+# FORWARD_STAGES: Triton's software pipelining of the loop over tiles (1: none), which copies each step's B and C
+# rows (and the tiles' u, delta, z) into shared memory asynchronously STAGES - 1 tiles ahead. The rows loaded ahead
+# in registers (FORWARD_PREFETCH) cross the loop in a layout of their own, moved to the one every thread reads
+# through shared memory with a barrier at every step (8 a tile on sm_90, Triton 3.6); pipelined with PREFETCH 0,
+# a tile has 2, the rows are read from shared memory, and the kernel takes 168 registers (three programs an SM,
+# where 252 hold two), for ~20% more instructions. For a GPU to weigh (the sweep's row
+# FORWARD_PREFETCH=0+FORWARD_STAGES=3).
+FORWARD_STAGES = 1
 # The backward keeps a register tile's states and decays (two registers a pair) while the adjoint runs back
 # over it; it reads its inputs a tile of 16-byte rows at a time (8 steps of a 16-bit input), and reaches each
 # register tile from the read tile's start by walking the register tiles before it. BACKWARD_SEGMENT: read
@@ -85,11 +93,11 @@ BACKWARD_PREFETCH = 2
 # What SSMOPS_AUTOTUNE=1 times per shape (ops/_tuning.py), each phase's in its own call; benchmarks/gpu.py --sweep
 # times the same values. (One warp: Triton lays the state tiles out so that ptxas spills in the walk.)
 TUNING_SPACE = {"FORWARD_WARPS": (2, 4, 8), "FORWARD_TILE": (32, 64, 128), "FORWARD_SEGMENT": (0, 256, 512, 1024),
-                "FORWARD_PREFETCH": (0, 1, 2),
+                "FORWARD_PREFETCH": (0, 1, 2), "FORWARD_STAGES": (1, 2, 3),
                 "BACKWARD_WARPS": (2, 4, 8), "BACKWARD_TILE": (16, 32, 64), "BACKWARD_SEGMENT": (1, 2, 4),
                 "BACKWARD_ATOMIC": (False, True), "BACKWARD_REDUCE": (1, 4, 32), "BACKWARD_WARP_ROWS": (True, False),
                 "BACKWARD_READ": (8, 16), "BACKWARD_PREFETCH": (0, 1, 2)}
-FORWARD_KNOBS = ("FORWARD_WARPS", "FORWARD_TILE", "FORWARD_SEGMENT", "FORWARD_PREFETCH")
+FORWARD_KNOBS = ("FORWARD_WARPS", "FORWARD_TILE", "FORWARD_SEGMENT", "FORWARD_PREFETCH", "FORWARD_STAGES")
 BACKWARD_KNOBS = ("BACKWARD_WARPS", "BACKWARD_TILE", "BACKWARD_SEGMENT", "BACKWARD_ATOMIC", "BACKWARD_REDUCE",
                   "BACKWARD_WARP_ROWS", "BACKWARD_READ", "BACKWARD_PREFETCH")
 TUNER = _tuning.Tuner("selective_scan", lambda: {name: globals()[name] for name in TUNING_SPACE}, TUNING_SPACE)
@@ -125,7 +133,7 @@ def _tiles(dim: int, dstate: int, element_size: int, warps: int, max_states: int
 
 def _forward_config(dim: int, dstate: int, element_size: int, knobs: dict) -> dict:
     return dict(_tiles(dim, dstate, element_size, knobs["FORWARD_WARPS"], FORWARD_STATES, knobs["FORWARD_TILE"]),
-                CHUNK=CHUNK_LEN, PREFETCH=knobs["FORWARD_PREFETCH"])
+                CHUNK=CHUNK_LEN, PREFETCH=knobs["FORWARD_PREFETCH"], STAGES=knobs["FORWARD_STAGES"])
 
 
 def _backward_config(dim: int, dstate: int, element_size: int, aligned: bool, knobs: dict) -> dict:

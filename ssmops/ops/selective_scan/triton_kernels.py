@@ -186,7 +186,7 @@ def selective_scan_fwd_kernel(
     SOFTPLUS: tl.constexpr, B_VAR: tl.constexpr, C_VAR: tl.constexpr, B_SHARED: tl.constexpr,
     C_SHARED: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, STATES: tl.constexpr,
     STATE_TILES: tl.constexpr, PADDED_STATES: tl.constexpr, CHUNK: tl.constexpr, SEGMENT_PASS: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, STAGES: tl.constexpr,
 ):
     """A program takes BLOCK_D channels of one batch row, a thread one channel (see the module's
     docstring). B and C are float32, a variable one laid out (batch, [groups,] seqlen, dstate), padded with
@@ -264,7 +264,8 @@ def selective_scan_fwd_kernel(
         C_2 = _bc_ahead(C_rows, n, t_begin + 1, s_Cn, s_Ct, C_VAR, C_SHARED, PREFETCH > 1 and SEGMENT_PASS != 1,
                         BLOCK_D, STATES)
         for c in range(c_first, c_last):
-            for t0 in range(tl.maximum(c * CHUNK, t_begin), tl.minimum(t_end, (c + 1) * CHUNK), BLOCK_T):
+            for t0 in tl.range(tl.maximum(c * CHUNK, t_begin), tl.minimum(t_end, (c + 1) * CHUNK), BLOCK_T,
+                               num_stages=STAGES):
                 t = t0 + tt
                 mask = mask_d[:, None] & (t < seqlen)[None, :]
                 u = u_next.to(tl.float32)
