@@ -74,7 +74,7 @@ def compile_launch(kernel, args: tuple, meta: dict, target: str):
     to 1 becomes a constant, and pointers and ints divisible by 16 are marked so (which lets
     loads be vectorized)."""
     constants = dict(meta)
-    options = {k: constants.pop(k) for k in ("num_warps", "num_stages") if k in constants}
+    options = {k: constants.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in constants}
     signature, attrs = {name: "constexpr" for name in constants}, {}
     for i, (name, arg) in enumerate(zip(kernel.arg_names, args)):
         if isinstance(arg, torch.Tensor):

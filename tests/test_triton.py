@@ -402,8 +402,8 @@ def _tuning_values():
         defaults = module.TUNER.defaults()
         for knob, values in module.TUNING_SPACE.items():
             for value in values:
-                # (the interpreter runs a program's block as one: warps and stages change nothing there)
-                if value != defaults[knob] and not (interpreting() and knob.endswith(("WARPS", "STAGES"))):
+                # (the interpreter runs a program's block as one: warps, stages and registers change nothing there)
+                if value != defaults[knob] and not (interpreting() and knob.endswith(("WARPS", "STAGES", "REGISTERS"))):
                     yield pytest.param(family, knob, value, id=f"{family}-{knob}-{value}")
 
 

@@ -42,8 +42,9 @@ def launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
             f"{kernel.arg_names[0].removesuffix('_ptr')} is on {first.device}: move the inputs to the GPU, or run "
             "CPU tensors on the cpu or default backend, or under Triton's interpreter (TRITON_INTERPRET=1 set "
             "before Python starts)")
-    if traced():
-        wrap_triton(kernel)[grid](*args, **meta)
+    if traced():  # (maxnreg, a ptxas option, is not among the launch options torch carries into a graph: a
+        # traced launch leaves the registers to ptxas)
+        wrap_triton(kernel)[grid](*args, **{name: value for name, value in meta.items() if name != "maxnreg"})
     else:  # wrap_triton's eager launch goes through a higher-order operator: ~1 ms a launch (torch's own note)
         kernel[grid](*args, **meta)
 

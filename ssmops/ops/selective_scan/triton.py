@@ -60,6 +60,12 @@ FORWARD_PREFETCH = 2
 # where 252 hold two), for ~20% more instructions. For a GPU to weigh (the sweep's row
 # FORWARD_PREFETCH=0+FORWARD_STAGES=3).
 FORWARD_STAGES = 1
+# FORWARD_REGISTERS: the registers a thread may take, given to ptxas for the one-walk forward (0: ptxas's choice).
+# On sm_90 under Triton 3.6 ptxas chose 182 for the default knobs, which hold two programs an SM as 255 do, and
+# then put each B/C row's load 94-146 instructions before its use, under one step's arithmetic (~175); allowed
+# 255, it puts them 184-300 before (Triton 3.9 takes 255 either way). Segmented passes keep ptxas's choice: 96-127
+# registers hold four or five programs an SM.
+FORWARD_REGISTERS = 255
 # The backward keeps a register tile's states and decays (two registers a pair) while the adjoint runs back
 # over it; it reads its inputs a tile of 16-byte rows at a time (8 steps of a 16-bit input), and reaches each
 # register tile from the read tile's start by walking the register tiles before it. BACKWARD_SEGMENT: read
@@ -93,11 +99,12 @@ BACKWARD_PREFETCH = 2
 # What SSMOPS_AUTOTUNE=1 times per shape (ops/_tuning.py), each phase's in its own call; benchmarks/gpu.py --sweep
 # times the same values. (One warp: Triton lays the state tiles out so that ptxas spills in the walk.)
 TUNING_SPACE = {"FORWARD_WARPS": (2, 4, 8), "FORWARD_TILE": (32, 64, 128), "FORWARD_SEGMENT": (0, 256, 512, 1024),
-                "FORWARD_PREFETCH": (0, 1, 2), "FORWARD_STAGES": (1, 2, 3),
+                "FORWARD_PREFETCH": (0, 1, 2), "FORWARD_STAGES": (1, 2, 3), "FORWARD_REGISTERS": (0, 168, 255),
                 "BACKWARD_WARPS": (2, 4, 8), "BACKWARD_TILE": (16, 32, 64), "BACKWARD_SEGMENT": (1, 2, 4),
                 "BACKWARD_ATOMIC": (False, True), "BACKWARD_REDUCE": (1, 4, 32), "BACKWARD_WARP_ROWS": (True, False),
                 "BACKWARD_READ": (8, 16), "BACKWARD_PREFETCH": (0, 1, 2)}
-FORWARD_KNOBS = ("FORWARD_WARPS", "FORWARD_TILE", "FORWARD_SEGMENT", "FORWARD_PREFETCH", "FORWARD_STAGES")
+FORWARD_KNOBS = ("FORWARD_WARPS", "FORWARD_TILE", "FORWARD_SEGMENT", "FORWARD_PREFETCH", "FORWARD_STAGES",
+                 "FORWARD_REGISTERS")
 BACKWARD_KNOBS = ("BACKWARD_WARPS", "BACKWARD_TILE", "BACKWARD_SEGMENT", "BACKWARD_ATOMIC", "BACKWARD_REDUCE",
                   "BACKWARD_WARP_ROWS", "BACKWARD_READ", "BACKWARD_PREFETCH")
 TUNER = _tuning.Tuner("selective_scan", lambda: {name: globals()[name] for name in TUNING_SPACE}, TUNING_SPACE)
@@ -237,6 +244,7 @@ def selective_scan_fwd(
     seg_h = _triton.output((batch, dim, n_segments, dstate), torch.float32, u.device) if segments else x
     seg_dt = _triton.output((batch, dim, n_segments), torch.float32, u.device) if segments else x
 
+    registers = dict(maxnreg=knobs["FORWARD_REGISTERS"]) if knobs["FORWARD_REGISTERS"] and not segments else {}
     for segment_pass in (1, 2) if segments else (0,):  # (the first pass reads no z)
         _triton.launch(selective_scan_fwd_kernel, (_triton.cdiv(dim, cfg["BLOCK_D"]), batch, n_segments), (
             u, delta, A, B, C, D if D is not None else A, z if z is not None else u,
@@ -249,7 +257,8 @@ def selective_scan_fwd(
             *A.stride(),
             *_bc_strides(B), *_bc_strides(C),
             *_strides3(initial_state),
-        ), dict(flags, **shared, **cfg, SEGMENT_PASS=segment_pass, HAS_Z=flags["HAS_Z"] and segment_pass != 1))
+        ), dict(flags, **shared, **cfg, **registers, SEGMENT_PASS=segment_pass,
+                HAS_Z=flags["HAS_Z"] and segment_pass != 1))
     return out.view(out_shape), x.view(x_shape), out_z.view(out_shape) if z is not None else out_z, \
         last.view(last_shape)
 

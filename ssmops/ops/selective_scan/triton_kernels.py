@@ -256,16 +256,18 @@ def selective_scan_fwd_kernel(
         z_next = u_next
         if HAS_Z:
             z_next = _row_tile(z_rows, t_begin + tt, mask & last_tile, s_zt)
-        # and a variable B's and C's rows PREFETCH steps before theirs (pass 1 reads no C)
-        B_1 = _bc_ahead(B_rows, n, t_begin, s_Bn, s_Bt, B_VAR, B_SHARED, PREFETCH > 0, BLOCK_D, STATES)
-        B_2 = _bc_ahead(B_rows, n, t_begin + 1, s_Bn, s_Bt, B_VAR, B_SHARED, PREFETCH > 1, BLOCK_D, STATES)
-        C_1 = _bc_ahead(C_rows, n, t_begin, s_Cn, s_Ct, C_VAR, C_SHARED, PREFETCH > 0 and SEGMENT_PASS != 1,
-                        BLOCK_D, STATES)
-        C_2 = _bc_ahead(C_rows, n, t_begin + 1, s_Cn, s_Ct, C_VAR, C_SHARED, PREFETCH > 1 and SEGMENT_PASS != 1,
-                        BLOCK_D, STATES)
         for c in range(c_first, c_last):
-            for t0 in tl.range(tl.maximum(c * CHUNK, t_begin), tl.minimum(t_end, (c + 1) * CHUNK), BLOCK_T,
-                               num_stages=STAGES):
+            c_begin = tl.maximum(c * CHUNK, t_begin)
+            # and a variable B's and C's rows PREFETCH steps before theirs (pass 1 reads no C), loaded again at
+            # each chunk's start: rows carried across both loops reach the steps in another layout than the one
+            # every thread reads, through shared memory with a barrier at every step (sm_90, Triton 3.6)
+            B_1 = _bc_ahead(B_rows, n, c_begin, s_Bn, s_Bt, B_VAR, B_SHARED, PREFETCH > 0, BLOCK_D, STATES)
+            B_2 = _bc_ahead(B_rows, n, c_begin + 1, s_Bn, s_Bt, B_VAR, B_SHARED, PREFETCH > 1, BLOCK_D, STATES)
+            C_1 = _bc_ahead(C_rows, n, c_begin, s_Cn, s_Ct, C_VAR, C_SHARED, PREFETCH > 0 and SEGMENT_PASS != 1,
+                            BLOCK_D, STATES)
+            C_2 = _bc_ahead(C_rows, n, c_begin + 1, s_Cn, s_Ct, C_VAR, C_SHARED,
+                            PREFETCH > 1 and SEGMENT_PASS != 1, BLOCK_D, STATES)
+            for t0 in tl.range(c_begin, tl.minimum(t_end, (c + 1) * CHUNK), BLOCK_T, num_stages=STAGES):
                 t = t0 + tt
                 mask = mask_d[:, None] & (t < seqlen)[None, :]
                 u = u_next.to(tl.float32)
@@ -477,24 +479,26 @@ def selective_scan_bwd_kernel(
 
         # forwards: the state at the start of every segment. A tile's u and delta are loaded while the tile before
         # it is computed, and so before the checkpoint between them is stored (the compiler keeps a load after a
-        # store, which waits for the walk); a variable B's rows PREFETCH steps ahead
+        # store, which waits for the walk); a variable B's rows PREFETCH steps ahead. One loop over the tiles:
+        # rows carried across two loops reach the steps in another layout than the one every thread reads, through
+        # shared memory with a barrier at every step (sm_90, Triton 3.6)
         u_next = _row_tile(u_rows, tt, mask_d[:, None] & (tt < seqlen)[None, :], s_ut)
         delta_next = _row_tile(delta_rows, tt, mask_d[:, None] & (tt < seqlen)[None, :], s_dt)
         B_1 = _bc_ahead(B_rows, n, 0, s_Bn, s_Bt, B_VAR, B_SHARED, PREFETCH > 0, BLOCK_D, STATES)
         B_2 = _bc_ahead(B_rows, n, 1, s_Bn, s_Bt, B_VAR, B_SHARED, PREFETCH > 1, BLOCK_D, STATES)
-        for j in range(0, n_segments):
-            _store_states(ckpt_rows + j * STATES * dim, h, dim, mask_d, STATES)
-            for t0 in range(j * segment_len, tl.minimum(seqlen, (j + 1) * segment_len), BLOCK_T):
-                t = t0 + tt
-                dt, dtu = _drive(u_next, delta_next, bias, mask_d[:, None] & (t < seqlen)[None, :], HAS_BIAS,
-                                 SOFTPLUS)
-                mask_next = mask_d[:, None] & (t + BLOCK_T < seqlen)[None, :]
-                u_next = _row_tile(u_rows, t + BLOCK_T, mask_next, s_ut)
-                delta_next = _row_tile(delta_rows, t + BLOCK_T, mask_next, s_dt)
-                for k in tl.static_range(BLOCK_T):
-                    B_t, B_1, B_2 = _bc_next(B_1, B_2, B_const, B_rows, n, t0 + k, s_Bn, s_Bt, B_VAR, B_SHARED,
-                                             PREFETCH)
-                    h = _step(h, A2, _column(dt, tt, k), _column(dtu, tt, k), B_t, mask_dn, PADDED_STATES)
+        for t0 in range(0, seqlen, BLOCK_T):
+            if SEGMENT == 1:  # (a checkpoint every tile)
+                _store_states(ckpt_rows + (t0 // BLOCK_T) * STATES * dim, h, dim, mask_d, STATES)
+            elif t0 % segment_len == 0:
+                _store_states(ckpt_rows + (t0 // segment_len) * STATES * dim, h, dim, mask_d, STATES)
+            t = t0 + tt
+            dt, dtu = _drive(u_next, delta_next, bias, mask_d[:, None] & (t < seqlen)[None, :], HAS_BIAS, SOFTPLUS)
+            mask_next = mask_d[:, None] & (t + BLOCK_T < seqlen)[None, :]
+            u_next = _row_tile(u_rows, t + BLOCK_T, mask_next, s_ut)
+            delta_next = _row_tile(delta_rows, t + BLOCK_T, mask_next, s_dt)
+            for k in tl.static_range(BLOCK_T):
+                B_t, B_1, B_2 = _bc_next(B_1, B_2, B_const, B_rows, n, t0 + k, s_Bn, s_Bt, B_VAR, B_SHARED, PREFETCH)
+                h = _step(h, A2, _column(dt, tt, k), _column(dtu, tt, k), B_t, mask_dn, PADDED_STATES)
 
         # backwards, a tile at a time: the adjoint g enters from the last state's gradient
         carry = tl.zeros([BLOCK_D, STATES], dtype=tl.float32)
