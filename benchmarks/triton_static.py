@@ -277,7 +277,7 @@ def _ssd_grids(shape: dict) -> list:
     group_blocks = -(-Q // ssd_triton._triton.pow2_tile(Q, 16, ssd_triton.GROUP_BLOCK_T))
     runs = b * g * ssd_triton._head_runs(h // g, ssd_triton.GROUP_HEADS)
     dcb, group = nchunks * group_blocks * (group_blocks + 1) // 2 * runs, nchunks * group_blocks * runs
-    dt = -(-L // 256) * b * h
+    dt = nchunks * -(-Q // cfg["BLOCK_T"]) * b * h
     gate = -(-L // ssd_triton.GATE_BLOCK_T) * b * h
     return [dt, state_programs, cb, scan, dt, cb, gate, state_programs, dx, dcb, group, group, nchunks * b * h, b * h]
 

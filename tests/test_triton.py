@@ -1035,9 +1035,9 @@ def test_triton_ops_trace_into_kernel_launches_on_cuda_tensors():
     and read a time-major copy of B and C. The SSD: grids from the sizes (one (headdim, dstate) state tile, 4
     chunks of 64, batch x nheads = 16, batch x ngroups = 4 for C . B^T, one 64-token block a chunk in the
     backward's passes (one block pair in its dB and dC passes, over batch x ngroups x runs of heads = 4), dt
-    processed once a pass in blocks of 256 tokens). The decoding steps, called through the public front end: a
-    launch each, over blocks of 64 channels (Mamba-1's tile of 1024 at dstate 16) and per (head, batch). The
-    conv: a dense channel-last x reaches its launches as it is (no transposing copy); a slice of a wider
+    processed once a pass in the output kernel's blocks of 64 tokens). The decoding steps, called through the public
+    front end: a launch each, over blocks of 64 channels (Mamba-1's tile of 1024 at dstate 16) and per (head,
+    batch). The conv: a dense channel-last x reaches its launches as it is (no transposing copy); a slice of a wider
     projection (Mamba-2's xBC) as a dense channel-last copy."""
     proc = run_python(_TRACE_ON_FAKE_CUDA, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -1063,9 +1063,9 @@ def test_triton_ops_trace_into_kernel_launches_on_cuda_tensors():
     compaction = f"copy {(seqlen * 104, 104, 1)} -> {(seqlen * dim, dim, 1)}"  # (batch, seqlen, dim), no transpose
     assert lines["conv104"] == [compaction, conv[0], compaction, *conv[1:]], proc.stdout
     assert lines["ssd"] == [
-        "launch ssd_dt_kernel [4] [(1, 16, 1)]", "launch ssd_states_fwd_kernel [8] [(1, 16, 1)]",
+        "launch ssd_dt_kernel [4] [(4, 16, 1)]", "launch ssd_states_fwd_kernel [8] [(1, 16, 1)]",
         "launch ssd_cb_kernel [4] [(4, 4, 1)]",
-        "launch ssd_chunk_scan_kernel [4] [(4, 16, 1)]", "launch ssd_dt_kernel [4] [(1, 16, 1)]",
+        "launch ssd_chunk_scan_kernel [4] [(4, 16, 1)]", "launch ssd_dt_kernel [4] [(4, 16, 1)]",
         "launch ssd_cb_kernel [4] [(4, 4, 1)]", "launch ssd_gate_grad_kernel [4] [(7, 16, 1)]",
         "launch ssd_state_grads_kernel [8] [(1, 16, 1)]", "launch ssd_bwd_dx_kernel [4] [(4, 16, 1)]",
         "launch ssd_bwd_dcb_kernel [4] [(4, 4, 1)]",

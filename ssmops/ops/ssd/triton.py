@@ -138,6 +138,7 @@ class _Launch:
         self.key = self._tuning_key(B, chunk_size, cu_seqlens)
         self.knobs, self.cfg = {}, {}  # (use_knobs)
         self.given_strides = {}  # an input's strides where its tensor is a flat buffer (dt_processed's)
+        self.block_sums = 0  # the tokens of the blocks dt_processed's sums of a are over (0: none)
 
     def use_knobs(self, knobs: dict) -> "_Launch":
         """This launch with its knobs (TUNER's choice) and the output kernel's tiles they set."""
@@ -168,20 +169,24 @@ class _Launch:
 
     def dt_processed(self) -> "_Launch":
         """This launch with dt in place of dt + dt_bias through softplus and the clamp, as ssd_dt_kernel writes it
-        (float32, a contiguous row of tokens per (batch, head)): dt_bias, softplus and dt_limit are then done. Every
-        kernel but ssd_bwd_ddt_kernel (which differentiates through them) reads it."""
+        (float32, a contiguous row of tokens per (batch, head), followed by the sums of a = dt A over each block of
+        the output kernel's tokens up to each token): dt_bias, softplus and dt_limit are then done. Every kernel
+        but ssd_bwd_ddt_kernel (which differentiates through them) reads it."""
         dt = self.inputs["dt"]
-        rows = _triton.output((self.batch * self.nheads * self.seqlen,), torch.float32, dt.device)
-        block = 256  # (not chosen from seqlen: that would guard a dynamic one)
-        _triton.launch(ssd_dt_kernel, (_triton.cdiv(self.seqlen, block), self.batch * self.nheads), (
-            dt, self.ptr("bias"), rows, self.seqlen, self.nheads, *self.sizes[-2:], *dt.stride(),
+        rows = _triton.output((self.batch * self.nheads * 2 * self.seqlen,), torch.float32, dt.device)
+        block = self.cfg["BLOCK_T"]
+        blocks = _triton.cdiv(self.chunk_size, block)
+        _triton.launch(ssd_dt_kernel, (self.nchunks * blocks, self.batch * self.nheads), (
+            dt, self.ptr("bias"), self.inputs["A"], rows, self.seqlen, self.nheads, self.chunk_size, blocks,
+            *self.sizes[-2:], *dt.stride(),
         ), dict(**{k: self.flags[k] for k in ("HAS_BIAS", "SOFTPLUS", "HAS_LIMIT")}, BLOCK_T=block, num_warps=4))
         processed = copy.copy(self)
         # (the flat buffer with its strides as numbers: a traced view's strides may not be the ones Inductor
         # gives it, see _triton.contiguous_when_traced)
         processed.inputs = dict(self.inputs, dt=rows, bias=None)
-        processed.given_strides = dict(dt=(self.nheads * self.seqlen, 1, self.seqlen))
+        processed.given_strides = dict(dt=(self.nheads * 2 * self.seqlen, 1, 2 * self.seqlen))
         processed.flags = dict(self.flags, HAS_BIAS=False, SOFTPLUS=False, HAS_LIMIT=False)
+        processed.block_sums = block
         return processed
 
     def state_launch(self) -> dict:
@@ -226,7 +231,8 @@ class _Launch:
             ungated if ungated is not None else out, *self.sizes, blocks,
             *self.token_strides("x", "dt", "B", "C", "z", "seq"), D.stride(0) if D is not None else 0,
         ), dict(**self.d_flags, HAS_Z=gate and self.inputs["z"] is not None, KEEP_UNGATED=ungated is not None,
-                **self.flags, **cfg, num_warps=self.knobs["SCAN_WARPS"], num_stages=self.knobs["SCAN_STAGES"]))
+                **self.flags, **cfg, BLOCK_SUMS=self.block_sums == cfg["BLOCK_T"], num_warps=self.knobs["SCAN_WARPS"],
+                num_stages=self.knobs["SCAN_STAGES"]))
 
 
 def ssd_fwd(
@@ -338,7 +344,8 @@ def ssd_bwd(
         *varlen_args, dx, dD_part, R, xdx, *run.sizes, blocks, run.cb_side(), *strides,
         D.stride(0) if D is not None else 0,
     ), dict(**run.d_flags, HAS_DVARLEN=dvarlen is not None, **run.flags, **cfg,
-            num_warps=run.knobs["BWD_WARPS"], num_stages=run.knobs["BWD_STAGES"]))
+            BLOCK_SUMS=run.block_sums == cfg["BLOCK_T"], num_warps=run.knobs["BWD_WARPS"],
+            num_stages=run.knobs["BWD_STAGES"]))
     dB, dC = _group_grads(run, states_op, dends_op, varlen_args, dvarlen is not None, gated, cb, dlC, dlB)
     _triton.launch(ssd_bwd_ddt_kernel, (nchunks, batch * nheads), (
         *(raw.ptr(n) for n in ("x", "dt", "A", "B", "bias", "seq")), states, dends, *varlen_args, dlC, dlB, R, xdx,

@@ -166,6 +166,33 @@ def _log_decays(a, seq, HAS_SEQ: tl.constexpr):
 
 
 @triton.jit
+def _block_last(t0, j, Q, seqlen, BLOCK_T: tl.constexpr):
+    """The last real token of the j-th block of the chunk starting at t0."""
+    return tl.minimum(t0 + tl.minimum((j + 1) * BLOCK_T, Q), seqlen) - 1
+
+
+@triton.jit
+def _sums_to(dt_row, a, t, t_last, seqlen, BLOCK_SUMS: tl.constexpr):
+    """The sum of a over a block's tokens t up to each one (past its last real one, t_last, the block's sum, as
+    a scan gives): ssd_dt_kernel's (BLOCK_SUMS), or a scan of a."""
+    if BLOCK_SUMS:
+        L = tl.load(dt_row + seqlen + tl.minimum(t, t_last))
+    else:
+        L = tl.cumsum(a, axis=0)
+    return L
+
+
+@triton.jit
+def _block_sum(dt_row, a, t_last, seqlen, BLOCK_SUMS: tl.constexpr):
+    """The sum of a over a block whose last real token is t_last: ssd_dt_kernel's (BLOCK_SUMS), or a's."""
+    if BLOCK_SUMS:
+        total = tl.load(dt_row + seqlen + t_last)
+    else:
+        total = tl.sum(a, axis=0)
+    return total
+
+
+@triton.jit
 def _maximum(a, b):
     return tl.maximum(a, b)
 
@@ -298,20 +325,25 @@ def _head(b, h, heads_per_group, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, bias_ptr, s
 
 @triton.jit
 def ssd_dt_kernel(
-    dt_ptr, bias_ptr, out_ptr, seqlen, nheads, lo, hi, s_dtb, s_dtt, s_dth,
+    dt_ptr, bias_ptr, A_ptr, out_ptr, seqlen, nheads, Q, blocks_per_chunk, lo, hi, s_dtb, s_dtt, s_dth,
     HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """Grid (cdiv(seqlen, BLOCK_T), batch * nheads). dt after dt_bias, softplus and the clamp, float32, into out
-    (batch, nheads, seqlen) contiguous: the other kernels read a block of one head's dt as one contiguous row
-    (in dt itself, its tokens lie nheads apart: a 32-byte sector each) and compute no softplus."""
+    """Grid (nchunks * blocks_per_chunk, batch * nheads): a block of BLOCK_T tokens of one chunk. dt after
+    dt_bias, softplus and the clamp, float32, and behind it the sums of a = dt A over each block up to each of
+    its tokens (the log decays from the block's start), into out (batch, nheads, 2 seqlen) contiguous: the
+    other kernels read a block of one head's dt as one contiguous row (in dt itself, its tokens lie nheads
+    apart: a 32-byte sector each) and compute no softplus, and the output and dX loops read the sums rather than
+    scan every trip (a cumsum over the block takes lane shuffles and barriers)."""
     b, h = _batch_head(tl.program_id(1), nheads)
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    valid = t < seqlen
+    t, valid = _block(tl.program_id(0) // blocks_per_chunk * Q, tl.program_id(0) % blocks_per_chunk, Q, seqlen,
+                      BLOCK_T)
     bias = 0.0
     if HAS_BIAS:
         bias = tl.load(bias_ptr + h).to(tl.float32)
     dt = _dt_steps(dt_ptr + b * s_dtb + h * s_dth, t, valid, s_dtt, bias, lo, hi, SOFTPLUS, HAS_LIMIT)[2]
-    tl.store(out_ptr + (b * nheads + h) * seqlen + t, dt, mask=valid)
+    row = out_ptr + (b * nheads + h) * 2 * seqlen
+    tl.store(row + t, dt, mask=valid)
+    tl.store(row + seqlen + t, tl.cumsum(dt * tl.load(A_ptr + h), axis=0), mask=valid)
 
 
 @triton.jit
@@ -418,11 +450,11 @@ def ssd_chunk_scan_kernel(
     HAS_D: tl.constexpr, D_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_F32: tl.constexpr,
     KEEP_UNGATED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    CHUNK_TOKENS: tl.constexpr,
+    CHUNK_TOKENS: tl.constexpr, BLOCK_SUMS: tl.constexpr,
 ):
     """Grid (nchunks * blocks_per_chunk, batch * nheads, channel blocks). Writes out, and with HAS_Z and
     KEEP_UNGATED the output before the gate into ungated (both x's layout, contiguous, in out's dtype).
-    cb: ssd_cb_kernel's C . B^T."""
+    cb: ssd_cb_kernel's C . B^T. BLOCK_SUMS: dt is ssd_dt_kernel's, with its sums of a over blocks of BLOCK_T."""
     c = tl.program_id(0) // blocks_per_chunk
     i = tl.program_id(0) % blocks_per_chunk
     b, h = _batch_head(tl.program_id(1), nheads)
@@ -466,9 +498,10 @@ def ssd_chunk_scan_kernel(
         # block's start the sum would carry the a of the tokens before s, those of another sequence too
         if HAS_SEQ:
             L_s = -(between + tl.cumsum(a_s, axis=0, reverse=True) - a_s)
-        between += tl.sum(a_s, axis=0)
+        s_last = _block_last(t0, i - jj, Q, seqlen, BLOCK_T)
+        between += _block_sum(dt_row, a_s, s_last, seqlen, BLOCK_SUMS)
         if not HAS_SEQ:
-            L_s = tl.cumsum(a_s, axis=0) - between
+            L_s = _sums_to(dt_row, a_s, t_s, s_last, seqlen, BLOCK_SUMS) - between
         # (every token of an earlier block is real where a row is, and comes before it: no causal mask; the
         # rows past seqlen are not stored)
         CB = tl.load(cb_rows + ((i - jj) * BLOCK_T + tl.arange(0, BLOCK_T))[None, :]).to(tl.float32)
@@ -691,7 +724,7 @@ def ssd_bwd_dx_kernel(
     HAS_D: tl.constexpr, D_CHANNEL: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
     HAS_DVARLEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_N: tl.constexpr, CHUNK_TOKENS: tl.constexpr,
+    BLOCK_N: tl.constexpr, CHUNK_TOKENS: tl.constexpr, BLOCK_SUMS: tl.constexpr,
 ):
     """Grid (nchunks * blocks_per_chunk, batch * nheads): a block of tokens s of one chunk of one head,
     dX_s = sum_{l >= s} M_ls dy_l (M_ls = (C_l . B_s) exp(L_l - L_s)) + the state outputs' parts. Writes
@@ -741,8 +774,9 @@ def ssd_bwd_dx_kernel(
     for i in range(j + 1, nblocks):
         t_l, valid_l = _block(t0, i, Q, seqlen, BLOCK_T)
         a_l = _dt(dt_row, t_l, valid_l, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1]
-        L_l = between + tl.cumsum(a_l, axis=0)  # L_l - L_c: the sum of a over (s, l]
-        between += tl.sum(a_l, axis=0)
+        l_last = _block_last(t0, i, Q, seqlen, BLOCK_T)
+        L_l = between + _sums_to(dt_row, a_l, t_l, l_last, seqlen, BLOCK_SUMS)  # L_l - L_c: the sum of a over (s, l]
+        between += _block_sum(dt_row, a_l, l_last, seqlen, BLOCK_SUMS)
         # (every row comes after every column: no causal mask. The rows past seqlen have dy 0 and C_l . B_s 0:
         # their products are 0, whatever the decay a real row of theirs has)
         CB = tl.load(cb_rows + (t_l - t0)[:, None] * cb_side + (t_s - t0)[None, :], mask=valid_l[:, None],
