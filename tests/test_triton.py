@@ -735,8 +735,9 @@ SSD_KERNELS = ["ssd_dt_kernel", "ssd_states_fwd_kernel", "ssd_cb_kernel", "ssd_c
 def test_triton_ssd_kernels_compile_for_gpus_without_spilling(target, name):
     """The SSD scan's forward and backward launches, and the multi-head decoding step's at the same
     sizes, compiled for a GPU: no register spills at the benchmark's shape on sm_90, the target the knobs are
-    measured on, but for the dC launch of the group kernel, on the 4 warps an H200 ran 6% faster a forward+backward
-    than 8 all the same (24 bytes there, 104 under Triton 3.6; up to 184 in the varlen case and on sm_80, unmeasured);
+    measured on, but for the group kernel's launches, on the 4 warps an H200 ran 6% faster a forward+backward
+    than 8 all the same (the dC launch: 16 bytes there, 0 under Triton 3.6; up to 184 in the varlen case and 208 on
+    sm_80, unmeasured);
     elsewhere, and in the varlen case (seq_idx, fp16, per-channel D), a few: 24 bytes in sm_80's state pass of 128
     states, 24 in sm_90's dX pass on the 4 warps an H200 ran fastest at mamba2-2.7b's layer (32 under Triton 3.6,
     torch 2.11's, which the GPU machines run), 24 in its output kernel (0 under 3.6). On NVIDIA's,
@@ -763,7 +764,7 @@ def test_triton_ssd_kernels_compile_for_gpus_without_spilling(target, name):
         compiled = aot.compile_launch(kernel, kernel_args, meta, target)
         usage = aot.resource_usage(compiled)
         print(kernel.__name__, target, meta["num_warps"], usage)
-        allowed = 192 if kernel.__name__ == "ssd_bwd_group_kernel" else 0 if (target, name) == ("sm90", "mamba2-2.7b") \
+        allowed = 208 if kernel.__name__ == "ssd_bwd_group_kernel" else 0 if (target, name) == ("sm90", "mamba2-2.7b") \
             else 96
         assert usage["spills"] <= allowed, (kernel.__name__, usage)
         if (target, name) == ("sm90", "mamba2-2.7b") and meta.get("num_stages", 1) > 1:

@@ -325,7 +325,7 @@ def ssd_bwd(
         *run.sizes, *run.token_strides("dt", "C"), *gated.stride(), *run.token_strides("seq"),
     ), dict(HAS_DFINAL=dfinal is not None, HAS_DVARLEN=dvarlen is not None, HAS_INIT=initial_states is not None,
             **run.flags, BLOCK_T=run.cfg["BLOCK_T"], CHUNK_TOKENS=run.cfg["CHUNK_TOKENS"], **tiles,
-            **run.state_launch()))
+            BLOCK_SUMS=run.block_sums == run.cfg["BLOCK_T"], **run.state_launch()))
 
     # every chunk's gradients, by blocks of tokens: dx per head, dB and dC per run of a group's heads
     dx = _triton.output(x.shape, x.dtype, x.device)
@@ -418,7 +418,7 @@ def _group_grads(run: _Launch, states_op: Tensor, dends_op: Tensor, varlen_args:
         batch, seqlen, nheads, run.headdim, run.chunk_size, run.nchunks, nheads // ngroups, lo, hi, ngroups, splits,
         npairs, run.cb_side(), side, *run.token_strides("x", "dt"), *gated.stride(), *run.token_strides("seq"),
     ), dict(**{k: run.flags[k] for k in ("HAS_BIAS", "HAS_SEQ", "SOFTPLUS", "HAS_LIMIT", "DOT_F32")}, **tiles,
-            num_warps=knobs["DCB_WARPS"], num_stages=knobs["GROUP_STAGES"]))
+            BLOCK_SUMS=run.block_sums == tile, num_warps=knobs["DCB_WARPS"], num_stages=knobs["GROUP_STAGES"]))
     grads = []
     for db, states, dl_part, dl in ((True, dends_op, dlB_part, dlB), (False, states_op, dlC_part, dlC)):
         out = _triton.output((splits, batch, seqlen, ngroups, run.dstate), **f32)
@@ -428,7 +428,7 @@ def _group_grads(run: _Launch, states_op: Tensor, dends_op: Tensor, varlen_args:
             nheads // ngroups, lo, hi, ngroups, splits, blocks, side,
             *run.token_strides("x", "dt", "B", "C"), *gated.stride(), *run.token_strides("seq"),
         ), dict(DB=db, **run.flags, HAS_DVARLEN=has_dvarlen, **tiles, BLOCK_N=run.cfg["BLOCK_N"],
-                num_warps=knobs["GROUP_WARPS"], num_stages=knobs["GROUP_STAGES"]))
+                BLOCK_SUMS=run.block_sums == tile, num_warps=knobs["GROUP_WARPS"], num_stages=knobs["GROUP_STAGES"]))
         shape = (batch, seqlen, ngroups, run.dstate)
         grads.append(out.view(shape) if splits == 1 else out.view(splits, *shape).sum(0))
     return grads[0], grads[1]

@@ -154,14 +154,14 @@ def _add_within_sequence(a1, seq1, a2, seq2):
 
 
 @triton.jit
-def _log_decays(a, seq, HAS_SEQ: tl.constexpr):
-    """L: the sum of a over the block's tokens up to each one, of its own sequence only with seq_idx (an
-    earlier sequence's NaN or inf dt must not reach a later one's decays: a difference of sums would not
+def _log_decays(a, seq, dt_row, t, t_last, seqlen, HAS_SEQ: tl.constexpr, BLOCK_SUMS: tl.constexpr):
+    """L: the sum of a over a block's tokens t up to each one (_sums_to), of its own sequence only with seq_idx
+    (an earlier sequence's NaN or inf dt must not reach a later one's decays: a difference of sums would not
     take it out, NaN - NaN)."""
     if HAS_SEQ:
         L = tl.associative_scan((a, seq), 0, _add_within_sequence)[0]
     else:
-        L = tl.cumsum(a, axis=0)
+        L = _sums_to(dt_row, a, t, t_last, seqlen, BLOCK_SUMS)
     return L
 
 
@@ -470,7 +470,8 @@ def ssd_chunk_scan_kernel(
     t_l, valid_l = _block(t0, i, Q, seqlen, BLOCK_T)
     dt_l, a_l = _dt(dt_row, t_l, valid_l, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
     seq_l = _seq(seq_row, t_l, valid_l, s_seqt, HAS_SEQ)
-    L_l = _log_decays(a_l, seq_l, HAS_SEQ)  # from the block start
+    L_l = _log_decays(a_l, seq_l, dt_row, t_l, _block_last(t0, i, Q, seqlen, BLOCK_T), seqlen, HAS_SEQ,
+                      BLOCK_SUMS)  # from the block start
     C_l = _operand(_tile(C_row, t_l, valid_l, s_Ct, nn, dstate, s_Cn), x_ptr, DOT_F32)
     # the entering state, read by C and decayed to each token of the sequence before the chunk
     state = _state_tile(states_ptr, (b * nchunks + c) * nheads + h, pp, nn, headdim, dstate)
@@ -584,7 +585,7 @@ def ssd_state_grads_kernel(
     HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_DFINAL: tl.constexpr, HAS_DVARLEN: tl.constexpr, HAS_INIT: tl.constexpr,
     DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    CHUNK_TOKENS: tl.constexpr,
+    CHUNK_TOKENS: tl.constexpr, BLOCK_SUMS: tl.constexpr,
 ):
     """Grid (state tiles, batch * nheads). From gated, the gradient of the output before the gate
     (ssd_gate_grad_kernel's), writes dends (batch, nchunks * nheads, headdim, dstate): the
@@ -621,8 +622,9 @@ def ssd_state_grads_kernel(
         for j in range(0, tl.cdiv(tl.minimum(Q, seqlen - t0), BLOCK_T)):
             t, valid = _block(t0, j, Q, seqlen, BLOCK_T)
             a = _dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1]
-            L = run + tl.cumsum(a, axis=0)
-            run += tl.sum(a, axis=0)
+            t_last = _block_last(t0, j, Q, seqlen, BLOCK_T)
+            L = run + _sums_to(dt_row, a, t, t_last, seqlen, BLOCK_SUMS)
+            run += _block_sum(dt_row, a, t_last, seqlen, BLOCK_SUMS)
             keep = valid & (_seq(seq_row, t, valid, s_seqt, HAS_SEQ) == seq_before)
             dy = _tile(gated_row, t, valid, s_yt, pp, headdim, s_yp) * tl.where(keep, tl.exp(L), 0.0)[:, None]
             C_t = _tile(C_row, t, valid, s_Ct, nn, dstate, s_Cn)
@@ -751,7 +753,8 @@ def ssd_bwd_dx_kernel(
     t_s, valid_s = _block(t0, j, Q, seqlen, BLOCK_T)
     dt_s, a_s = _dt(dt_row, t_s, valid_s, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
     seq_s = _seq(seq_row, t_s, valid_s, s_seqt, HAS_SEQ)
-    L_s = _log_decays(a_s, seq_s, HAS_SEQ)  # from the block start
+    L_s = _log_decays(a_s, seq_s, dt_row, t_s, _block_last(t0, j, Q, seqlen, BLOCK_T), seqlen, HAS_SEQ,
+                      BLOCK_SUMS)  # from the block start
     B_s = _operand(_tile(B_row, t_s, valid_s, s_Bt, nn, dstate, s_Bn), x_ptr, DOT_F32)
     # The state after the chunk, H_end = w_end S + sum_s v_s X_s B_s^T, v_s = exp(L_end - L_s), and the
     # varlen states ending in the chunk likewise: dX_s += v_s dE B_s, the other sequences' rows selected out
@@ -853,6 +856,7 @@ def ssd_bwd_dcb_kernel(
     s_xb, s_xt, s_xh, s_xp, s_dtb, s_dtt, s_dth, s_yb, s_yt, s_yh, s_yp, s_seqb, s_seqt,
     HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
     DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK_TOKENS: tl.constexpr,
+    BLOCK_SUMS: tl.constexpr,
 ):
     """Grid (nchunks * npairs, batch * ngroups * splits): a block pair (i, j), j <= i, of one chunk and a run
     of a group's heads. The gradient of C_l . B_s summed over the run's heads,
@@ -871,6 +875,7 @@ def ssd_bwd_dcb_kernel(
     t0 = c * Q
     pp = tl.arange(0, BLOCK_P)
     t_l, valid_l = _block(t0, i, Q, seqlen, BLOCK_T)
+    l_last = _block_last(t0, i, Q, seqlen, BLOCK_T)
     t_s, valid_s = _block(t0, j, Q, seqlen, BLOCK_T)
     seq_row = seq_ptr + b * s_seqb
     seq_l = _seq(seq_row, t_l, valid_l, s_seqt, HAS_SEQ)
@@ -892,7 +897,7 @@ def ssd_bwd_dcb_kernel(
         # block's up to l, the blocks between and block j's after s
         between = _a_sum(dt_row, t0 + (j + 1) * BLOCK_T, t0 + tl.minimum(i * BLOCK_T, Q), seqlen, s_dtt, bias, A,
                          lo, hi, SOFTPLUS, HAS_LIMIT, CHUNK_TOKENS)
-        L_l = _log_decays(a_l, seq_l, HAS_SEQ)
+        L_l = _log_decays(a_l, seq_l, dt_row, t_l, l_last, seqlen, HAS_SEQ, BLOCK_SUMS)
         L_s = tl.where(j < i, -(between + tl.cumsum(a_s, axis=0, reverse=True) - a_s), L_l)
         # (the tiles go from their loads to the GEMM as they are: dt scales the product's columns, not x's rows)
         dy_l = _operand(_raw_tile(gated_ptr + b * s_yb + h * s_yh, t_l, valid_l, s_yt, pp, headdim, s_yp), x_ptr,
@@ -921,7 +926,7 @@ def ssd_bwd_group_kernel(
     s_yp, s_seqb, s_seqt,
     DB: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_DVARLEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_TOKENS: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_TOKENS: tl.constexpr, BLOCK_SUMS: tl.constexpr,
 ):
     """Grid (nchunks * blocks_per_chunk, batch * ngroups * splits): a block k of one chunk and a run of a
     group's heads; its part of dC (as rows l) or, with DB, of dB (as columns s), float32 into out (splits,
@@ -989,8 +994,9 @@ def ssd_bwd_group_kernel(
         else:
             carried = valid_k & (seq_k == seq_out)
             w = tl.where(carried, tl.exp(_log_decay_from(t0, 0, k, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS,
-                                                         HAS_LIMIT, BLOCK_T, CHUNK_TOKENS) + tl.cumsum(a_k, axis=0)),
-                         0.0)
+                                                         HAS_LIMIT, BLOCK_T, CHUNK_TOKENS) +
+                                         _sums_to(dt_row, a_k, t_k, _block_last(t0, k, Q, seqlen, BLOCK_T), seqlen,
+                                                  BLOCK_SUMS)), 0.0)
             # (dy to the GEMM as loaded: w scales the product's rows)
             dy = _operand(_raw_tile(gated_ptr + b * s_yb + h * s_yh, t_k, valid_k, s_yt, pp, headdim, s_yp), x_ptr,
                           DOT_F32)
