@@ -407,6 +407,32 @@ def _tuning_values():
                     yield pytest.param(family, knob, value, id=f"{family}-{knob}-{value}")
 
 
+@pytest.mark.skipif(not TRITON_AVAILABLE or not (interpreting() or HAS_CUDA),
+                    reason="runs on CUDA, or under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("chunk", [64, 40])
+def test_triton_ssd_processed_dt_carries_each_blocks_log_decay_sums(chunk):
+    """ssd_dt_kernel writes each head's row of dt after dt_bias, softplus and the clamp, and behind it the sums
+    of dt A over each block of the output kernel's tokens (a chunk's, the last block of a chunk of 40 tokens
+    short) up to each token: what the SSD's loops load for the log decays they scanned before."""
+    from ssmops.ops.ssd import triton as ssd_triton
+
+    args = _on_kernel_device(_ssd_args(batch=2, seqlen=150, nheads=3, headdim=8, ngroups=1, chunk=chunk))
+    x, dt, A, dt_bias, dt_limit = args[0], args[1], args[2], args[7], args[13]
+    knobs = dict(ssd_triton.TUNER.defaults(), SCAN_BLOCK_T=16)
+    run = ssd_triton._Launch(*args).use_knobs(knobs).dt_processed()
+    block = run.block_sums
+    assert block == 16
+    rows = run.inputs["dt"].view(2, 3, 2, 150).cpu()
+    expected_dt = torch.nn.functional.softplus(dt.float().cpu() + dt_bias.cpu()).clamp(*dt_limit).permute(0, 2, 1)
+    torch.testing.assert_close(rows[:, :, 0], expected_dt)
+    a = expected_dt * A.cpu()[None, :, None]
+    t = torch.arange(150)
+    block_of = t // chunk * chunk + t % chunk // block * block  # each token's block's first token
+    expected_sums = torch.stack([torch.cat([torch.cumsum(a[b, h][block_of == first], 0) for first in block_of.unique()])
+                                 for b in range(2) for h in range(3)]).view(2, 3, 150)
+    torch.testing.assert_close(rows[:, :, 1], expected_sums)
+
+
 _DEFAULTS_RESULTS = {}  # family -> its run with the default knobs (one per process)
 
 
@@ -633,6 +659,18 @@ COMPILE_CASES = [
     Case(batch=1, dim=8, seqlen=40, dstate=5, B="const", C="const", D=False, z=False, delta_bias=False,
          softplus=False),
 ]
+
+
+@pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
+def test_triton_scan_forward_asks_ptxas_for_its_registers_unless_segmented():
+    """FORWARD_REGISTERS reaches the one-walk forward's launch as maxnreg: left to choose, ptxas put the B/C rows'
+    loads less than a step ahead of their use (docs/limits.md). The segmented forward's passes keep ptxas's choice,
+    which holds four or five of their programs an SM; 0 leaves every launch to it."""
+    aot = benchmark_module("triton_aot")
+    args = _fwd_args(COMPILE_CASES[0])
+    assert [meta.get("maxnreg") for _, _, meta in aot.record_scan(args)] == [255, None]
+    assert [meta.get("maxnreg") for _, _, meta in aot.record_scan(args, FORWARD_SEGMENT=512)] == [None, None, None]
+    assert [meta.get("maxnreg") for _, _, meta in aot.record_scan(args, FORWARD_REGISTERS=0)] == [None, None]
 
 
 # Every case and both ways of summing variable dB/dC (BACKWARD_ATOMIC) for sm_90, the target the kernels are tuned
