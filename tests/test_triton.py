@@ -417,7 +417,7 @@ def test_triton_ssd_processed_dt_carries_each_blocks_log_decay_sums(chunk):
     from ssmops.ops.ssd import triton as ssd_triton
 
     args = _on_kernel_device(_ssd_args(batch=2, seqlen=150, nheads=3, headdim=8, ngroups=1, chunk=chunk))
-    x, dt, A, dt_bias, dt_limit = args[0], args[1], args[2], args[7], args[13]
+    dt, A, dt_bias, dt_limit = args[1], args[2], args[7], args[13]
     knobs = dict(ssd_triton.TUNER.defaults(), SCAN_BLOCK_T=16)
     run = ssd_triton._Launch(*args).use_knobs(knobs).dt_processed()
     block = run.block_sums
