@@ -18,6 +18,10 @@ states entering the chunks are known, and those depend on the chunks before only
 (headdim, dstate) state. So:
 
 forward
+  `ssd_dt_kernel` (also first in the backward): dt after dt_bias, softplus and the clamp, and the sums of a
+    over each block of the output kernel's tokens up to each token, which the kernels load for the forward
+    sums of a block (L from its start) rather than scan them (sums from a token on are scans: a difference
+    of sums would carry an earlier NaN).
   `ssd_states_fwd_kernel`: a program owns a (headdim, dstate) tile of one (batch, head) and
     walks the chunks in order: stores the entering state (chunk_states, float32, and for 16-bit
     GEMM operands a copy in that dtype, which the output kernel reads), then advances
