@@ -663,14 +663,16 @@ COMPILE_CASES = [
 
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
 def test_triton_scan_forward_asks_ptxas_for_its_registers_unless_segmented():
-    """FORWARD_REGISTERS reaches the one-walk forward's launch as maxnreg: left to choose, ptxas put the B/C rows'
-    loads less than a step ahead of their use (docs/limits.md). The segmented forward's passes keep ptxas's choice,
-    which holds four or five of their programs an SM; 0 leaves every launch to it."""
+    """FORWARD_REGISTERS reaches the one-walk forward's launch over tiles of 16 states as maxnreg: left to choose,
+    ptxas put the B/C rows' loads less than a step ahead of their use (docs/limits.md). The segmented forward's
+    passes and smaller state tiles keep ptxas's choice, which holds four to six of their programs an SM; 0 leaves
+    every launch to it."""
     aot = benchmark_module("triton_aot")
     args = _fwd_args(COMPILE_CASES[0])
     assert [meta.get("maxnreg") for _, _, meta in aot.record_scan(args)] == [255, None]
     assert [meta.get("maxnreg") for _, _, meta in aot.record_scan(args, FORWARD_SEGMENT=512)] == [None, None, None]
     assert [meta.get("maxnreg") for _, _, meta in aot.record_scan(args, FORWARD_REGISTERS=0)] == [None, None]
+    assert [meta.get("maxnreg") for _, _, meta in aot.record_scan(_fwd_args(COMPILE_CASES[-1]))] == [None, None]
 
 
 # Every case and both ways of summing variable dB/dC (BACKWARD_ATOMIC) for sm_90, the target the kernels are tuned

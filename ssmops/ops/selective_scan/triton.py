@@ -60,11 +60,11 @@ FORWARD_PREFETCH = 2
 # where 252 hold two), for ~20% more instructions. For a GPU to weigh (the sweep's row
 # FORWARD_PREFETCH=0+FORWARD_STAGES=3).
 FORWARD_STAGES = 1
-# FORWARD_REGISTERS: the registers a thread may take, given to ptxas for the one-walk forward (0: ptxas's choice).
-# On sm_90 under Triton 3.6 ptxas chose 182 for the default knobs, which hold two programs an SM as 255 do, and
-# then put each B/C row's load 94-146 instructions before its use, under one step's arithmetic (~175); allowed
-# 255, it puts them 184-300 before (Triton 3.9 takes 255 either way). Segmented passes keep ptxas's choice: 96-127
-# registers hold four or five programs an SM.
+# FORWARD_REGISTERS: the registers a thread may take, given to ptxas for the one-walk forward over full tiles of
+# 16 states (0: ptxas's choice). On sm_90 under Triton 3.6 ptxas chose 182 for the default knobs, which hold two
+# programs an SM as 255 do, and then put each B/C row's load 94-146 instructions before its use, under one step's
+# arithmetic (~175); allowed 255, it puts them 184-300 before (Triton 3.9 takes 255 either way). Segmented passes
+# and smaller state tiles keep ptxas's choice: 80-127 registers hold four to six programs an SM.
 FORWARD_REGISTERS = 255
 # The backward keeps a register tile's states and decays (two registers a pair) while the adjoint runs back
 # over it; it reads its inputs a tile of 16-byte rows at a time (8 steps of a 16-bit input), and reaches each
@@ -244,7 +244,9 @@ def selective_scan_fwd(
     seg_h = _triton.output((batch, dim, n_segments, dstate), torch.float32, u.device) if segments else x
     seg_dt = _triton.output((batch, dim, n_segments), torch.float32, u.device) if segments else x
 
-    registers = dict(maxnreg=knobs["FORWARD_REGISTERS"]) if knobs["FORWARD_REGISTERS"] and not segments else {}
+    full_tiles = cfg["STATES"] == FORWARD_STATES
+    registers = dict(maxnreg=knobs["FORWARD_REGISTERS"]) if knobs["FORWARD_REGISTERS"] and full_tiles and not segments \
+        else {}
     for segment_pass in (1, 2) if segments else (0,):  # (the first pass reads no z)
         _triton.launch(selective_scan_fwd_kernel, (_triton.cdiv(dim, cfg["BLOCK_D"]), batch, n_segments), (
             u, delta, A, B, C, D if D is not None else A, z if z is not None else u,
