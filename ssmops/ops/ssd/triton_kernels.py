@@ -469,8 +469,8 @@ def ssd_chunk_scan_kernel(
     nn = tl.arange(0, BLOCK_N)
     t0 = c * Q
     # the log decay from the chunk start to this block
-    run = _a_sum(dt_row, t0, t0 + tl.minimum(i * BLOCK_T, Q), seqlen, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT,
-                 CHUNK_TOKENS)
+    run = _log_decay_from(t0, 0, i, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT, BLOCK_T,
+                          CHUNK_TOKENS, BLOCK_SUMS)
     t_l, valid_l = _block(t0, i, Q, seqlen, BLOCK_T)
     dt_l, a_l = _dt(dt_row, t_l, valid_l, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
     seq_l = _seq(seq_row, t_l, valid_l, s_seqt, HAS_SEQ)
@@ -685,12 +685,13 @@ def _chunk_rows(b, h, c, nheads, nchunks, seqlen):
 
 @triton.jit
 def _end_decays(t0, j, nblocks, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, a_s, valid_s, seq_s, seq_end,
-                SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK_TOKENS: tl.constexpr):
+                SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK_TOKENS: tl.constexpr,
+                BLOCK_SUMS: tl.constexpr):
     """(ends, v) of block j's tokens s: which are of the sequence of the chunk's last token, and v_s = exp(L_end -
     L_s) for those (0 else), the exponent summed from s on (a difference of sums from the block start would take
     an earlier sequence's NaN dt in, NaN - NaN)."""
     to_end = _log_decay_from(t0, j + 1, nblocks, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT,
-                             BLOCK_T, CHUNK_TOKENS) + tl.cumsum(a_s, axis=0, reverse=True) - a_s
+                             BLOCK_T, CHUNK_TOKENS, BLOCK_SUMS) + tl.cumsum(a_s, axis=0, reverse=True) - a_s
     ends = valid_s & (seq_s == seq_end)
     return ends, tl.where(ends, tl.exp(to_end), 0.0)
 
@@ -763,8 +764,9 @@ def ssd_bwd_dx_kernel(
     # The state after the chunk, H_end = w_end S + sum_s v_s X_s B_s^T, v_s = exp(L_end - L_s), and the
     # varlen states ending in the chunk likewise: dX_s += v_s dE B_s, the other sequences' rows selected out
     # (a NaN of dE or B would reach them).
+    # (the later blocks summed from their tokens: their block sums' loads spilled 16 bytes here under Triton 3.9)
     ends, v = _end_decays(t0, j, nblocks, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, a_s, valid_s, seq_s, seq_end,
-                          SOFTPLUS, HAS_LIMIT, BLOCK_T, CHUNK_TOKENS)
+                          SOFTPLUS, HAS_LIMIT, BLOCK_T, CHUNK_TOKENS, False)
     acc = tl.where(ends[:, None], _dot(B_s, tl.trans(_operand(_state_tile(dends_ptr, state_row, pp, nn, headdim,
                                                                            dstate), x_ptr, DOT_F32)), DOT_F32) *
                    v[:, None], 0.0)
@@ -829,10 +831,19 @@ def ssd_bwd_dx_kernel(
 
 @triton.jit
 def _log_decay_from(t0, j, nblocks, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS: tl.constexpr,
-                    HAS_LIMIT: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK_TOKENS: tl.constexpr):
-    """The sum of a over the chunk's blocks j .. nblocks - 1 (a sum of them, not a difference of sums)."""
-    return _a_sum(dt_row, t0 + j * BLOCK_T, t0 + tl.minimum(nblocks * BLOCK_T, Q), seqlen, s_dtt, bias, A, lo, hi,
-                  SOFTPLUS, HAS_LIMIT, CHUNK_TOKENS)
+                    HAS_LIMIT: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK_TOKENS: tl.constexpr,
+                    BLOCK_SUMS: tl.constexpr):
+    """The sum of a over the chunk's blocks j .. nblocks - 1 (a sum of them, not a difference of sums): of their
+    sums, ssd_dt_kernel's (BLOCK_SUMS; a few values, where the tokens' sum is a reduction over the chunk)."""
+    if BLOCK_SUMS:
+        k = tl.arange(0, CHUNK_TOKENS // BLOCK_T)
+        real = (k >= j) & (k < nblocks) & (k * BLOCK_T < Q) & (t0 + k * BLOCK_T < seqlen)
+        total = tl.sum(tl.load(dt_row + seqlen + _block_last(t0, k, Q, seqlen, BLOCK_T), mask=real, other=0.0),
+                       axis=0)
+    else:
+        total = _a_sum(dt_row, t0 + j * BLOCK_T, t0 + tl.minimum(nblocks * BLOCK_T, Q), seqlen, s_dtt, bias, A, lo,
+                       hi, SOFTPLUS, HAS_LIMIT, CHUNK_TOKENS)
+    return total
 
 
 @triton.jit
@@ -899,8 +910,8 @@ def ssd_bwd_dcb_kernel(
         dt_s, a_s = _dt(dt_row, t_s, valid_s, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
         # L_l - L_s over (s, l]: in one block from its start (a sequence's own sums with seq_idx), else the row
         # block's up to l, the blocks between and block j's after s
-        between = _a_sum(dt_row, t0 + (j + 1) * BLOCK_T, t0 + tl.minimum(i * BLOCK_T, Q), seqlen, s_dtt, bias, A,
-                         lo, hi, SOFTPLUS, HAS_LIMIT, CHUNK_TOKENS)
+        between = _log_decay_from(t0, j + 1, i, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT,
+                                  BLOCK_T, CHUNK_TOKENS, BLOCK_SUMS)
         L_l = _log_decays(a_l, seq_l, dt_row, t_l, l_last, seqlen, HAS_SEQ, BLOCK_SUMS)
         L_s = tl.where(j < i, -(between + tl.cumsum(a_s, axis=0, reverse=True) - a_s), L_l)
         # (the tiles go from their loads to the GEMM as they are: dt scales the product's columns, not x's rows)
@@ -983,7 +994,7 @@ def ssd_bwd_group_kernel(
         # each head's state part, its other sequences' rows selected out (a NaN of the state would reach them)
         if DB:
             ends, v = _end_decays(t0, k, nblocks, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, a_k, valid_k, seq_k,
-                                  seq_out, SOFTPLUS, HAS_LIMIT, BLOCK_T, CHUNK_TOKENS)
+                                  seq_out, SOFTPLUS, HAS_LIMIT, BLOCK_T, CHUNK_TOKENS, BLOCK_SUMS)
             # (x to the GEMM as loaded: dt scales the product's rows, with v)
             x_k = _operand(_raw_tile(x_row, t_k, valid_k, s_xt, pp, headdim, s_xp), x_ptr, DOT_F32)
             acc += tl.where(ends[:, None], _dot(x_k, state, DOT_F32) * (dt_k * v)[:, None], 0.0)
@@ -997,8 +1008,9 @@ def ssd_bwd_group_kernel(
                 dl = tl.sum(dl_tile * part, axis=1)
         else:
             carried = valid_k & (seq_k == seq_out)
+            # (the earlier blocks summed from their tokens: their block sums' loads spilled 16 bytes more on sm_80)
             w = tl.where(carried, tl.exp(_log_decay_from(t0, 0, k, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS,
-                                                         HAS_LIMIT, BLOCK_T, CHUNK_TOKENS) +
+                                                         HAS_LIMIT, BLOCK_T, CHUNK_TOKENS, False) +
                                          _sums_to(dt_row, a_k, t_k, _block_last(t0, k, Q, seqlen, BLOCK_T), seqlen,
                                                   BLOCK_SUMS)), 0.0)
             # (dy to the GEMM as loaded: w scales the product's rows)
