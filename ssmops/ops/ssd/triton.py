@@ -189,6 +189,10 @@ class _Launch:
         processed.block_sums = block
         return processed
 
+    def sums_over(self, block: int) -> bool:
+        """Whether dt holds dt_processed's sums of a over blocks of `block` tokens (a kernel's BLOCK_SUMS)."""
+        return self.block_sums == block
+
     def state_launch(self) -> dict:
         """The state passes' warps and stages (forward and backward)."""
         return dict(num_warps=self.knobs["STATE_WARPS"], num_stages=self.knobs["STATE_STAGES"])
@@ -231,7 +235,7 @@ class _Launch:
             ungated if ungated is not None else out, *self.sizes, blocks,
             *self.token_strides("x", "dt", "B", "C", "z", "seq"), D.stride(0) if D is not None else 0,
         ), dict(**self.d_flags, HAS_Z=gate and self.inputs["z"] is not None, KEEP_UNGATED=ungated is not None,
-                **self.flags, **cfg, BLOCK_SUMS=self.block_sums == cfg["BLOCK_T"], num_warps=self.knobs["SCAN_WARPS"],
+                **self.flags, **cfg, BLOCK_SUMS=self.sums_over(cfg["BLOCK_T"]), num_warps=self.knobs["SCAN_WARPS"],
                 num_stages=self.knobs["SCAN_STAGES"]))
 
 
@@ -325,7 +329,7 @@ def ssd_bwd(
         *run.sizes, *run.token_strides("dt", "C"), *gated.stride(), *run.token_strides("seq"),
     ), dict(HAS_DFINAL=dfinal is not None, HAS_DVARLEN=dvarlen is not None, HAS_INIT=initial_states is not None,
             **run.flags, BLOCK_T=run.cfg["BLOCK_T"], CHUNK_TOKENS=run.cfg["CHUNK_TOKENS"], **tiles,
-            BLOCK_SUMS=run.block_sums == run.cfg["BLOCK_T"], **run.state_launch()))
+            BLOCK_SUMS=run.sums_over(run.cfg["BLOCK_T"]), **run.state_launch()))
 
     # every chunk's gradients, by blocks of tokens: dx per head, dB and dC per run of a group's heads
     dx = _triton.output(x.shape, x.dtype, x.device)
@@ -344,7 +348,7 @@ def ssd_bwd(
         *varlen_args, dx, dD_part, R, xdx, *run.sizes, blocks, run.cb_side(), *strides,
         D.stride(0) if D is not None else 0,
     ), dict(**run.d_flags, HAS_DVARLEN=dvarlen is not None, **run.flags, **cfg,
-            BLOCK_SUMS=run.block_sums == cfg["BLOCK_T"], num_warps=run.knobs["BWD_WARPS"],
+            BLOCK_SUMS=run.sums_over(cfg["BLOCK_T"]), num_warps=run.knobs["BWD_WARPS"],
             num_stages=run.knobs["BWD_STAGES"]))
     dB, dC = _group_grads(run, states_op, dends_op, varlen_args, dvarlen is not None, gated, cb, dlC, dlB)
     _triton.launch(ssd_bwd_ddt_kernel, (nchunks, batch * nheads), (
@@ -418,7 +422,7 @@ def _group_grads(run: _Launch, states_op: Tensor, dends_op: Tensor, varlen_args:
         batch, seqlen, nheads, run.headdim, run.chunk_size, run.nchunks, nheads // ngroups, lo, hi, ngroups, splits,
         npairs, run.cb_side(), side, *run.token_strides("x", "dt"), *gated.stride(), *run.token_strides("seq"),
     ), dict(**{k: run.flags[k] for k in ("HAS_BIAS", "HAS_SEQ", "SOFTPLUS", "HAS_LIMIT", "DOT_F32")}, **tiles,
-            BLOCK_SUMS=run.block_sums == tile, num_warps=knobs["DCB_WARPS"], num_stages=knobs["GROUP_STAGES"]))
+            BLOCK_SUMS=run.sums_over(tile), num_warps=knobs["DCB_WARPS"], num_stages=knobs["GROUP_STAGES"]))
     grads = []
     for db, states, dl_part, dl in ((True, dends_op, dlB_part, dlB), (False, states_op, dlC_part, dlC)):
         out = _triton.output((splits, batch, seqlen, ngroups, run.dstate), **f32)
@@ -428,7 +432,7 @@ def _group_grads(run: _Launch, states_op: Tensor, dends_op: Tensor, varlen_args:
             nheads // ngroups, lo, hi, ngroups, splits, blocks, side,
             *run.token_strides("x", "dt", "B", "C"), *gated.stride(), *run.token_strides("seq"),
         ), dict(DB=db, **run.flags, HAS_DVARLEN=has_dvarlen, **tiles, BLOCK_N=run.cfg["BLOCK_N"],
-                BLOCK_SUMS=run.block_sums == tile, num_warps=knobs["GROUP_WARPS"], num_stages=knobs["GROUP_STAGES"]))
+                BLOCK_SUMS=run.sums_over(tile), num_warps=knobs["GROUP_WARPS"], num_stages=knobs["GROUP_STAGES"]))
         shape = (batch, seqlen, ngroups, run.dstate)
         grads.append(out.view(shape) if splits == 1 else out.view(splits, *shape).sum(0))
     return grads[0], grads[1]

@@ -158,14 +158,15 @@ def _add_within_sequence(a1, seq1, a2, seq2):
 
 
 @triton.jit
-def _log_decays(a, seq, dt_row, t, t_last, seqlen, HAS_SEQ: tl.constexpr, BLOCK_SUMS: tl.constexpr):
-    """L: the sum of a over a block's tokens t up to each one (_sums_to), of its own sequence only with seq_idx
+def _log_decays(a, seq, dt_row, t, t0, j, Q, seqlen, HAS_SEQ: tl.constexpr, BLOCK_T: tl.constexpr,
+                BLOCK_SUMS: tl.constexpr):
+    """L: the sum of a over block j's tokens t up to each one (_block_log_decays), of its own sequence only with seq_idx
     (an earlier sequence's NaN or inf dt must not reach a later one's decays: a difference of sums would not
     take it out, NaN - NaN)."""
     if HAS_SEQ:
         L = tl.associative_scan((a, seq), 0, _add_within_sequence)[0]
     else:
-        L = _sums_to(dt_row, a, t, t_last, seqlen, BLOCK_SUMS)
+        L = _block_log_decays(dt_row, a, t, t0, j, Q, seqlen, BLOCK_T, BLOCK_SUMS)[0]
     return L
 
 
@@ -176,24 +177,18 @@ def _block_last(t0, j, Q, seqlen, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _sums_to(dt_row, a, t, t_last, seqlen, BLOCK_SUMS: tl.constexpr):
-    """The sum of a over a block's tokens t up to each one (past its last real one, t_last, the block's sum, as
-    a scan gives): ssd_dt_kernel's (BLOCK_SUMS), or a scan of a."""
+def _block_log_decays(dt_row, a, t, t0, j, Q, seqlen, BLOCK_T: tl.constexpr, BLOCK_SUMS: tl.constexpr):
+    """(L, total) of the j-th block of the chunk starting at t0, its tokens t: the sums of a over the block up to
+    each token (past its last real one, the block's sum, as a scan gives) and over the whole block; ssd_dt_kernel's
+    (BLOCK_SUMS), or a scan and a sum of a."""
     if BLOCK_SUMS:
+        t_last = _block_last(t0, j, Q, seqlen, BLOCK_T)
         L = tl.load(dt_row + seqlen + tl.minimum(t, t_last))
-    else:
-        L = tl.cumsum(a, axis=0)
-    return L
-
-
-@triton.jit
-def _block_sum(dt_row, a, t_last, seqlen, BLOCK_SUMS: tl.constexpr):
-    """The sum of a over a block whose last real token is t_last: ssd_dt_kernel's (BLOCK_SUMS), or a's."""
-    if BLOCK_SUMS:
         total = tl.load(dt_row + seqlen + t_last)
     else:
+        L = tl.cumsum(a, axis=0)
         total = tl.sum(a, axis=0)
-    return total
+    return L, total
 
 
 @triton.jit
@@ -474,8 +469,7 @@ def ssd_chunk_scan_kernel(
     t_l, valid_l = _block(t0, i, Q, seqlen, BLOCK_T)
     dt_l, a_l = _dt(dt_row, t_l, valid_l, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
     seq_l = _seq(seq_row, t_l, valid_l, s_seqt, HAS_SEQ)
-    L_l = _log_decays(a_l, seq_l, dt_row, t_l, _block_last(t0, i, Q, seqlen, BLOCK_T), seqlen, HAS_SEQ,
-                      BLOCK_SUMS)  # from the block start
+    L_l = _log_decays(a_l, seq_l, dt_row, t_l, t0, i, Q, seqlen, HAS_SEQ, BLOCK_T, BLOCK_SUMS)  # from the block start
     C_l = _operand(_tile(C_row, t_l, valid_l, s_Ct, nn, dstate, s_Cn), x_ptr, DOT_F32)
     # the entering state, read by C and decayed to each token of the sequence before the chunk
     state = _state_tile(states_ptr, (b * nchunks + c) * nheads + h, pp, nn, headdim, dstate)
@@ -503,10 +497,10 @@ def ssd_chunk_scan_kernel(
         # block's start the sum would carry the a of the tokens before s, those of another sequence too
         if HAS_SEQ:
             L_s = -(between + tl.cumsum(a_s, axis=0, reverse=True) - a_s)
-        s_last = _block_last(t0, i - jj, Q, seqlen, BLOCK_T)
-        between += _block_sum(dt_row, a_s, s_last, seqlen, BLOCK_SUMS)
+        sums_s, total_s = _block_log_decays(dt_row, a_s, t_s, t0, i - jj, Q, seqlen, BLOCK_T, BLOCK_SUMS)
+        between += total_s
         if not HAS_SEQ:
-            L_s = _sums_to(dt_row, a_s, t_s, s_last, seqlen, BLOCK_SUMS) - between
+            L_s = sums_s - between
         # (every token of an earlier block is real where a row is, and comes before it: no causal mask; the
         # rows past seqlen are not stored)
         CB = tl.load(cb_rows + ((i - jj) * BLOCK_T + tl.arange(0, BLOCK_T))[None, :]).to(tl.float32)
@@ -626,9 +620,9 @@ def ssd_state_grads_kernel(
         for j in range(0, tl.cdiv(tl.minimum(Q, seqlen - t0), BLOCK_T)):
             t, valid = _block(t0, j, Q, seqlen, BLOCK_T)
             a = _dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1]
-            t_last = _block_last(t0, j, Q, seqlen, BLOCK_T)
-            L = run + _sums_to(dt_row, a, t, t_last, seqlen, BLOCK_SUMS)
-            run += _block_sum(dt_row, a, t_last, seqlen, BLOCK_SUMS)
+            sums, total = _block_log_decays(dt_row, a, t, t0, j, Q, seqlen, BLOCK_T, BLOCK_SUMS)
+            L = run + sums
+            run += total
             keep = valid & (_seq(seq_row, t, valid, s_seqt, HAS_SEQ) == seq_before)
             dy = _tile(gated_row, t, valid, s_yt, pp, headdim, s_yp) * tl.where(keep, tl.exp(L), 0.0)[:, None]
             C_t = _tile(C_row, t, valid, s_Ct, nn, dstate, s_Cn)
@@ -758,8 +752,7 @@ def ssd_bwd_dx_kernel(
     t_s, valid_s = _block(t0, j, Q, seqlen, BLOCK_T)
     dt_s, a_s = _dt(dt_row, t_s, valid_s, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
     seq_s = _seq(seq_row, t_s, valid_s, s_seqt, HAS_SEQ)
-    L_s = _log_decays(a_s, seq_s, dt_row, t_s, _block_last(t0, j, Q, seqlen, BLOCK_T), seqlen, HAS_SEQ,
-                      BLOCK_SUMS)  # from the block start
+    L_s = _log_decays(a_s, seq_s, dt_row, t_s, t0, j, Q, seqlen, HAS_SEQ, BLOCK_T, BLOCK_SUMS)  # from the block start
     B_s = _operand(_tile(B_row, t_s, valid_s, s_Bt, nn, dstate, s_Bn), x_ptr, DOT_F32)
     # The state after the chunk, H_end = w_end S + sum_s v_s X_s B_s^T, v_s = exp(L_end - L_s), and the
     # varlen states ending in the chunk likewise: dX_s += v_s dE B_s, the other sequences' rows selected out
@@ -783,9 +776,9 @@ def ssd_bwd_dx_kernel(
     for i in range(j + 1, nblocks):
         t_l, valid_l = _block(t0, i, Q, seqlen, BLOCK_T)
         a_l = _dt(dt_row, t_l, valid_l, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)[1]
-        l_last = _block_last(t0, i, Q, seqlen, BLOCK_T)
-        L_l = between + _sums_to(dt_row, a_l, t_l, l_last, seqlen, BLOCK_SUMS)  # L_l - L_c: the sum of a over (s, l]
-        between += _block_sum(dt_row, a_l, l_last, seqlen, BLOCK_SUMS)
+        sums_l, total_l = _block_log_decays(dt_row, a_l, t_l, t0, i, Q, seqlen, BLOCK_T, BLOCK_SUMS)
+        L_l = between + sums_l  # L_l - L_c: the sum of a over (s, l]
+        between += total_l
         # (every row comes after every column: no causal mask. The rows past seqlen have dy 0 and C_l . B_s 0:
         # their products are 0, whatever the decay a real row of theirs has)
         CB = tl.load(cb_rows + (t_l - t0)[:, None] * cb_side + (t_s - t0)[None, :], mask=valid_l[:, None],
@@ -890,7 +883,6 @@ def ssd_bwd_dcb_kernel(
     t0 = c * Q
     pp = tl.arange(0, BLOCK_P)
     t_l, valid_l = _block(t0, i, Q, seqlen, BLOCK_T)
-    l_last = _block_last(t0, i, Q, seqlen, BLOCK_T)
     t_s, valid_s = _block(t0, j, Q, seqlen, BLOCK_T)
     seq_row = seq_ptr + b * s_seqb
     seq_l = _seq(seq_row, t_l, valid_l, s_seqt, HAS_SEQ)
@@ -912,7 +904,7 @@ def ssd_bwd_dcb_kernel(
         # block's up to l, the blocks between and block j's after s
         between = _log_decay_from(t0, j + 1, i, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT,
                                   BLOCK_T, CHUNK_TOKENS, BLOCK_SUMS)
-        L_l = _log_decays(a_l, seq_l, dt_row, t_l, l_last, seqlen, HAS_SEQ, BLOCK_SUMS)
+        L_l = _log_decays(a_l, seq_l, dt_row, t_l, t0, i, Q, seqlen, HAS_SEQ, BLOCK_T, BLOCK_SUMS)
         L_s = tl.where(j < i, -(between + tl.cumsum(a_s, axis=0, reverse=True) - a_s), L_l)
         # (the tiles go from their loads to the GEMM as they are: dt scales the product's columns, not x's rows)
         dy_l = _operand(_raw_tile(gated_ptr + b * s_yb + h * s_yh, t_l, valid_l, s_yt, pp, headdim, s_yp), x_ptr,
@@ -1011,8 +1003,8 @@ def ssd_bwd_group_kernel(
             # (the earlier blocks summed from their tokens: their block sums' loads spilled 16 bytes more on sm_80)
             w = tl.where(carried, tl.exp(_log_decay_from(t0, 0, k, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS,
                                                          HAS_LIMIT, BLOCK_T, CHUNK_TOKENS, False) +
-                                         _sums_to(dt_row, a_k, t_k, _block_last(t0, k, Q, seqlen, BLOCK_T), seqlen,
-                                                  BLOCK_SUMS)), 0.0)
+                                         _block_log_decays(dt_row, a_k, t_k, t0, k, Q, seqlen, BLOCK_T,
+                                                           BLOCK_SUMS)[0]), 0.0)
             # (dy to the GEMM as loaded: w scales the product's rows)
             dy = _operand(_raw_tile(gated_ptr + b * s_yb + h * s_yh, t_k, valid_k, s_yt, pp, headdim, s_yp), x_ptr,
                           DOT_F32)
