@@ -46,6 +46,9 @@ def layernorm_fn(
     gate = F.silu(z.float()) if z is not None else None
     if gate is not None and not norm_before_gate:
         out = out * gate
+    if hidden != group_size:  # (the views of a strided x's groups: torch 2.11's export cannot prove its own
+        # guards on their strides, `1 % min(L, 4 L) != 0` for a transposed (batch, L, hidden) x)
+        out = out.contiguous()
     groups = out.unflatten(-1, (hidden // group_size, group_size))
     if is_rms_norm:  # one aten operator for the sums (a decoding token's norm is a chain of tiny calls)
         groups = F.rms_norm(groups, (group_size,), None, eps)

@@ -46,6 +46,11 @@ needs_interpreter = pytest.mark.skipif(
     reason="runs under TRITON_INTERPRET=1 (see test_triton_interpreter_suite)",
 )
 gpu = pytest.mark.skipif(not (HAS_CUDA and TRITON_AVAILABLE), reason="needs a CUDA device and Triton")
+# the kernels run under Triton 3.9's interpreter; 3.6's (torch 2.11's) stops in them
+needs_triton_39_interpreter = pytest.mark.skipif(
+    TRITON_INSTALLED and _triton_version() < (3, 9),
+    reason="the kernels run under Triton 3.9's interpreter; 3.6's stops in them (a TypeError converting an array "
+           "to a scalar); test_triton_launchers_reject_cpu_tensors... holds")
 
 
 # Two processes, each a few files: a process's start (torch, Triton, the test modules' collection) is ~5 s
@@ -68,6 +73,7 @@ INTERPRETED_TEST_FILES = {
 @pytest.mark.slow  # minutes of interpreted kernels: not in `make test-quick`
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
 @pytest.mark.skipif(interpreting(), reason="already under the interpreter: the tests run in this process")
+@needs_triton_39_interpreter
 @pytest.mark.parametrize("files", INTERPRETED_TEST_FILES.values(), ids=INTERPRETED_TEST_FILES.keys())
 def test_triton_interpreter_suite(files, request):
     """The sweeps of tests/ops (the scans, the decoding steps), the drawn problems of test_properties.py and
@@ -565,6 +571,16 @@ if TRITON_INSTALLED:  # (a JIT function's names are the module's globals)
         tl.store(out_ptr + 2 * tl.program_id(0), i)
         tl.store(out_ptr + 2 * tl.program_id(0) + 1, j)
 
+    from ssmops.ops.selective_scan.triton_kernels import _group_sums
+
+    @triton.jit
+    def _group_sums_kernel(x_ptr, out_ptr, REDUCE: tl.constexpr, BLOCK_D: tl.constexpr, STATES: tl.constexpr,
+                           WIDTH: tl.constexpr):
+        d = tl.arange(0, BLOCK_D)
+        sums = _group_sums(tl.load(x_ptr + d[:, None] * STATES + tl.arange(0, STATES)[None, :]), REDUCE, BLOCK_D,
+                           STATES)
+        tl.store(out_ptr + d[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :], sums)
+
 
 @needs_interpreter
 def test_triton_ssd_block_pairs_enumerate_the_lower_triangle():
@@ -574,6 +590,23 @@ def test_triton_ssd_block_pairs_enumerate_the_lower_triangle():
     out = torch.full((len(expected), 2), -1, dtype=torch.int32)
     _block_pairs_kernel[(len(expected),)](out)
     assert [tuple(row) for row in out.tolist()] == expected
+
+
+@needs_interpreter
+@pytest.mark.parametrize("reduce", [2, 4, 8, 16, 32])
+@pytest.mark.parametrize("states", [1, 2, 4, 8, 16])
+def test_triton_scan_group_sums_leave_each_sum_in_its_channel(reduce, states):
+    """The Mamba-1 backward's sums of dB and dC over groups of `reduce` consecutive channels (_group_sums): channel
+    c holds max(states / reduce, 1) of its group's sums, those of the states from (c % reduce) // max(reduce /
+    states, 1) times that, where _add_bc_grad stores them."""
+    block_d, width, share = 64, max(states // reduce, 1), max(reduce // states, 1)
+    x = torch.randn(block_d, states, generator=torch.Generator().manual_seed(reduce * states))
+    out = torch.full((block_d, width), float("nan"))
+    _group_sums_kernel[(1,)](x, out, reduce, block_d, states, width)
+    sums = x.view(block_d // reduce, reduce, states).sum(1)
+    first = torch.arange(block_d) % reduce // share * width
+    expected = torch.stack([sums[c // reduce, first[c]:first[c] + width] for c in range(block_d)])
+    torch.testing.assert_close(out, expected)
 
 
 def _check_state_update_against_default(kw: dict, state, step) -> None:
@@ -601,9 +634,7 @@ def test_triton_state_update_matches_default(case):
 
 @pytest.mark.slow  # interpreted kernels in a fresh interpreter
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
-@pytest.mark.skipif(TRITON_INSTALLED and _triton_version() < (3, 9),
-                    reason="the kernels run under Triton 3.9's interpreter; 3.6's stops in them (a TypeError "
-                           "converting an array to a scalar); test_triton_launchers_reject_cpu_tensors... holds")
+@needs_triton_39_interpreter
 def test_triton_env_selector_routes_cpu_tensors_to_triton():
     """SSMOPS_BACKEND=triton registers the Triton launchers as the CPU kernels, for the process."""
     code = (
