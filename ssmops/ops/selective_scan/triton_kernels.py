@@ -29,11 +29,12 @@ reference's do): dA += q dt, ddt += sum_n q A, d(dt u) += sum_n g B, dB_t = g dt
 gradient leaving step t is decay_t g_t, and after step 0 it is d initial_state. Sums over time per
 channel (dA, dD, d delta_bias, a constant dB/dC) stay in registers and go out once, per (batch,
 channel), for torch to sum over the batch. A variable dB/dC is summed over the channels of its group: a
-step's (channels, states) contributions are summed over REDUCE consecutive channels inside the program,
-then added atomically into a float32, time-major (batch, groups, seqlen, dstate) buffer, as mamba_ssm
-does; under `torch.use_deterministic_algorithms(True)` the program sums all its channels of a group
-(REDUCE the block, or the group where smaller) and stores the sum in a row of its own, which torch sums
-over the group's rows in a fixed order.
+step's (channels, states) contributions are summed over REDUCE consecutive channels inside the program
+(up to a warp's 32 by a halving exchange of lane shuffles that leaves each state's sum in one channel, so
+that a warp's sums leave in one store), then added atomically into a float32, time-major (batch, groups,
+seqlen, dstate) buffer, as mamba_ssm does, or stored in a row of their own (a warp's or the program's
+channels of a group), which torch sums over the group's rows in a fixed order (always under
+`torch.use_deterministic_algorithms(True)`).
 """
 
 import triton
@@ -397,27 +398,67 @@ def _bc_grad_rows(dd, d_first, dim, dpg, REDUCE: tl.constexpr, ATOMIC: tl.conste
 
 
 @triton.jit
+def _halve(x, BLOCK_D: tl.constexpr, BIT: tl.constexpr, WIDTH: tl.constexpr):
+    """A step of _group_sums: x (BLOCK_D, WIDTH) -> (BLOCK_D, WIDTH // 2), channel c keeping the half of its
+    columns that its bit BIT selects, plus channel c ^ BIT's same half (a select each for the half kept and the
+    half given, the halves themselves a choice of registers)."""
+    low, high = tl.split(tl.permute(tl.reshape(x, (BLOCK_D, 2, WIDTH // 2)), (0, 2, 1)))
+    upper = (tl.arange(0, BLOCK_D) // BIT % 2 == 1)[:, None]
+    given = tl.reshape(tl.where(upper, low, high), (BLOCK_D // (2 * BIT), 2, BIT, WIDTH // 2))
+    return tl.where(upper, high, low) + tl.reshape(tl.flip(given, 1), (BLOCK_D, WIDTH // 2))
+
+
+@triton.jit
+def _group_sums(value, REDUCE: tl.constexpr, BLOCK_D: tl.constexpr, STATES: tl.constexpr):
+    """The sums of a (BLOCK_D, STATES) tile over each group of REDUCE consecutive channels (a power of two),
+    spread over the group: (BLOCK_D, WIDTH), WIDTH = max(STATES // REDUCE, 1), channel c holding the sums of
+    the WIDTH states from (c % REDUCE) // max(REDUCE // STATES, 1) * WIDTH (and the channels between two
+    holders the same sums). A halving exchange (a reduce-scatter): at each channel bit, the highest first, a
+    channel keeps the half of its states the bit selects and adds its partner's (c ^ bit) values of that
+    half, a lane shuffle each (the flip along the bit); past the states' bits every channel has one sum, and
+    the bits left sum it whole. Within a warp that is STATES / 2 + STATES / 4 + ... + log2 of the rest
+    shuffles, where a sum left in every channel takes STATES log2(REDUCE) (16 and 80 at 32 channels and 16
+    states), and a group's sums leave in one store of consecutive addresses rather than STATES."""
+    x = value
+    for level in tl.static_range(5):  # (a warp's channel bits at most)
+        if (REDUCE // (2 << level) > 0) & (STATES // (1 << level) > 1):
+            x = _halve(x, BLOCK_D, REDUCE // (2 << level), STATES // (1 << level))
+    share: tl.constexpr = REDUCE // STATES
+    if share > 1:  # fewer states than channels: each channel has one sum, over `share` consecutive channels still
+        sums = tl.sum(tl.reshape(x, (BLOCK_D // share, share, 1)), axis=1)
+        x = tl.reshape(tl.broadcast_to(sums[:, None, :], (BLOCK_D // share, share, 1)), (BLOCK_D, 1))
+    return x
+
+
+@triton.jit
 def _add_bc_grad(rows_ptr, value, rows, t, n_first, seqlen_padded, states_padded, REDUCE: tl.constexpr,
                  BLOCK_D: tl.constexpr, STATES: tl.constexpr, ATOMIC: tl.constexpr):
     """Step t's (BLOCK_D, STATES) gradient of a variable B or C (states n_first ...) into its time-major
     (rows, seqlen_padded, states_padded) buffer: summed over REDUCE consecutive channels (of one group) first,
-    then added atomically (ATOMIC) or stored at the rows of _bc_grad_rows by the first channel of each sum. A
-    state at a time, from the registers that hold it (as _store_states). No masks but that: the buffer has the
-    padding steps and states, whose values are 0 (or discarded: the caller slices them off)."""
-    part = value
-    if REDUCE > 1:  # each channel holds its sum (lane shuffles within a warp leave it in every lane), so that
+    then added atomically (ATOMIC) or stored at the rows of _bc_grad_rows. Up to a warp's 32 channels the sums
+    are spread over the group (_group_sums) and each channel holding a sum stores it; over more, every channel
+    holds every sum and the group's first channel stores them. A column at a time, from the registers that
+    hold it (as _store_states). No masks but that: the buffer has the padding steps and states, whose values
+    are 0 (or discarded: the caller slices them off)."""
+    ptrs = rows_ptr + (rows * seqlen_padded + t) * states_padded + n_first
+    channel = tl.arange(0, BLOCK_D) % REDUCE
+    if REDUCE > 32:  # each channel holds its sum (lane shuffles within a warp leave it in every lane), so that
         # the stores keep the channels' layout: a (BLOCK_D // REDUCE,) sum is moved to the layout of its row index
         # through shared memory, with a barrier, at every store
         sums = tl.sum(tl.reshape(value, (BLOCK_D // REDUCE, REDUCE, STATES)), axis=1)
         part = tl.reshape(tl.broadcast_to(sums[:, None, :], (BLOCK_D // REDUCE, REDUCE, STATES)), (BLOCK_D, STATES))
-    ptrs = rows_ptr + (rows * seqlen_padded + t) * states_padded + n_first
-    first = tl.arange(0, BLOCK_D) % REDUCE == 0
-    cols = tl.arange(0, STATES)
-    for n in tl.static_range(STATES):
+        holds = channel == 0
+    else:
+        part = _group_sums(value, REDUCE, BLOCK_D, STATES)
+        share: tl.constexpr = REDUCE // STATES if REDUCE > STATES else 1  # channels holding the same sums
+        ptrs += channel // share * part.shape[1]
+        holds = channel % share == 0
+    cols = tl.arange(0, part.shape[1])
+    for n in tl.static_range(part.shape[1]):
         if ATOMIC:
-            tl.atomic_add(ptrs + n, _column(part, cols, n), mask=first, sem="relaxed")
+            tl.atomic_add(ptrs + n, _column(part, cols, n), mask=holds, sem="relaxed")
         else:
-            tl.store(ptrs + n, _column(part, cols, n), mask=first)
+            tl.store(ptrs + n, _column(part, cols, n), mask=holds)
 
 
 @triton.jit
