@@ -28,6 +28,8 @@ from ssmops.models.config_mamba import MambaConfig
 from ssmops.models.mixer_seq_simple import MambaLMHeadModel
 from ssmops.modules import Mamba2
 
+from conftest import REPO, run_python
+
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)  # a hang becomes an error in every rank
 SHARDS = {2: [9, 14], 4: [5, 7, 3, 8]}  # 23 tokens; chunk size 4: no shard is a chunk multiple but one
 CHUNK = 4
@@ -50,10 +52,20 @@ def _worker(rank: int, world: int, port: int, check) -> None:
         dist.destroy_process_group()
 
 
-def run_group(world: int, check) -> None:
-    """Runs check(rank, world) in `world` processes of one gloo group; a failure in any rank fails the
-    test. Forked: the children inherit torch and ssmops imported (a spawned child imports them anew)."""
+def fork_group(world: int, check) -> None:
+    """check(rank, world) in `world` processes of one gloo group, forked from this one: the children inherit
+    torch and ssmops imported (a spawned child imports them anew)."""
     mp.start_processes(_worker, args=(world, _free_port(), check), nprocs=world, join=True, start_method="fork")
+
+
+def run_group(world: int, check) -> None:
+    """Runs check(rank, world) in `world` processes of one gloo group, forked by a fresh interpreter; a failure in
+    any rank fails the test. Not forked from the test's process: torch refuses autograd in a child forked after
+    its parent's autograd engine started device threads, which an earlier test in the same pytest worker may have
+    done (tests/test_fake_strides.py's did, under torch 2.11's CUDA build without a GPU)."""
+    proc = run_python(f"import test_context_parallel as t; t.fork_group({world}, t.{check.__name__})",
+                      cwd=REPO / "tests")
+    assert proc.returncode == 0, proc.stderr[-6000:]
 
 
 def _bounds(world: int, rank: int) -> tuple[int, int]:
