@@ -17,7 +17,8 @@ PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --maxschedchunk 2
 
-.PHONY: install install-test demo test test-quick test-triton-interpreter test-gpu-torch bench-deps bench bench-cpu bench-ssd sanitize gpu-check gpu-wheels clean
+.PHONY: install install-test demo test test-quick test-triton-interpreter test-gpu-torch bench-deps bench bench-cpu \
+	bench-ssd sanitize gpu-check gpu-wheels clean
 
 # A venv with torch, numpy, and setuptools and wheel for the C++ library's build.
 $(VENV)/.base:
@@ -108,7 +109,8 @@ test-gpu-torch: install
 	test -x $(GPU_TORCH_VENV)/bin/python || $(PYTHON) -m venv $(GPU_TORCH_VENV)
 	$(GPU_TORCH_VENV)/bin/python -m pip install -q --no-compile "$(GPU_TORCH_SPEC)" numpy pytest pytest-xdist \
 		hypothesis transformers==5.24.0 onnx onnxscript onnxruntime
-	PYTHONPATH=$(CURDIR) $(GPU_TORCH_VENV)/bin/python -m pytest -q -p no:cacheprovider $(XDIST) tests
+	PYTHONPATH=$(CURDIR) $(GPU_TORCH_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+		$(XDIST) tests
 
 clean:
 	rm -rf build ssmops/_C*.so *.egg-info $(VENV) $(GPU_TORCH_VENV)
