@@ -450,7 +450,7 @@ def _add_bc_grad(rows_ptr, value, rows, t, n_first, seqlen_padded, states_padded
         holds = channel == 0
     else:
         part = _group_sums(value, REDUCE, BLOCK_D, STATES)
-        share: tl.constexpr = REDUCE // STATES if REDUCE > STATES else 1  # channels holding the same sums
+        share: tl.constexpr = REDUCE * part.shape[1] // STATES  # channels holding the same sums
         ptrs += channel // share * part.shape[1]
         holds = channel % share == 0
     cols = tl.arange(0, part.shape[1])
