@@ -571,7 +571,17 @@ if TRITON_INSTALLED:  # (a JIT function's names are the module's globals)
         tl.store(out_ptr + 2 * tl.program_id(0), i)
         tl.store(out_ptr + 2 * tl.program_id(0) + 1, j)
 
+    from ssmops.ops._triton import exp, positive_reciprocal, sigmoid, softplus
     from ssmops.ops.selective_scan.triton_kernels import _group_sums
+
+    @triton.jit
+    def _math_kernel(x_ptr, out_ptr, N: tl.constexpr):
+        x = tl.load(x_ptr + tl.arange(0, N))
+        rows = out_ptr + tl.arange(0, N)
+        tl.store(rows, exp(x))
+        tl.store(rows + N, sigmoid(x))
+        tl.store(rows + 2 * N, softplus(x))
+        tl.store(rows + 3 * N, positive_reciprocal(tl.abs(x)))
 
     @triton.jit
     def _group_sums_kernel(x_ptr, out_ptr, REDUCE: tl.constexpr, BLOCK_D: tl.constexpr, STATES: tl.constexpr,
@@ -590,6 +600,36 @@ def test_triton_ssd_block_pairs_enumerate_the_lower_triangle():
     out = torch.full((len(expected), 2), -1, dtype=torch.int32)
     _block_pairs_kernel[(len(expected),)](out)
     assert [tuple(row) for row in out.tolist()] == expected
+
+
+@needs_interpreter
+def test_triton_math_helpers_match_torch():
+    """The kernels' exp, sigmoid, softplus (torch's, threshold 20) and 1 / |x|, written for fewer instructions than
+    Triton's own (ex2 and rsqrt, a series for log1p), against float64 over float32's range: within a few rounding
+    errors of float32 (and the exponent's rounding, ~|x| 2^-24 relative), and exact at the ends (0, +-inf, NaN) and
+    past softplus' threshold. (Triton's ex2 and rsqrt on a GPU add 2^-22 relative.)"""
+    x = torch.cat([torch.linspace(-100.0, 100.0, 4093), torch.tensor([0.0, 20.0, float("inf"), -float("inf"),
+                                                                     float("nan")])])
+    n = triton.next_power_of_2(x.numel())
+    padded = torch.zeros(n)
+    padded[:x.numel()] = x
+    out = torch.empty(4 * n)
+    _math_kernel[(1,)](padded, out, n)
+    exp_, sigmoid_, softplus_, reciprocal_ = out.view(4, n)[:, :x.numel()]
+    x64 = x.double()
+    for name, got, want in [("exp", exp_, x64.exp()), ("sigmoid", sigmoid_, torch.sigmoid(x64)),
+                            ("softplus", softplus_, torch.nn.functional.softplus(x64)),
+                            ("reciprocal", reciprocal_, 1 / x64.abs())]:
+        want = want.float().double()  # (float32's range: what float64 gives beyond it, float32 cannot hold)
+        normal = want.abs() >= torch.finfo(torch.float32).tiny
+        checked = normal & want.isfinite()
+        error = (got.double() - want).abs() / want.abs()
+        assert (error <= 3e-7 + x64.abs() * 2**-23)[checked].all(), (name, error[checked].max())
+        ends = ~want.isfinite() | (want == 0)
+        assert torch.equal(got[ends].isnan(), want[ends].isnan()), name
+        assert torch.equal(got[ends & ~want.isnan()], want[ends & ~want.isnan()].float()), name
+    assert torch.equal(softplus_[x > 20], x[x > 20])
+    assert sigmoid_[x == 0].item() == pytest.approx(0.5, rel=2**-22)
 
 
 @needs_interpreter

@@ -5,6 +5,8 @@ same kernels. Stream entry j (initial states, then x) is input time j - (WIDTH -
 import triton
 import triton.language as tl
 
+from .._triton import sigmoid
+
 
 @triton.jit
 def _tap(x_ptr, init_ptr, b, d, tau, mask_d, seqlen, s_xb, s_xd, s_xt, s_ib, s_id, s_it,
@@ -76,7 +78,7 @@ def causal_conv1d_fwd_kernel(
                           s_xb, s_xd, s_xt, s_wd, s_wk, s_bias, s_ib, s_id, s_it, s_sb, s_st,
                           HAS_BIAS, HAS_SEQ, HAS_INIT, WIDTH, BLOCK_D, BLOCK_T)
     if SILU:
-        acc = acc * tl.sigmoid(acc)
+        acc = acc * sigmoid(acc)
     tl.store(out_ptr + b * s_ob + d[:, None] * s_od + t[None, :] * s_ot, acc.to(out_ptr.dtype.element_ty),
              mask=mask_d[:, None] & (t < seqlen)[None, :])
     if WIDTH > 1:
@@ -113,7 +115,7 @@ def causal_conv1d_dpre_kernel(
         pre = _pre_activation(x_ptr, w_ptr, bias_ptr, init_ptr, seq_ptr, b, d, t, mask_d, seqlen,
                               s_xb, s_xd, s_xt, s_wd, s_wk, s_bias, s_ib, s_id, s_it, s_sb, s_st,
                               HAS_BIAS, HAS_SEQ, HAS_INIT, WIDTH, BLOCK_D, BLOCK_T)
-        sig = tl.sigmoid(pre)
+        sig = sigmoid(pre)
         g = g * sig * (1.0 + pre * (1.0 - sig))
     tl.store(dpre_ptr + b * s_pb + d[:, None] * s_pd + t[None, :] * s_pt, g, mask=mask)
     part = (b * tl.num_programs(1) + tl.program_id(1)) * dim + d  # this tile's partial row
@@ -229,7 +231,7 @@ def causal_conv1d_update_kernel(
                 v_k = tl.load(state + slot * s_cl, mask=mask_state, other=0.0).to(tl.float32)
             acc += tl.load(w_ptr + d * s_wd + k * s_wk, mask=mask_d, other=0.0).to(tl.float32) * v_k
         if SILU:
-            acc = acc * tl.sigmoid(acc)
+            acc = acc * sigmoid(acc)
         acc = tl.where(mask_state, acc, 0.0)
         tl.store(out_ptr + (b * dim + d) * seqlen + t, acc.to(out_ptr.dtype.element_ty), mask=mask_d)
     # every read above precedes the state's update (other threads of the program may read the slots this

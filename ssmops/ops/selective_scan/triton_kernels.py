@@ -40,7 +40,7 @@ channels of a group), which torch sums over the group's rows in a fixed order (a
 import triton
 import triton.language as tl
 
-from .._triton import LN2, LOG2E, softplus
+from .._triton import LN2, LOG2E, sigmoid, softplus
 
 
 @triton.jit
@@ -275,7 +275,7 @@ def selective_scan_fwd_kernel(
                 dt, dtu = _drive(u_next, delta_next, bias, mask, HAS_BIAS, SOFTPLUS)
                 gate = z_next.to(tl.float32)
                 if HAS_Z:
-                    gate = gate * tl.sigmoid(gate)
+                    gate = gate * sigmoid(gate)
                 t_next = t + BLOCK_T
                 mask_next = mask_d[:, None] & (t_next < seqlen)[None, :]
                 u_next = _row_tile(u_rows, t_next, mask_next, s_ut)
@@ -567,12 +567,12 @@ def selective_scan_bwd_kernel(
             dtu = dt * u
             ddt_per_dt = dt_raw  # (d softplus / d delta, when softplus)
             if SOFTPLUS:
-                ddt_per_dt = tl.sigmoid(dt_raw)
+                ddt_per_dt = sigmoid(dt_raw)
             dy = _load_tile(dout_rows, t, mask, s_gt)  # the gradient of y, the output before the silu(z) gate
             dz_per_y = dy  # (dz = dz_per_y * (y + D u), kept rather than dout and z read again)
             if HAS_Z:
                 zv = _load_tile(z_rows, t, mask, s_zt)
-                sig = tl.sigmoid(zv)
+                sig = sigmoid(zv)
                 dz_per_y = dy * sig * (1.0 + zv * (1.0 - sig))
                 dy = dy * zv * sig
             y = tl.zeros([BLOCK_D, BLOCK_T], dtype=tl.float32)

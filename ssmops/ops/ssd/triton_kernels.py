@@ -70,7 +70,7 @@ and C share one (as mamba_ssm's kernels do), else float32 with IEEE products.
 import triton
 import triton.language as tl
 
-from .._triton import INTERPRETED, softplus
+from .._triton import INTERPRETED, LOG2E, exp, sigmoid, softplus
 
 FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)  # checks.FLOAT32_MAX (a JIT function reads constexpr globals)
 
@@ -215,6 +215,13 @@ def _raw_tile(row, t, valid, s_t, cols, ncols, s_c):
 
 
 @triton.jit
+def _decay(L_l, L_s):
+    """exp(L_l - L_s), rows l and columns s: the exponents go to base 2 on the vectors, so that an element takes a
+    subtraction and one ex2 (`exp` on the difference: a multiply more each)."""
+    return tl.exp2((L_l * LOG2E)[:, None] - (L_s * LOG2E)[None, :])
+
+
+@triton.jit
 def _decayed_own(P, L, seq, HAS_SEQ: tl.constexpr, BLOCK_T: tl.constexpr):
     """_decayed for a block's own tokens (rows l, columns s of one block, s <= l): the causal mask by position
     alone. Past seqlen, P (a product with C.B^T's zeros there) and dt are 0, and those tokens come after every
@@ -223,7 +230,7 @@ def _decayed_own(P, L, seq, HAS_SEQ: tl.constexpr, BLOCK_T: tl.constexpr):
     keep = pos[None, :] <= pos[:, None]
     if HAS_SEQ:
         keep = keep & (seq[:, None] == seq[None, :])
-    return tl.where(keep, P * tl.exp(L[:, None] - L[None, :]), 0.0)
+    return tl.where(keep, P * _decay(L, L), 0.0)
 
 
 @triton.jit
@@ -236,7 +243,7 @@ def _decayed(P, L_l, L_s, t_l, t_s, valid_l, valid_s, seq_l, seq_s, STRICT: tl.c
     else:
         causal = t_s[None, :] <= t_l[:, None]
     keep = causal & valid_l[:, None] & valid_s[None, :] & (seq_l[:, None] == seq_s[None, :])
-    return tl.where(keep, P * tl.exp(L_l[:, None] - L_s[None, :]), 0.0)
+    return tl.where(keep, P * _decay(L_l, L_s), 0.0)
 
 
 @triton.jit
@@ -289,14 +296,14 @@ def _state_at(state, t0, e, seq_before, Q, seqlen, x_row, dt_row, B_row, seq_row
         to_e = after + tl.cumsum(a, axis=0, reverse=True) - a
         after += tl.sum(a, axis=0)
         keep = valid & (_seq(seq_row, t, valid, s_seqt, HAS_SEQ) == seq_e)
-        weight = tl.where(keep, dt * tl.exp(to_e), 0.0)
+        weight = tl.where(keep, dt * exp(to_e), 0.0)
         X = _tile(x_row, t, valid, s_xt, pp, headdim, s_xp) * weight[:, None]
         Bt = _tile(B_row, t, valid, s_Bt, nn, dstate, s_Bn)
         if HAS_SEQ:  # the tokens of other sequences are selected out of both operands: they may hold a NaN or inf
             X = tl.where(keep[:, None], X, 0.0)
             Bt = tl.where(keep[:, None], Bt, 0.0)
         acc += _dot(tl.trans(_operand(X, x_row, DOT_F32)), _operand(Bt, x_row, DOT_F32), DOT_F32)
-    kept = tl.exp(after) * state
+    kept = exp(after) * state
     if HAS_SEQ:  # (selected: a NaN state of the sequence before must not reach another)
         kept = tl.where(seq_e == seq_before, kept, 0.0)
     return kept + acc
@@ -477,7 +484,7 @@ def ssd_chunk_scan_kernel(
     seq_before = _seq_at(seq_row, t0 - 1, s_seqt, HAS_SEQ)
     if HAS_SEQ:  # (selected: a NaN state of the sequence before must not reach another through the product)
         state = tl.where(seq_first == seq_before, state, 0.0)
-    w_l = tl.where(valid_l & (seq_l == seq_before), tl.exp(run + L_l), 0.0)
+    w_l = tl.where(valid_l & (seq_l == seq_before), exp(run + L_l), 0.0)
     y = _dot(C_l, tl.trans(_operand(state, x_ptr, DOT_F32)), DOT_F32) * w_l[:, None]
     # the chunk's tokens before this block, through C B^T decayed, walked back from it so that L_l - L_s is
     # summed over the blocks between (see _state_at); then the block's own tokens. dt_s scales the columns of
@@ -504,7 +511,7 @@ def ssd_chunk_scan_kernel(
         # (every token of an earlier block is real where a row is, and comes before it: no causal mask; the
         # rows past seqlen are not stored)
         CB = tl.load(cb_rows + ((i - jj) * BLOCK_T + tl.arange(0, BLOCK_T))[None, :]).to(tl.float32)
-        M = CB * tl.exp(L_l[:, None] - L_s[None, :]) * dt_s[None, :]
+        M = CB * _decay(L_l, L_s) * dt_s[None, :]
         X_s = _raw_tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp)
         if HAS_SEQ:
             seq_s = _seq(seq_row, t_s, valid_s, s_seqt, HAS_SEQ)
@@ -547,7 +554,7 @@ def ssd_chunk_scan_kernel(
         if KEEP_UNGATED:
             tl.store(ungated_ptr + offsets, y.to(ungated_ptr.dtype.element_ty), mask=mask)
         zv = z_raw.to(tl.float32)
-        y = y * zv * tl.sigmoid(zv)
+        y = y * zv * sigmoid(zv)
     tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -567,7 +574,7 @@ def ssd_gate_grad_kernel(
     dout = _tile(dout_ptr + b * s_gb + h * s_gh, t, valid, s_gt, pp, headdim, s_gp)
     zv = _tile(z_ptr + b * s_zb + h * s_zh, t, valid, s_zt, pp, headdim, s_zp)
     y = _tile(ungated_ptr + b * s_ub + h * s_uh, t, valid, s_ut, pp, headdim, s_up)
-    sig = tl.sigmoid(zv)
+    sig = sigmoid(zv)
     offsets = ((b * seqlen + t[:, None]) * nheads + h) * headdim + pp[None, :]
     mask = valid[:, None] & (pp < headdim)[None, :]
     tl.store(gated_ptr + offsets, (dout * zv * sig).to(gated_ptr.dtype.element_ty), mask=mask)
@@ -624,7 +631,7 @@ def ssd_state_grads_kernel(
             L = run + sums
             run += total
             keep = valid & (_seq(seq_row, t, valid, s_seqt, HAS_SEQ) == seq_before)
-            dy = _tile(gated_row, t, valid, s_yt, pp, headdim, s_yp) * tl.where(keep, tl.exp(L), 0.0)[:, None]
+            dy = _tile(gated_row, t, valid, s_yt, pp, headdim, s_yp) * tl.where(keep, exp(L), 0.0)[:, None]
             C_t = _tile(C_row, t, valid, s_Ct, nn, dstate, s_Cn)
             if HAS_SEQ:  # the other sequences' rows are selected out of both operands: either may hold a NaN
                 dy = tl.where(keep[:, None], dy, 0.0)
@@ -636,10 +643,10 @@ def ssd_state_grads_kernel(
                 L_e = _log_decay_through(t0, e, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT,
                                          CHUNK_TOKENS)
                 acc += tl.where(_seq_at(seq_row, e, s_seqt, HAS_SEQ) == seq_before,
-                                tl.exp(L_e) * _state_tile(dvarlen_ptr, i * nheads + h, pp, nn, headdim, dstate), 0.0)
+                                exp(L_e) * _state_tile(dvarlen_ptr, i * nheads + h, pp, nn, headdim, dstate), 0.0)
         seq_end = _seq_at(seq_row, tl.minimum(t0 + Q, seqlen) - 1, s_seqt, HAS_SEQ)
         # (selected: the gradient of a later sequence's state, NaN perhaps, must not reach an earlier one)
-        grad = tl.where(seq_end == seq_before, tl.exp(run) * grad, 0.0) + acc
+        grad = tl.where(seq_end == seq_before, exp(run) * grad, 0.0) + acc
     if HAS_INIT:
         _store_state_tile(dinit_ptr, b * nheads + h, pp, nn, headdim, dstate, grad)
 
@@ -687,7 +694,7 @@ def _end_decays(t0, j, nblocks, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, a_s, 
     to_end = _log_decay_from(t0, j + 1, nblocks, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT,
                              BLOCK_T, CHUNK_TOKENS, BLOCK_SUMS) + tl.cumsum(a_s, axis=0, reverse=True) - a_s
     ends = valid_s & (seq_s == seq_end)
-    return ends, tl.where(ends, tl.exp(to_end), 0.0)
+    return ends, tl.where(ends, exp(to_end), 0.0)
 
 
 @triton.jit
@@ -711,7 +718,7 @@ def _varlen_parts(acc, op, j, c, t0, h, nheads, Q, seqlen, headdim, dstate, t_s,
             part = _dot(op, tl.trans(dV), DOT_F32)
         else:
             part = _dot(op, dV, DOT_F32)
-        acc += tl.where(ends[:, None], part * tl.exp(to_e)[:, None], 0.0)
+        acc += tl.where(ends[:, None], part * exp(to_e)[:, None], 0.0)
     return acc
 
 
@@ -783,7 +790,7 @@ def ssd_bwd_dx_kernel(
         # their products are 0, whatever the decay a real row of theirs has)
         CB = tl.load(cb_rows + (t_l - t0)[:, None] * cb_side + (t_s - t0)[None, :], mask=valid_l[:, None],
                      other=0.0).to(tl.float32)  # ssd_cb_kernel's C_l . B_s
-        M = CB * tl.exp(L_l[:, None] - L_c[None, :])
+        M = CB * _decay(L_l, L_c)
         dy_l = _raw_tile(gated_row, t_l, valid_l, s_yt, pp, headdim, s_yp)
         if HAS_SEQ:
             seq_l = _seq(seq_row, t_l, valid_l, s_seqt, HAS_SEQ)
@@ -1001,7 +1008,7 @@ def ssd_bwd_group_kernel(
         else:
             carried = valid_k & (seq_k == seq_out)
             # (the earlier blocks summed from their tokens: their block sums' loads spilled 16 bytes more on sm_80)
-            w = tl.where(carried, tl.exp(_log_decay_from(t0, 0, k, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS,
+            w = tl.where(carried, exp(_log_decay_from(t0, 0, k, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, SOFTPLUS,
                                                          HAS_LIMIT, BLOCK_T, CHUNK_TOKENS, False) +
                                          _block_log_decays(dt_row, a_k, t_k, t0, k, Q, seqlen, BLOCK_T,
                                                            BLOCK_SUMS)[0]), 0.0)
@@ -1100,7 +1107,7 @@ def ssd_bwd_ddt_kernel(
     # the end state's part of da, first to last (R is turned into it in place)
     L_end = _log_decay_through(t0, tl.minimum(t0 + Q, seqlen) - 1, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi,
                                SOFTPLUS, HAS_LIMIT, CHUNK_TOKENS)
-    da_end = tl.where(seq_end == seq_before, tl.exp(L_end) * tl.sum(tl.sum(
+    da_end = tl.where(seq_end == seq_before, exp(L_end) * tl.sum(tl.sum(
         _state_tile(dends_ptr, state_row, pp, nn, headdim, dstate) * state, axis=1), axis=0), 0.0)
     for j in range(0, nblocks):
         t, valid = _block(t0, j, Q, seqlen, BLOCK_T)
@@ -1135,7 +1142,7 @@ def ssd_bwd_ddt_kernel(
         if HAS_LIMIT:
             ddt = tl.where(_unclamped(pre, lo, hi), ddt, 0.0)
         if SOFTPLUS:
-            ddt = tl.where(raw <= 20.0, ddt * tl.sigmoid(raw), ddt)
+            ddt = tl.where(raw <= 20.0, ddt * sigmoid(raw), ddt)
         ddt = tl.where(valid, ddt, 0.0)
         dbias_acc += tl.sum(ddt, axis=0)
         tl.store(ddt_ptr + (b * seqlen + t) * nheads + h, ddt.to(ddt_ptr.dtype.element_ty), mask=valid)

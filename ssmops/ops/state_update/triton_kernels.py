@@ -4,7 +4,7 @@ layout, and Mamba-2's multi-head one."""
 import triton
 import triton.language as tl
 
-from .._triton import LOG2E, softplus
+from .._triton import LOG2E, sigmoid, softplus
 
 
 @triton.jit
@@ -49,7 +49,7 @@ def selective_state_update_kernel(
     tl.store(state_ptrs, h, mask=mask_dn)
     y = tl.sum(h * Cv, axis=1) + Dx
     if HAS_Z:
-        y = y * zv * tl.sigmoid(zv)
+        y = y * zv * sigmoid(zv)
     tl.store(out_ptr + pid_b * s_ob + d, y.to(out_ptr.dtype.element_ty), mask=mask_d)
 
 
@@ -123,6 +123,6 @@ def multihead_state_update_kernel(
     tl.store(state_ptrs, state.to(state_ptr.dtype.element_ty), mask=mask)
     y = tl.sum(state * Cv[None, :], axis=1) + Dx
     if HAS_Z:
-        y = y * zv * tl.sigmoid(zv)
+        y = y * zv * sigmoid(zv)
     y = tl.where(real, y, 0.0)
     tl.store(out_ptr + (b * tl.num_programs(1) + h) * headdim + pp, y.to(out_ptr.dtype.element_ty), mask=mask_p)
