@@ -856,7 +856,8 @@ def test_triton_ssd_kernels_compile_for_gpus_without_spilling(target, name):
     that two of its programs share an SM. At the benchmark's shape on sm_90 every tensor-core loop of the kernels
     with a pipeline (the knobs' stages above 1) is pipelined, its operands loaded a trip ahead by asynchronous
     copies: Triton pipelines innermost loops only, and the backward's loops over a group's heads, each holding a
-    loop over token blocks, waited for their loads at every head (docs/limits.md)."""
+    loop over token blocks, waited for their loads at every head (docs/limits.md). The output kernel and the dX
+    pass issue their loop's first copies before any GEMM, and all their end's loads before its GEMMs."""
     aot = benchmark_module("triton_aot")
 
     from ssmops.ops.state_update import triton as state_update_triton
@@ -883,6 +884,16 @@ def test_triton_ssd_kernels_compile_for_gpus_without_spilling(target, name):
             assert gemm_loops and all(own["LDGSTS"] for own in gemm_loops), (kernel.__name__, gemm_loops)
         if kernel.__name__ == "ssd_chunk_scan_kernel" and target.startswith("sm") and name == "mamba2-2.7b":
             assert usage["regs"] * meta["num_warps"] <= 128 * 8, (meta, usage)
+        if kernel.__name__ in ("ssd_chunk_scan_kernel", "ssd_bwd_dx_kernel") and (target, name) == ("sm90",
+                                                                                                  "mamba2-2.7b"):
+            # their loop's first copies wait for no GEMM, and what the end reads goes out in one latency, ahead
+            # of its GEMMs (a GEMM before the loop, and loads after the end's GEMMs, were a latency each)
+            ops = [aot.opcode(text) for _, text in aot.sass_instructions(compiled)]
+            loop = min((nested for nested in aot.loop_nest(compiled) if nested["own"]["HGMMA"]),
+                       key=lambda nested: nested["end"] - nested["start"])
+            end = ops[loop["end"] + 1:]
+            assert "HGMMA" not in ops[:loop["start"]], kernel.__name__
+            assert "LDG" not in end[end.index("HGMMA"):], kernel.__name__
 
 
 def _recorded_launches_of_every_family() -> list:

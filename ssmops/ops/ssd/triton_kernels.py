@@ -330,6 +330,18 @@ def _head(b, h, heads_per_group, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, bias_ptr, s
 
 
 @triton.jit
+def _D_row(D_ptr, h, pp, headdim, s_Dh, HAS_D: tl.constexpr, D_CHANNEL: tl.constexpr, BLOCK_P: tl.constexpr):
+    """D of head h for the channels pp, float32 (D per head or per channel; 0 without D)."""
+    D_p = tl.zeros([BLOCK_P], dtype=tl.float32)
+    if HAS_D:
+        if D_CHANNEL:
+            D_p = tl.load(D_ptr + h * s_Dh + pp, mask=pp < headdim, other=0.0).to(tl.float32)
+        else:
+            D_p += tl.load(D_ptr + h).to(tl.float32)
+    return D_p
+
+
+@triton.jit
 def ssd_dt_kernel(
     dt_ptr, bias_ptr, A_ptr, out_ptr, seqlen, nheads, Q, blocks_per_chunk, lo, hi, s_dtb, s_dtt, s_dth,
     HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -477,15 +489,10 @@ def ssd_chunk_scan_kernel(
     dt_l, a_l = _dt(dt_row, t_l, valid_l, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
     seq_l = _seq(seq_row, t_l, valid_l, s_seqt, HAS_SEQ)
     L_l = _log_decays(a_l, seq_l, dt_row, t_l, t0, i, Q, seqlen, HAS_SEQ, BLOCK_T, BLOCK_SUMS)  # from the block start
-    C_l = _operand(_tile(C_row, t_l, valid_l, s_Ct, nn, dstate, s_Cn), x_ptr, DOT_F32)
-    # the entering state, read by C and decayed to each token of the sequence before the chunk
-    state = _state_tile(states_ptr, (b * nchunks + c) * nheads + h, pp, nn, headdim, dstate)
     seq_first = _seq_at(seq_row, tl.minimum(t0 + i * BLOCK_T, seqlen - 1), s_seqt, HAS_SEQ)  # the row block's first
     seq_before = _seq_at(seq_row, t0 - 1, s_seqt, HAS_SEQ)
-    if HAS_SEQ:  # (selected: a NaN state of the sequence before must not reach another through the product)
-        state = tl.where(seq_first == seq_before, state, 0.0)
-    w_l = tl.where(valid_l & (seq_l == seq_before), exp(run + L_l), 0.0)
-    y = _dot(C_l, tl.trans(_operand(state, x_ptr, DOT_F32)), DOT_F32) * w_l[:, None]
+    D_p = _D_row(D_ptr, h, pp, headdim, s_Dh, HAS_D, D_CHANNEL, BLOCK_P)  # (at the end: a latency after the GEMMs)
+    y = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)
     # the chunk's tokens before this block, through C B^T decayed, walked back from it so that L_l - L_s is
     # summed over the blocks between (see _state_at); then the block's own tokens. dt_s scales the columns of
     # the decayed C B^T, not the rows of x: an earlier block's x tile goes from its load to the GEMM as it is
@@ -518,21 +525,29 @@ def ssd_chunk_scan_kernel(
             M = tl.where(seq_l[:, None] == seq_s[None, :], M, 0.0)
             X_s = tl.where((seq_s == seq_first)[:, None], X_s, 0.0)
         y += _dot(_operand(M, x_ptr, DOT_F32), _operand(X_s, x_ptr, DOT_F32), DOT_F32)
-    # the row block's x and z, for its own tokens' product and the end: loaded after the loop, whose registers
-    # they would take (with the block's own C.B^T tile, one latency)
+    # the row block's x and z, for its own tokens' product and the end, and C and the state entering the chunk:
+    # loaded after the loop, whose registers they would take, in one latency with the block's own C.B^T tile.
+    # (The state's product came first: the loop's first loads waited for it, a latency more a program.)
     x_raw = _raw_tile(x_row, t_l, valid_l, s_xt, pp, headdim, s_xp)
     z_raw = x_raw
     if HAS_Z:
         z_raw = _raw_tile(z_ptr + b * s_zb + h * s_zh, t_l, valid_l, s_zt, pp, headdim, s_zp)
-    if HAS_SEQ:
-        y = tl.where((seq_l == seq_first)[:, None], y, 0.0)
+    CB = tl.load(cb_rows + (i * BLOCK_T + tl.arange(0, BLOCK_T))[None, :]).to(tl.float32)  # (written whole)
+    C_l = _operand(_tile(C_row, t_l, valid_l, s_Ct, nn, dstate, s_Cn), x_ptr, DOT_F32)
+    # the entering state, read by C and decayed to each token of the sequence before the chunk
+    state = _state_tile(states_ptr, (b * nchunks + c) * nheads + h, pp, nn, headdim, dstate)
+    if HAS_SEQ:  # (selected: a NaN state of the sequence before must not reach another through the product)
+        state = tl.where(seq_first == seq_before, state, 0.0)
     # the row block's own tokens. A NaN or inf in its x dt must reach its rows s and after only, but the product
     # meets it with the zeros above the diagonal too (0 * NaN = NaN): there it enters as 0, and reaches its rows
     # below
     x_l = x_raw.to(tl.float32)
     finite = x_l * dt_l[:, None] * 0.0 == 0.0
-    CB = tl.load(cb_rows + (i * BLOCK_T + tl.arange(0, BLOCK_T))[None, :]).to(tl.float32)  # (written whole)
     M = _decayed_own(CB * dt_l[None, :], L_l, seq_l, HAS_SEQ, BLOCK_T)
+    w_l = tl.where(valid_l & (seq_l == seq_before), exp(run + L_l), 0.0)
+    y += _dot(C_l, tl.trans(_operand(state, x_ptr, DOT_F32)), DOT_F32) * w_l[:, None]
+    if HAS_SEQ:
+        y = tl.where((seq_l == seq_first)[:, None], y, 0.0)
     y += _dot(_operand(M, x_ptr, DOT_F32), _operand(tl.where(finite, x_l, 0.0), x_ptr, DOT_F32), DOT_F32)
     if HAS_SEQ:  # the row block's NaN and inf, to the rows whose sequence is the last with one up to them: NaN
         last_bad = tl.associative_scan(tl.where(finite, -1, seq_l[:, None]), 0, _maximum)
@@ -543,10 +558,7 @@ def ssd_chunk_scan_kernel(
         first_bad = tl.min(tl.where(finite, BLOCK_T, rows[:, None]), axis=0)
         y = tl.where(rows[:, None] >= first_bad[None, :], float("nan"), y)
     if HAS_D:
-        if D_CHANNEL:
-            y += tl.load(D_ptr + h * s_Dh + pp, mask=pp < headdim, other=0.0).to(tl.float32)[None, :] * x_l
-        else:
-            y += tl.load(D_ptr + h).to(tl.float32) * x_l
+        y += D_p[None, :] * x_l
     mask = valid_l[:, None] & (pp < headdim)[None, :]
     # out and ungated are contiguous like x: (batch, seqlen, nheads, headdim)
     offsets = ((b * seqlen + t_l[:, None]) * nheads + h) * headdim + pp[None, :]
@@ -760,19 +772,11 @@ def ssd_bwd_dx_kernel(
     dt_s, a_s = _dt(dt_row, t_s, valid_s, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
     seq_s = _seq(seq_row, t_s, valid_s, s_seqt, HAS_SEQ)
     L_s = _log_decays(a_s, seq_s, dt_row, t_s, t0, j, Q, seqlen, HAS_SEQ, BLOCK_T, BLOCK_SUMS)  # from the block start
-    B_s = _operand(_tile(B_row, t_s, valid_s, s_Bt, nn, dstate, s_Bn), x_ptr, DOT_F32)
-    # The state after the chunk, H_end = w_end S + sum_s v_s X_s B_s^T, v_s = exp(L_end - L_s), and the
-    # varlen states ending in the chunk likewise: dX_s += v_s dE B_s, the other sequences' rows selected out
-    # (a NaN of dE or B would reach them).
     # (the later blocks summed from their tokens: their block sums' loads spilled 16 bytes here under Triton 3.9)
     ends, v = _end_decays(t0, j, nblocks, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi, a_s, valid_s, seq_s, seq_end,
                           SOFTPLUS, HAS_LIMIT, BLOCK_T, CHUNK_TOKENS, False)
-    acc = tl.where(ends[:, None], _dot(B_s, tl.trans(_operand(_state_tile(dends_ptr, state_row, pp, nn, headdim,
-                                                                           dstate), x_ptr, DOT_F32)), DOT_F32) *
-                   v[:, None], 0.0)
-    R = tl.where(ends, tl.sum(_tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp) * acc, axis=1) * dt_s, 0.0)
-    # (tiles used once are read again rather than kept: registers are this kernel's limit; R is stored after the
-    # loop, whose loads the compiler would keep behind a store here, and so behind the GEMM that R waits for)
+    D_p = _D_row(D_ptr, h, pp, headdim, s_Dh, HAS_D, D_CHANNEL, BLOCK_P)  # (at the end: a latency after the GEMMs)
+    acc = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)
     cb_rows = cb_ptr + ((b * nchunks + c) * (nheads // heads_per_group) + h // heads_per_group) * cb_side * cb_side
     # The later blocks, walked forward from this one, then the block itself. With seq_idx only the sequence of
     # its last token reaches the later blocks, whose rows of it are taken alone, and whose NaN the product spreads
@@ -797,12 +801,23 @@ def ssd_bwd_dx_kernel(
             M = tl.where(seq_l[:, None] == seq_s[None, :], M, 0.0)
             dy_l = tl.where((seq_l == seq_last)[:, None], dy_l, 0.0)
         acc += _dot(tl.trans(_operand(M, x_ptr, DOT_F32)), _operand(dy_l, x_ptr, DOT_F32), DOT_F32)
+    # The block's own tiles, loaded after the loop, whose registers they would take, in one latency. (The end
+    # state's product came first: the loop's first loads waited for it, a latency more a program.)
     dy_s = _tile(gated_row, t_s, valid_s, s_yt, pp, headdim, s_yp)  # the block's own: its product, and D's part
+    x_s = _tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp)
+    CB = tl.load(cb_rows + (t_s - t0)[:, None] * cb_side + (t_s - t0)[None, :]).to(tl.float32)  # (written whole)
+    B_s = _operand(_tile(B_row, t_s, valid_s, s_Bt, nn, dstate, s_Bn), x_ptr, DOT_F32)
+    dE = _state_tile(dends_ptr, state_row, pp, nn, headdim, dstate)
+    # The state after the chunk, H_end = w_end S + sum_s v_s X_s B_s^T, v_s = exp(L_end - L_s), and the
+    # varlen states ending in the chunk likewise: dX_s += v_s dE B_s, the other sequences' rows selected out
+    # (a NaN of dE or B would reach them); R_s, the end state's part of the log-decay gradient
+    end_part = tl.where(ends[:, None], _dot(B_s, tl.trans(_operand(dE, x_ptr, DOT_F32)), DOT_F32) * v[:, None], 0.0)
+    R = tl.where(ends, tl.sum(x_s * end_part, axis=1) * dt_s, 0.0)
+    acc += end_part
     dy_own = dy_s
     if HAS_SEQ:  # (the block's own non-finite dy enters as 0, and reaches its columns below)
         acc = tl.where((seq_s == seq_last)[:, None], acc, 0.0)
         dy_own = tl.where(dy_s * 0.0 == 0.0, dy_s, 0.0)
-    CB = tl.load(cb_rows + (t_s - t0)[:, None] * cb_side + (t_s - t0)[None, :]).to(tl.float32)  # (written whole)
     M = _decayed_own(CB, L_s, seq_s, HAS_SEQ, BLOCK_T)
     acc += _dot(tl.trans(_operand(M, x_ptr, DOT_F32)), _operand(dy_own, x_ptr, DOT_F32), DOT_F32)
     if HAS_SEQ:  # the block's NaN and inf of dy, to its columns before them of their sequence: NaN
@@ -813,14 +828,9 @@ def ssd_bwd_dx_kernel(
         acc = _varlen_parts(acc, B_s, j, c, t0, h, nheads, Q, seqlen, headdim, dstate, t_s, valid_s, seq_s, a_s,
                             dt_row, seq_row, cu_ptr, first_ptr, dvarlen_ptr, x_ptr, bias, A, lo, hi, pp, nn, s_dtt,
                             s_seqt, True, HAS_SEQ, SOFTPLUS, HAS_LIMIT, DOT_F32, BLOCK_T, CHUNK_TOKENS)
-    # (the loads before the stores)
-    x_s = _tile(x_row, t_s, valid_s, s_xt, pp, headdim, s_xp)
     dx = acc * dt_s[:, None]
     if HAS_D:
-        if D_CHANNEL:
-            dx += tl.load(D_ptr + h * s_Dh + pp, mask=pp < headdim, other=0.0).to(tl.float32)[None, :] * dy_s
-        else:
-            dx += tl.load(D_ptr + h).to(tl.float32) * dy_s
+        dx += D_p[None, :] * dy_s
     tl.store(R_ptr + scratch_row + t_s, R, mask=valid_s)
     tl.store(xdx_ptr + scratch_row + t_s, tl.sum(x_s * acc, axis=1), mask=valid_s)
     if HAS_D:
