@@ -188,8 +188,8 @@ def _per_element(loops: list, meta: dict) -> dict:
 
 
 def _ssd_trips(name: str, meta: dict, shape: dict) -> float:
-    """Mean trips of a kernel's tensor-core loop per program: over the chunks' blocks for the state
-    passes (walking every chunk), over the blocks before (or after) the program's own in the chunk kernels, and
+    """Mean trips of a kernel's tensor-core loop per program: over the chunks' blocks for the backward's state
+    pass (walking every chunk), over a chunk's blocks for the forward's chunk states, over the blocks before (or after) the program's own in the chunk kernels, and
     its own block's product after the loop, about a trip's instructions, as one more; over a run of a group's
     heads in the backward's group kernels (and then its blocks, in ssd_bwd_group_kernel's)."""
     from ssmops.ops.ssd import triton as ssd_triton
@@ -198,8 +198,10 @@ def _ssd_trips(name: str, meta: dict, shape: dict) -> float:
     nchunks = -(-shape["seqlen"] // shape["chunk"])
     heads_per_group = shape["nheads"] // shape["ngroups"]
     run = heads_per_group // ssd_triton._head_runs(heads_per_group, ssd_triton.GROUP_HEADS)
-    if name in ("ssd_states_fwd_kernel", "ssd_state_grads_kernel"):
+    if name == "ssd_state_grads_kernel":
         return nchunks * blocks
+    if name == "ssd_chunk_states_kernel":
+        return blocks
     if name == "ssd_bwd_dcb_kernel":
         return run
     if name.startswith("ssd_bwd_group_kernel"):
@@ -271,6 +273,7 @@ def _ssd_grids(shape: dict) -> list:
     knobs = ssd_triton.TUNER.defaults()
     cfg, tiles = ssd_triton._config(Q, p, n, knobs), ssd_triton._state_tiles(p, n, knobs)
     state_programs = b * h * -(-p // tiles["BLOCK_P"]) * -(-n // tiles["BLOCK_N"])
+    passing = b * h * -(-p // ssd_triton._triton.pow2_tile(p, 16, ssd_triton.PASSING_BLOCK_P)) * -(-n // tiles["BLOCK_N"])
     scan = nchunks * -(-Q // cfg["BLOCK_T"]) * b * h * -(-p // cfg["BLOCK_P"])
     dx = nchunks * -(-Q // min(cfg["BLOCK_T"], ssd_triton.BWD_BLOCK_T)) * b * h
     cb = nchunks * -(-Q // cfg["BLOCK_T"]) * b * g
@@ -279,7 +282,8 @@ def _ssd_grids(shape: dict) -> list:
     dcb, group = nchunks * group_blocks * (group_blocks + 1) // 2 * runs, nchunks * group_blocks * runs
     dt = nchunks * -(-Q // cfg["BLOCK_T"]) * b * h
     gate = -(-L // ssd_triton.GATE_BLOCK_T) * b * h
-    return [dt, state_programs, cb, scan, dt, cb, gate, state_programs, dx, dcb, group, group, nchunks * b * h, b * h]
+    return [dt, nchunks * state_programs, passing, cb, scan, dt, cb, gate, state_programs, dx, dcb, group, group,
+            nchunks * b * h, b * h]
 
 
 

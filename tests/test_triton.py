@@ -834,8 +834,8 @@ def _ssd_compile_params():  # the varlen case for sm_90 only (see _compile_param
             yield pytest.param(target, name, marks=marks, id=f"{target}-{name}")
 
 
-SSD_KERNELS = ["ssd_dt_kernel", "ssd_states_fwd_kernel", "ssd_cb_kernel", "ssd_chunk_scan_kernel", "ssd_dt_kernel",
-               "ssd_cb_kernel", "ssd_gate_grad_kernel", "ssd_state_grads_kernel",
+SSD_KERNELS = ["ssd_dt_kernel", "ssd_chunk_states_kernel", "ssd_state_passing_kernel", "ssd_cb_kernel",
+               "ssd_chunk_scan_kernel", "ssd_dt_kernel", "ssd_cb_kernel", "ssd_gate_grad_kernel", "ssd_state_grads_kernel",
                "ssd_bwd_dx_kernel", "ssd_bwd_dcb_kernel", "ssd_bwd_group_kernel", "ssd_bwd_group_kernel",
                "ssd_bwd_ddt_kernel"]
 
@@ -864,7 +864,7 @@ def test_triton_ssd_kernels_compile_for_gpus_without_spilling(target, name):
 
     args = _ssd_compile_args(name)
     launches = aot.record_ssd(args)
-    expected = SSD_KERNELS[:4] + (["ssd_varlen_states_kernel"] if args[10] is not None else []) + SSD_KERNELS[4:]
+    expected = SSD_KERNELS[:5] + (["ssd_varlen_states_kernel"] if args[10] is not None else []) + SSD_KERNELS[5:]
     assert [k.__name__ for k, _, _ in launches] == expected
     x, dt, A, B = args[:4]
     with aot.recorded_launches() as step:  # the decoding step: tied dt/A/dt_bias (Mamba2's), a cache in x's dtype
@@ -1187,7 +1187,8 @@ def test_triton_ops_trace_into_kernel_launches_on_cuda_tensors():
     compaction = f"copy {(seqlen * 104, 104, 1)} -> {(seqlen * dim, dim, 1)}"  # (batch, seqlen, dim), no transpose
     assert lines["conv104"] == [compaction, conv[0], compaction, *conv[1:]], proc.stdout
     assert lines["ssd"] == [
-        "launch ssd_dt_kernel [4] [(4, 16, 1)]", "launch ssd_states_fwd_kernel [8] [(1, 16, 1)]",
+        "launch ssd_dt_kernel [4] [(4, 16, 1)]", "launch ssd_chunk_states_kernel [8] [(4, 16, 1)]",
+        "launch ssd_state_passing_kernel [4] [(2, 16, 1)]",
         "launch ssd_cb_kernel [4] [(4, 4, 1)]",
         "launch ssd_chunk_scan_kernel [4] [(4, 16, 1)]", "launch ssd_dt_kernel [4] [(4, 16, 1)]",
         "launch ssd_cb_kernel [4] [(4, 4, 1)]", "launch ssd_gate_grad_kernel [4] [(7, 16, 1)]",

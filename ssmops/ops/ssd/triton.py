@@ -21,7 +21,7 @@ from .. import _triton, _tuning
 from .checks import check_sequence_values, check_ssd_grad_inputs, check_ssd_inputs, keeps_ungated, num_chunks
 from .triton_kernels import (
     ssd_bwd_dcb_kernel, ssd_bwd_ddt_kernel, ssd_bwd_dx_kernel, ssd_bwd_group_kernel, ssd_cb_kernel,
-    ssd_chunk_scan_kernel, ssd_dt_kernel, ssd_gate_grad_kernel, ssd_state_grads_kernel, ssd_states_fwd_kernel,
+    ssd_chunk_scan_kernel, ssd_dt_kernel, ssd_gate_grad_kernel, ssd_state_grads_kernel, ssd_chunk_states_kernel, ssd_state_passing_kernel,
     ssd_varlen_states_kernel,
 )
 
@@ -55,10 +55,14 @@ GROUP_STAGES = 2
 DCB_WARPS = 4
 STATE_WARPS = 8  # the state passes, forward and backward (a (64, 64) state tile and a block's tiles)
 STATE_STAGES = 3  # (2: 134 and 136 registers on sm_90, still over 128, and 16 bytes spilled on sm_80)
-# The state tiles' states (a (64, STATE_BLOCK_N) tile a program): batch x nheads x dstate / STATE_BLOCK_N programs.
-# Whole (128) reads x once, not once per 64 states (0.5 ms less a forward at mamba2-2.7b's layer on an H200), but
-# leaves mamba2-130m's layer 24 programs (docs/limits.md).
+# The state tiles' states (a (64, STATE_BLOCK_N) tile a program): batch x nheads x dstate / STATE_BLOCK_N programs
+# in the backward's walk over the chunks, nchunks times as many in the forward's chunk states. Whole (128) reads x
+# once, not once per 64 states (0.5 ms less a forward at mamba2-2.7b's layer on an H200, when the forward walked
+# too), but leaves mamba2-130m's layer 24 programs in the walk (docs/limits.md).
 STATE_BLOCK_N = 128
+# The forward's state passing, element-wise: (PASSING_BLOCK_P, STATE_BLOCK_N) states a program, 2,560 programs at
+# mamba2-2.7b's layer, each walking the chunks.
+PASSING_BLOCK_P = 16
 # C.B^T's tiles in the GEMMs' 16-bit operand dtype (when x, B and C share one): half the output loop's largest
 # read and 128 registers with SCAN_STAGES 2 (float32 tiles: 1 program an SM), for one more rounding of C.B^T
 # before its decay (bf16 errors against the float64 oracle up to ~1.9x, inside the tolerances; docs/limits.md).
@@ -260,13 +264,23 @@ def ssd_fwd(
     # the chunk states as the output kernel's GEMM takes them: in its 16-bit operand dtype where it has one (each
     # of its programs reads a whole state), else the float32 buffer itself
     states_op = states if run.flags["DOT_F32"] else _triton.output(states_shape, x.dtype, x.device)
+    # every chunk's own part of the state after it, into states, then the chunks passed in order (element-wise).
+    # (Registers for two programs an SM, 128 at 8 warps: ptxas takes 133 on sm_90 under Triton 3.6 and spills
+    # 8 bytes at 128; 3.9 takes 118. A traced launch leaves them to ptxas: _triton.launch.)
     tiles = _state_tiles(headdim, dstate, run.knobs)
-    _triton.launch(ssd_states_fwd_kernel, run.state_grid(tiles, batch * nheads), (
-        *(run.ptr(n) for n in ("x", "dt", "A", "B", "bias")),
-        initial_states if initial_states is not None else x, run.ptr("seq"), states, states_op, final, *run.sizes,
-        *run.token_strides("x", "dt", "B", "seq"), *_strides(initial_states, 4),
-    ), dict(HAS_INIT=initial_states is not None, **run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles,
-            **run.state_launch()))
+    decays = _triton.output((batch, run.nchunks, nheads), **f32)
+    per_chunk = run.state_grid(tiles, 1)[0]
+    _triton.launch(ssd_chunk_states_kernel, (run.nchunks * per_chunk, batch * nheads), (
+        *(run.ptr(n) for n in ("x", "dt", "A", "B", "bias", "seq")), states, decays, *run.sizes, per_chunk,
+        *run.token_strides("x", "dt", "B", "seq"),
+    ), dict(**run.flags, BLOCK_T=run.cfg["BLOCK_T"], **tiles, **run.state_launch(),
+            maxnreg=min(255, 32768 // (32 * run.knobs["STATE_WARPS"]))))
+    passing = dict(BLOCK_P=_triton.pow2_tile(headdim, 16, PASSING_BLOCK_P), BLOCK_N=tiles["BLOCK_N"])
+    _triton.launch(ssd_state_passing_kernel, run.state_grid(passing, batch * nheads), (
+        states, states_op, decays, initial_states if initial_states is not None else x, run.ptr("seq"), final,
+        *run.sizes[:6], *run.token_strides("seq"), *_strides(initial_states, 4),
+    ), dict(HAS_INIT=initial_states is not None, HAS_SEQ=run.flags["HAS_SEQ"], DOT_F32=run.flags["DOT_F32"],
+            **passing, num_warps=4))
     out = _triton.output(x.shape, x.dtype, x.device)
     ungated = _triton.output(x.shape, x.dtype, x.device) if keeps_ungated(z, keep_ungated) else None
     run.chunk_scan(states_op, run.cb_tiles(), out, ungated)

@@ -22,12 +22,13 @@ forward
     over each block of the output kernel's tokens up to each token, which the kernels load for the forward
     sums of a block (L from its start) rather than scan them (sums from a token on are scans: a difference
     of sums would carry an earlier NaN).
-  `ssd_states_fwd_kernel`: a program owns a (headdim, dstate) tile of one (batch, head) and
-    walks the chunks in order: stores the entering state (chunk_states, float32, and for 16-bit
-    GEMM operands a copy in that dtype, which the output kernel reads), then advances
-    it over the chunk with one tensor-core GEMM, (dt x decayed)^T @ B. mamba_ssm computes the
-    chunks' own states in one kernel, writes them out and passes them in another; here they
-    never leave registers. The final state is the last one.
+  `ssd_chunk_states_kernel`: every chunk's own part of the state after it at once, a (headdim, dstate)
+    tile of one chunk of one (batch, head) a program, with tensor-core GEMMs (dt x decayed)^T @ B.
+  `ssd_state_passing_kernel`: the sequential part, element-wise: a program owns a tile of one (batch, head)
+    and walks the chunks in order, storing the state entering each (chunk_states, float32, and for 16-bit
+    GEMM operands a copy in that dtype, which the output kernel reads) where its part was, and carrying it
+    on: H_after = exp(sum of a) H_entering + part. The final state is the last one. (As mamba_ssm does; a
+    walk of the GEMMs themselves, a (batch, head) a program, left most SMs idle and waited at every chunk.)
   `ssd_cb_kernel`: C @ B^T of each chunk, once per group of heads, into a (chunk, chunk) buffer per
     (batch, chunk, group), its lower block triangle, in the GEMMs' operand dtype (16-bit for 16-bit x, B
     and C, float32 else); the backward's dX pass reads it too.
@@ -278,35 +279,70 @@ def _log_decay_through(t0, e, Q, seqlen, dt_row, s_dtt, bias, A, lo, hi,
 
 
 @triton.jit
-def _state_at(state, t0, e, seq_before, Q, seqlen, x_row, dt_row, B_row, seq_row, bias, A, lo, hi,
-              pp, nn, headdim, dstate, s_xt, s_xp, s_dtt, s_Bt, s_Bn, s_seqt,
-              SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_SEQ: tl.constexpr, DOT_F32: tl.constexpr,
-              BLOCK_T: tl.constexpr):
-    """H_e, the (pp, nn) tile of the state after token e of the chunk starting at t0 that `state` enters.
-    The blocks are walked back from e, so that each exponent L_e - L_s is summed over (s, e] directly:
-    as a difference of sums from the chunk start it would carry their rounding, eps * |L|."""
-    seq_e = _seq_at(seq_row, e, s_seqt, HAS_SEQ)
-    acc = tl.zeros_like(state)
+def _block_state_part(t0, jb, e, after, seq_e, Q, seqlen, x_row, dt_row, B_row, seq_row, bias, A, lo, hi,
+                      pp, nn, headdim, dstate, s_xt, s_xp, s_dtt, s_Bt, s_Bn, s_seqt,
+                      SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_SEQ: tl.constexpr, DOT_F32: tl.constexpr,
+                      BLOCK_T: tl.constexpr):
+    """Block jb of the chunk starting at t0, through token e: its tokens' part of the state after e,
+    sum_s exp(L_e - L_s) dt_s X_s B_s^T over the tokens of e's sequence, with `after` the sum of a over the
+    blocks after it through e; and its own sum of a."""
+    t, valid = _block(t0, jb, Q, seqlen, BLOCK_T)
+    valid = valid & (t <= e)
+    dt, a = _dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
+    to_e = after + tl.cumsum(a, axis=0, reverse=True) - a
+    keep = valid & (_seq(seq_row, t, valid, s_seqt, HAS_SEQ) == seq_e)
+    weight = tl.where(keep, dt * exp(to_e), 0.0)
+    X = _tile(x_row, t, valid, s_xt, pp, headdim, s_xp) * weight[:, None]
+    Bt = _tile(B_row, t, valid, s_Bt, nn, dstate, s_Bn)
+    if HAS_SEQ:  # the tokens of other sequences are selected out of both operands: they may hold a NaN or inf
+        X = tl.where(keep[:, None], X, 0.0)
+        Bt = tl.where(keep[:, None], Bt, 0.0)
+    return _dot(tl.trans(_operand(X, x_row, DOT_F32)), _operand(Bt, x_row, DOT_F32), DOT_F32), tl.sum(a, axis=0)
+
+
+@triton.jit
+def _chunk_part(t0, e, seq_e, Q, seqlen, x_row, dt_row, B_row, seq_row, bias, A, lo, hi,
+                pp, nn, headdim, dstate, s_xt, s_xp, s_dtt, s_Bt, s_Bn, s_seqt,
+                SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_SEQ: tl.constexpr, DOT_F32: tl.constexpr,
+                BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The (pp, nn) tile of the chunk's own part of the state after its token e (the tokens t0 .. e of e's
+    sequence, from a zero state), and the sum of a over them, `after`: the state entering the chunk reaches e
+    as exp(after) times itself. The blocks are walked back from e, so that each exponent L_e - L_s is summed
+    over (s, e] directly: as a difference of sums from the chunk start it would carry their rounding, eps |L|."""
+    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
     after = 0.0  # the sum of a over the blocks after this one, through e
     nblocks = tl.cdiv(e - t0 + 1, BLOCK_T)
     for jj in range(0, nblocks):
-        t, valid = _block(t0, nblocks - 1 - jj, Q, seqlen, BLOCK_T)
-        valid = valid & (t <= e)
-        dt, a = _dt(dt_row, t, valid, s_dtt, bias, A, lo, hi, SOFTPLUS, HAS_LIMIT)
-        to_e = after + tl.cumsum(a, axis=0, reverse=True) - a
-        after += tl.sum(a, axis=0)
-        keep = valid & (_seq(seq_row, t, valid, s_seqt, HAS_SEQ) == seq_e)
-        weight = tl.where(keep, dt * exp(to_e), 0.0)
-        X = _tile(x_row, t, valid, s_xt, pp, headdim, s_xp) * weight[:, None]
-        Bt = _tile(B_row, t, valid, s_Bt, nn, dstate, s_Bn)
-        if HAS_SEQ:  # the tokens of other sequences are selected out of both operands: they may hold a NaN or inf
-            X = tl.where(keep[:, None], X, 0.0)
-            Bt = tl.where(keep[:, None], Bt, 0.0)
-        acc += _dot(tl.trans(_operand(X, x_row, DOT_F32)), _operand(Bt, x_row, DOT_F32), DOT_F32)
+        part, a_sum = _block_state_part(t0, nblocks - 1 - jj, e, after, seq_e, Q, seqlen, x_row, dt_row, B_row,
+                                        seq_row, bias, A, lo, hi, pp, nn, headdim, dstate, s_xt, s_xp, s_dtt, s_Bt,
+                                        s_Bn, s_seqt, SOFTPLUS, HAS_LIMIT, HAS_SEQ, DOT_F32, BLOCK_T)
+        acc += part
+        after += a_sum
+    return acc, after
+
+
+@triton.jit
+def _carried(state, after, seq_e, seq_before, HAS_SEQ: tl.constexpr):
+    """What a state entering a chunk adds to the state after its token e: itself decayed by `after`, the sum of
+    a through e; nothing if e is of another sequence than the token before the chunk (selected: a NaN state
+    must not reach another sequence)."""
     kept = exp(after) * state
-    if HAS_SEQ:  # (selected: a NaN state of the sequence before must not reach another)
+    if HAS_SEQ:
         kept = tl.where(seq_e == seq_before, kept, 0.0)
-    return kept + acc
+    return kept
+
+
+@triton.jit
+def _state_at(state, t0, e, seq_before, Q, seqlen, x_row, dt_row, B_row, seq_row, bias, A, lo, hi,
+              pp, nn, headdim, dstate, s_xt, s_xp, s_dtt, s_Bt, s_Bn, s_seqt,
+              SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_SEQ: tl.constexpr, DOT_F32: tl.constexpr,
+              BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """H_e, the (pp, nn) tile of the state after token e of the chunk starting at t0 that `state` enters."""
+    seq_e = _seq_at(seq_row, e, s_seqt, HAS_SEQ)
+    part, after = _chunk_part(t0, e, seq_e, Q, seqlen, x_row, dt_row, B_row, seq_row, bias, A, lo, hi, pp, nn,
+                              headdim, dstate, s_xt, s_xp, s_dtt, s_Bt, s_Bn, s_seqt, SOFTPLUS, HAS_LIMIT, HAS_SEQ,
+                              DOT_F32, BLOCK_T, BLOCK_P, BLOCK_N)
+    return _carried(state, after, seq_e, seq_before, HAS_SEQ) + part
 
 
 @triton.jit
@@ -365,25 +401,54 @@ def ssd_dt_kernel(
 
 
 @triton.jit
-def ssd_states_fwd_kernel(
-    x_ptr, dt_ptr, A_ptr, B_ptr, bias_ptr, init_ptr, seq_ptr, states_ptr, states16_ptr, final_ptr,
-    seqlen, nheads, headdim, dstate, Q, nchunks, heads_per_group, lo, hi,
+def ssd_chunk_states_kernel(
+    x_ptr, dt_ptr, A_ptr, B_ptr, bias_ptr, seq_ptr, parts_ptr, decays_ptr,
+    seqlen, nheads, headdim, dstate, Q, nchunks, heads_per_group, lo, hi, tiles,
     s_xb, s_xt, s_xh, s_xp, s_dtb, s_dtt, s_dth, s_Bb, s_Bt, s_Bg, s_Bn, s_seqb, s_seqt,
-    s_ib, s_ih, s_ip, s_in,
-    HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, DOT_F32: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Grid (state tiles, batch * nheads). chunk_states (batch, nchunks * nheads, headdim, dstate) and
-    final (batch, nheads, headdim, dstate) are contiguous float32. With 16-bit GEMM operands (not DOT_F32)
-    the chunk states go into states16 in that dtype too, as the output kernel's GEMM takes them."""
+    """Grid (nchunks * tiles, batch * nheads): a (headdim, dstate) tile of one chunk of one (batch, head). The
+    chunk's own part of the state after it (_chunk_part) into parts (batch, nchunks * nheads, headdim, dstate)
+    float32, and from each chunk's first tile the sum of a through its end into decays (batch, nchunks,
+    nheads) float32: every chunk at once, where the state passing that follows is element-wise."""
+    c = tl.program_id(0) // tiles
+    tile = tl.program_id(0) % tiles
     tiles_n = tl.cdiv(dstate, BLOCK_N)
-    pp = (tl.program_id(0) // tiles_n) * BLOCK_P + tl.arange(0, BLOCK_P)
-    nn = (tl.program_id(0) % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pp = (tile // tiles_n) * BLOCK_P + tl.arange(0, BLOCK_P)
+    nn = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     b, h = _batch_head(tl.program_id(1), nheads)
     x_row, dt_row, B_row, _, seq_row, bias, A = _head(
         b, h, heads_per_group, x_ptr, dt_ptr, A_ptr, B_ptr, B_ptr, bias_ptr, seq_ptr,
         s_xb, s_xh, s_dtb, s_dth, s_Bb, s_Bg, s_Bb, s_Bg, s_seqb, HAS_BIAS)
+    t0 = c * Q
+    e = tl.minimum(t0 + Q, seqlen) - 1
+    part, after = _chunk_part(t0, e, _seq_at(seq_row, e, s_seqt, HAS_SEQ), Q, seqlen, x_row, dt_row, B_row,
+                              seq_row, bias, A, lo, hi, pp, nn, headdim, dstate, s_xt, s_xp, s_dtt, s_Bt, s_Bn,
+                              s_seqt, SOFTPLUS, HAS_LIMIT, HAS_SEQ, DOT_F32, BLOCK_T, BLOCK_P, BLOCK_N)
+    row = (b * nchunks + c) * nheads + h
+    _store_state_tile(parts_ptr, row, pp, nn, headdim, dstate, part)
+    tl.store(decays_ptr + row, after, mask=tile == 0)
+
+
+@triton.jit
+def ssd_state_passing_kernel(
+    states_ptr, states16_ptr, decays_ptr, init_ptr, seq_ptr, final_ptr,
+    seqlen, nheads, headdim, dstate, Q, nchunks, s_seqb, s_seqt, s_ib, s_ih, s_ip, s_in,
+    HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid (state tiles, batch * nheads): the chunks' sequential part, element-wise. Walks the chunks in order,
+    reading each one's own part (ssd_chunk_states_kernel's, in states) and writing in its place the state
+    entering it (chunk_states, float32, and for 16-bit GEMM operands a copy in that dtype, which the output
+    kernel reads), then carrying the state on; the last one is final (batch, nheads, headdim, dstate).
+    mamba_ssm passes its chunks' states likewise; a walk of GEMMs over the chunks, a (batch, head) a program,
+    left most of a GPU's SMs idle and waited for its loads at every chunk."""
+    tiles_n = tl.cdiv(dstate, BLOCK_N)
+    pp = (tl.program_id(0) // tiles_n) * BLOCK_P + tl.arange(0, BLOCK_P)
+    nn = (tl.program_id(0) % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    b, h = _batch_head(tl.program_id(1), nheads)
+    seq_row = seq_ptr + b * s_seqb
     if HAS_INIT:
         state = tl.load(init_ptr + b * s_ib + h * s_ih + pp[:, None] * s_ip + nn[None, :] * s_in,
                         mask=(pp < headdim)[:, None] & (nn < dstate)[None, :], other=0.0).to(tl.float32)
@@ -391,14 +456,15 @@ def ssd_states_fwd_kernel(
         state = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
     for c in range(0, nchunks):
         row = (b * nchunks + c) * nheads + h
+        part = _state_tile(states_ptr, row, pp, nn, headdim, dstate)
+        after = tl.load(decays_ptr + row)
+        t0 = c * Q
+        seq_e = _seq_at(seq_row, tl.minimum(t0 + Q, seqlen) - 1, s_seqt, HAS_SEQ)
+        seq_before = _seq_at(seq_row, t0 - 1, s_seqt, HAS_SEQ)
         _store_state_tile(states_ptr, row, pp, nn, headdim, dstate, state)
         if not DOT_F32:
             _store_state_tile(states16_ptr, row, pp, nn, headdim, dstate, state.to(states16_ptr.dtype.element_ty))
-        t0 = c * Q
-        e = tl.minimum(t0 + Q, seqlen) - 1
-        state = _state_at(state, t0, e, _seq_at(seq_row, t0 - 1, s_seqt, HAS_SEQ), Q, seqlen, x_row, dt_row,
-                          B_row, seq_row, bias, A, lo, hi, pp, nn, headdim, dstate, s_xt, s_xp, s_dtt, s_Bt, s_Bn,
-                          s_seqt, SOFTPLUS, HAS_LIMIT, HAS_SEQ, DOT_F32, BLOCK_T)
+        state = _carried(state, after, seq_e, seq_before, HAS_SEQ) + part
     _store_state_tile(final_ptr, b * nheads + h, pp, nn, headdim, dstate, state)
 
 
@@ -426,7 +492,7 @@ def ssd_varlen_states_kernel(
     state = _state_tile(states_ptr, c * nheads + h, pp, nn, headdim, dstate)
     state = _state_at(state, t0, e, _seq_at(seq_row, t0 - 1, s_seqt, HAS_SEQ), Q, seqlen, x_row, dt_row, B_row,
                       seq_row, bias, A, lo, hi, pp, nn, headdim, dstate, s_xt, s_xp, s_dtt, s_Bt, s_Bn, s_seqt,
-                      SOFTPLUS, HAS_LIMIT, HAS_SEQ, DOT_F32, BLOCK_T)
+                      SOFTPLUS, HAS_LIMIT, HAS_SEQ, DOT_F32, BLOCK_T, BLOCK_P, BLOCK_N)
     _store_state_tile(varlen_ptr, i * nheads + h, pp, nn, headdim, dstate, state)
 
 
@@ -1110,7 +1176,7 @@ def ssd_bwd_ddt_kernel(
             e = tl.load(cu_ptr + k + 1).to(tl.int32) - 1
             H_e = _state_at(state, t0, e, seq_before, Q, seqlen, x_row, dt_row, B_row, seq_row, bias, A, lo, hi,
                             pp, nn, headdim, dstate, s_xt, s_xp, s_dtt, s_Bt, s_Bn, s_seqt,
-                            SOFTPLUS, HAS_LIMIT, HAS_SEQ, DOT_F32, BLOCK_T)
+                            SOFTPLUS, HAS_LIMIT, HAS_SEQ, DOT_F32, BLOCK_T, BLOCK_P, BLOCK_N)
             dV = _state_tile(dvarlen_ptr, k * nheads + h, pp, nn, headdim, dstate)
             _add_at(dlC_ptr + scratch_row + e, tl.sum(tl.sum(dV * H_e, axis=1), axis=0))
             tl.debug_barrier()
