@@ -47,8 +47,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 COUNTS = Path(__file__).with_name("triton_counts.json")
-SOURCES = {"scan": ("ssmops/ops/selective_scan/triton_kernels.py", "ssmops/ops/selective_scan/triton.py"),
-           "ssd": ("ssmops/ops/ssd/triton_kernels.py", "ssmops/ops/ssd/triton.py")}
+SOURCES = {"scan": ("ssmops/ops/selective_scan/triton_kernels.py", "ssmops/ops/selective_scan/triton.py",
+                    "ssmops/ops/_triton.py"),
+           "ssd": ("ssmops/ops/ssd/triton_kernels.py", "ssmops/ops/ssd/triton.py", "ssmops/ops/_triton.py")}
 SCAN_SMALL = dict(batch=1, dim=128, seqlen=4096, dstate=16)
 SSD_SMALL = dict(batch=1, seqlen=512, nheads=16, headdim=64, ngroups=1, dstate=128, chunk=256)
 _SFU = ("exp", "exp2", "log", "log2", "sin", "cos", "sqrt", "precise_sqrt", "rsqrt")

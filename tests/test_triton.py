@@ -840,6 +840,12 @@ SSD_KERNELS = ["ssd_dt_kernel", "ssd_chunk_states_kernel", "ssd_state_passing_ke
                "ssd_bwd_ddt_kernel"]
 
 
+# the kernels that may spill up to 208 bytes off sm_90's benchmark shape: the group kernel's dC launch, and the dX
+# pass on sm_80 (mma.sync's operands in registers), whose end loads its five tiles at once for sm_90's sake (184
+# bytes under Triton 3.6, at most 96 under 3.9)
+SPILLING_OFF_THE_BENCHMARK = ("ssd_bwd_group_kernel", "ssd_bwd_dx_kernel")
+
+
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
 @pytest.mark.skipif(interpreting(), reason="compiles the JIT kernels, which the interpreter replaces")
 @pytest.mark.parametrize("target, name", list(_ssd_compile_params()))
@@ -848,7 +854,7 @@ def test_triton_ssd_kernels_compile_for_gpus_without_spilling(target, name):
     sizes, compiled for a GPU: no register spills at the benchmark's shape on sm_90, the target the knobs are
     measured on, but for the group kernel's launches, on the 4 warps an H200 ran 6% faster a forward+backward
     than 8 all the same (the dC launch: 16 bytes there, 0 under Triton 3.6; up to 184 in the varlen case and 208 on
-    sm_80, unmeasured);
+    sm_80, unmeasured), and the chunk states held to two programs an SM (8 bytes under Triton 3.6);
     elsewhere, and in the varlen case (seq_idx, fp16, per-channel D), a few: 24 bytes in sm_80's state pass of 128
     states, 24 in sm_90's dX pass on the 4 warps an H200 ran fastest at mamba2-2.7b's layer (32 under Triton 3.6,
     torch 2.11's, which the GPU machines run), 24 in its output kernel (0 under 3.6). On NVIDIA's,
@@ -876,8 +882,8 @@ def test_triton_ssd_kernels_compile_for_gpus_without_spilling(target, name):
         compiled = aot.compile_launch(kernel, kernel_args, meta, target)
         usage = aot.resource_usage(compiled)
         print(kernel.__name__, target, meta["num_warps"], usage)
-        allowed = 208 if kernel.__name__ == "ssd_bwd_group_kernel" else 0 if (target, name) == ("sm90", "mamba2-2.7b") \
-            else 96
+        allowed = {"ssd_bwd_group_kernel": 208, "ssd_chunk_states_kernel": 8}.get(kernel.__name__, 0) \
+            if (target, name) == ("sm90", "mamba2-2.7b") else 208 if kernel.__name__ in SPILLING_OFF_THE_BENCHMARK else 96
         assert usage["spills"] <= allowed, (kernel.__name__, usage)
         if (target, name) == ("sm90", "mamba2-2.7b") and meta.get("num_stages", 1) > 1:
             gemm_loops = [loop["own"] for loop in aot.loop_nest(compiled) if loop["own"]["HGMMA"]]
