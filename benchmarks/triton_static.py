@@ -189,9 +189,10 @@ def _per_element(loops: list, meta: dict) -> dict:
 
 def _ssd_trips(name: str, meta: dict, shape: dict) -> float:
     """Mean trips of a kernel's tensor-core loop per program: over the chunks' blocks for the backward's state
-    pass (walking every chunk), over a chunk's blocks for the forward's chunk states, over the blocks before (or after) the program's own in the chunk kernels, and
-    its own block's product after the loop, about a trip's instructions, as one more; over a run of a group's
-    heads in the backward's group kernels (and then its blocks, in ssd_bwd_group_kernel's)."""
+    pass (walking every chunk), over a chunk's blocks for the forward's chunk states, over the blocks before (or
+    after) the program's own in the chunk kernels, and its own block's product after the loop, about a trip's
+    instructions, as one more; over a run of a group's heads in the backward's group kernels (and then its
+    blocks, in ssd_bwd_group_kernel's)."""
     from ssmops.ops.ssd import triton as ssd_triton
 
     blocks = -(-shape["chunk"] // meta["BLOCK_T"])
@@ -273,7 +274,8 @@ def _ssd_grids(shape: dict) -> list:
     knobs = ssd_triton.TUNER.defaults()
     cfg, tiles = ssd_triton._config(Q, p, n, knobs), ssd_triton._state_tiles(p, n, knobs)
     state_programs = b * h * -(-p // tiles["BLOCK_P"]) * -(-n // tiles["BLOCK_N"])
-    passing = b * h * -(-p // ssd_triton._triton.pow2_tile(p, 16, ssd_triton.PASSING_BLOCK_P)) * -(-n // tiles["BLOCK_N"])
+    passing_p = ssd_triton._triton.pow2_tile(p, 16, ssd_triton.PASSING_BLOCK_P)
+    passing = b * h * -(-p // passing_p) * -(-n // tiles["BLOCK_N"])
     scan = nchunks * -(-Q // cfg["BLOCK_T"]) * b * h * -(-p // cfg["BLOCK_P"])
     dx = nchunks * -(-Q // min(cfg["BLOCK_T"], ssd_triton.BWD_BLOCK_T)) * b * h
     cb = nchunks * -(-Q // cfg["BLOCK_T"]) * b * g

@@ -21,8 +21,8 @@ from .. import _triton, _tuning
 from .checks import check_sequence_values, check_ssd_grad_inputs, check_ssd_inputs, keeps_ungated, num_chunks
 from .triton_kernels import (
     ssd_bwd_dcb_kernel, ssd_bwd_ddt_kernel, ssd_bwd_dx_kernel, ssd_bwd_group_kernel, ssd_cb_kernel,
-    ssd_chunk_scan_kernel, ssd_dt_kernel, ssd_gate_grad_kernel, ssd_state_grads_kernel, ssd_chunk_states_kernel, ssd_state_passing_kernel,
-    ssd_varlen_states_kernel,
+    ssd_chunk_scan_kernel, ssd_chunk_states_kernel, ssd_dt_kernel, ssd_gate_grad_kernel, ssd_state_grads_kernel,
+    ssd_state_passing_kernel, ssd_varlen_states_kernel,
 )
 
 # Tiles, warps and software-pipelining stages (num_stages: loads in flight in the GEMM loops; Triton's default
