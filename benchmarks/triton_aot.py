@@ -205,6 +205,13 @@ def loop_nest(compiled) -> list:
     return loops
 
 
+def gemm_loop(compiled) -> dict | None:
+    """The tensor-core loop of an NVIDIA kernel (of loop_nest's): the shortest loop with an MMA (HMMA or HGMMA)
+    of its own, or None."""
+    return min((loop for loop in loop_nest(compiled) if loop["own"]["HMMA"] + loop["own"]["HGMMA"]),
+               key=lambda loop: loop["end"] - loop["start"], default=None)
+
+
 def sass_opcodes(compiled) -> collections.Counter:
     """Opcode counts of an NVIDIA kernel's whole SASS (static, not weighted by loop trips): which
     tensor-core instruction it uses (HGMMA, Hopper's warpgroup MMA, or HMMA, the warp-level mma.sync)."""

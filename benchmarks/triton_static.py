@@ -244,9 +244,7 @@ def ssd_rows(args, aot, dtype) -> None:
     for (kernel, kernel_args, meta), programs in zip(launches + step, grids):
         compiled = aot.compile_launch(kernel, kernel_args, meta, "sm90")
         usage = aot.resource_usage(compiled)
-        # the tensor-core loop: the shortest with a GEMM of its own
-        mma_loop = min((nested for nested in aot.loop_nest(compiled) if nested["own"]["HMMA"] + nested["own"]["HGMMA"]),
-                       key=lambda nested: nested["end"] - nested["start"], default=None)
+        mma_loop = aot.gemm_loop(compiled)
         loop = mma_loop["own"] if mma_loop else None
         compiled_launches.append(dict(compiled=compiled, usage=usage, meta=meta, kernel=kernel.__name__,
                                       loop_instructions=sum(loop.values()) if loop else None))

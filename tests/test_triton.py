@@ -897,8 +897,7 @@ def test_triton_ssd_kernels_compile_for_gpus_without_spilling(target, name):
             # their loop's first copies wait for no GEMM, and what the end reads goes out in one latency, ahead
             # of its GEMMs (a GEMM before the loop, and loads after the end's GEMMs, were a latency each)
             ops = [aot.opcode(text) for _, text in aot.sass_instructions(compiled)]
-            loop = min((nested for nested in aot.loop_nest(compiled) if nested["own"]["HGMMA"]),
-                       key=lambda nested: nested["end"] - nested["start"])
+            loop = aot.gemm_loop(compiled)
             end = ops[loop["end"] + 1:]
             assert "HGMMA" not in ops[:loop["start"]], kernel.__name__
             assert "LDG" not in end[end.index("HGMMA"):], kernel.__name__
